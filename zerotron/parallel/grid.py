@@ -1,0 +1,177 @@
+"""The 3D grid of process groups: tensor (TP) x data (DP) x pipeline (PP) parallelism.
+
+Rank order follows Megatron-LM: TP ranks are adjacent (fastest varying), then DP, then PP,
+
+    rank = tp_rank + tp * (dp_rank + dp * pp_rank)
+
+so a TP group -- which all-reduces twice per transformer block forward and twice backward
+(Megatron-LM §3) -- stays inside one node, and a DP group takes the GPUs at the same position in
+each model-parallel group (ZeRO §10.1's MP x DP layout).
+
+Every group is created once, by every rank, in the same order, and cached by its tuple of ranks
+(identical tuples share one torch group). Code receives the ``Grid``; there are no module-level
+group globals.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from zerotron.parallel.comm_stats import CommStats
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Sizes of the three parallel axes; ``dp=None`` (or -1) means "whatever the world leaves"."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int | None = None
+
+    def resolve(self, world_size: int) -> "ParallelDims":
+        """Validate the sizes against ``world_size`` and fill in ``dp``; raises before any collective."""
+        for name in ("tp", "pp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"parallel.{name}={value!r}: must be a positive integer")
+        if world_size < 1:
+            raise ValueError(f"world_size={world_size}: must be >= 1")
+        mp = self.tp * self.pp
+        if world_size % mp:
+            raise ValueError(
+                f"world_size={world_size} is not divisible by tp*pp={self.tp}*{self.pp}={mp}; "
+                f"choose tp and pp whose product divides the number of processes"
+            )
+        dp = world_size // mp
+        if self.dp not in (None, -1):
+            if not isinstance(self.dp, int) or self.dp < 1:
+                raise ValueError(f"parallel.dp={self.dp!r}: must be a positive integer or -1 (infer)")
+            if self.dp != dp:
+                raise ValueError(
+                    f"tp*pp*dp={self.tp}*{self.pp}*{self.dp}={mp * self.dp} != world_size={world_size}; "
+                    f"set dp={dp} or leave it unset to infer it"
+                )
+        return ParallelDims(self.tp, self.pp, dp)
+
+
+def layout(dims: ParallelDims) -> dict[str, list[tuple[int, ...]]]:
+    """All groups of each kind, as tuples of global ranks; pure arithmetic, no torch.distributed."""
+    tp, pp, dp = dims.tp, dims.pp, dims.dp
+    assert dp is not None, "resolve() the dims first"
+
+    def rank(t: int, d: int, p: int) -> int:
+        return t + tp * (d + dp * p)
+
+    return {
+        "tp": [tuple(rank(t, d, p) for t in range(tp)) for p in range(pp) for d in range(dp)],
+        "dp": [tuple(rank(t, d, p) for d in range(dp)) for p in range(pp) for t in range(tp)],
+        "pp": [tuple(rank(t, d, p) for p in range(pp)) for d in range(dp) for t in range(tp)],
+        "mp": [tuple(rank(t, d, p) for p in range(pp) for t in range(tp)) for d in range(dp)],
+        # First and last stage share the tied word embedding (Megatron's embedding group).
+        "embedding": [tuple(sorted({rank(t, d, 0), rank(t, d, pp - 1)})) for d in range(dp) for t in range(tp)],
+        "world": [tuple(range(tp * pp * dp))],
+    }
+
+
+@dataclass
+class Group:
+    """One process group as this rank sees it: name, member ranks, this rank's index, counters."""
+
+    name: str
+    ranks: tuple[int, ...]
+    pg: object  # torch ProcessGroup (None for the default world group)
+    stats: CommStats = field(repr=False)
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def rank_of(self, global_rank: int) -> int:
+        return self.ranks.index(global_rank)
+
+
+class Grid:
+    """This rank's place in the TP x DP x PP grid and the process groups along each axis."""
+
+    def __init__(self, dims: ParallelDims, rank: int | None = None, world_size: int | None = None):
+        world_size = dist.get_world_size() if world_size is None else world_size
+        self.dims = dims.resolve(world_size)
+        self.rank = dist.get_rank() if rank is None else rank
+        self.world_size = world_size
+        self.stats = CommStats()
+        tp, dp = self.dims.tp, self.dims.dp
+        self.tp_rank = self.rank % tp
+        self.dp_rank = (self.rank // tp) % dp
+        self.pp_rank = self.rank // (tp * dp)
+        self._cache: dict[tuple[int, ...], object] = {}
+        groups = {}
+        for kind, all_groups in layout(self.dims).items():
+            for ranks in all_groups:  # every rank creates every group, in the same order
+                pg = self._new_group(ranks)
+                if self.rank in ranks:
+                    groups[kind] = Group(kind, ranks, pg, self.stats)
+        self.tp_group: Group = groups["tp"]
+        self.dp_group: Group = groups["dp"]
+        self.pp_group: Group = groups["pp"]
+        self.mp_group: Group = groups["mp"]
+        self.world_group: Group = groups["world"]
+        # Only first/last-stage ranks are members of an embedding group.
+        self.embedding_group: Group | None = groups.get("embedding")
+        if self.embedding_group is not None and not (self.is_first_stage or self.is_last_stage):
+            self.embedding_group = None
+
+    def _new_group(self, ranks: tuple[int, ...]):
+        if len(ranks) == self.world_size:
+            return None  # the default group
+        if ranks not in self._cache:
+            self._cache[ranks] = dist.new_group(list(ranks))
+        return self._cache[ranks]
+
+    # sizes and coordinates -------------------------------------------------------------------
+    @property
+    def tp_size(self) -> int:
+        return self.dims.tp
+
+    @property
+    def pp_size(self) -> int:
+        return self.dims.pp
+
+    @property
+    def dp_size(self) -> int:
+        return self.dims.dp
+
+    @property
+    def mp_size(self) -> int:
+        return self.dims.tp * self.dims.pp
+
+    @property
+    def mp_rank(self) -> int:
+        return self.mp_group.rank_of(self.rank)
+
+    @property
+    def coords(self) -> dict[str, int]:
+        return {"tp": self.tp_rank, "dp": self.dp_rank, "pp": self.pp_rank}
+
+    # pipeline neighbours ---------------------------------------------------------------------
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.dims.pp - 1
+
+    @property
+    def next_pp_rank(self) -> int | None:
+        """Global rank of the next pipeline stage, None on the last stage."""
+        return None if self.is_last_stage else self.pp_group.ranks[self.pp_rank + 1]
+
+    @property
+    def prev_pp_rank(self) -> int | None:
+        """Global rank of the previous pipeline stage, None on the first stage."""
+        return None if self.is_first_stage else self.pp_group.ranks[self.pp_rank - 1]
+
+    def __repr__(self) -> str:
+        return f"Grid(rank={self.rank}, tp={self.tp_size}, pp={self.pp_size}, dp={self.dp_size}, coords={self.coords})"

@@ -1,0 +1,77 @@
+"""Point-to-point transfers between pipeline stages, counted like the collectives.
+
+``send``/``recv`` block; ``isend``/``irecv`` return a ``Handle``; ``batch`` posts several sends
+and receives at once (``torch.distributed.batch_isend_irecv``) so a stage can exchange with both
+neighbours without ordering deadlocks -- the pattern the 1F1B schedule needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from zerotron.parallel.collectives import Handle
+from zerotron.parallel.grid import Group
+
+
+def _check_peer(peer: int, group: Group) -> None:
+    if peer not in group.ranks:
+        raise ValueError(f"p2p peer rank {peer} is not in group {group.name} {group.ranks}")
+
+
+def send(tensor: torch.Tensor, dst: int, group: Group) -> None:
+    _check_peer(dst, group)
+    group.stats.record("send", group.name, tensor.numel(), tensor.element_size())
+    dist.send(tensor.contiguous(), dst=dst, group=group.pg)
+
+
+def recv(tensor: torch.Tensor, src: int, group: Group) -> torch.Tensor:
+    _check_peer(src, group)
+    group.stats.record("recv", group.name, tensor.numel(), tensor.element_size())
+    dist.recv(tensor, src=src, group=group.pg)
+    return tensor
+
+
+def isend(tensor: torch.Tensor, dst: int, group: Group) -> Handle:
+    _check_peer(dst, group)
+    group.stats.record("send", group.name, tensor.numel(), tensor.element_size())
+    return Handle(dist.isend(tensor.contiguous(), dst=dst, group=group.pg), result=tensor)
+
+
+def irecv(tensor: torch.Tensor, src: int, group: Group) -> Handle:
+    _check_peer(src, group)
+    group.stats.record("recv", group.name, tensor.numel(), tensor.element_size())
+    return Handle(dist.irecv(tensor, src=src, group=group.pg), result=tensor)
+
+
+@dataclass
+class P2POp:
+    """One transfer of a batch: ``kind`` is ``"send"`` or ``"recv"``, ``peer`` a global rank."""
+
+    kind: str
+    tensor: torch.Tensor
+    peer: int
+
+
+def batch(ops: list[P2POp], group: Group) -> Handle:
+    """Post every send and receive of ``ops`` together; ``wait()`` completes them all."""
+    if not ops:
+        return Handle()
+    torch_ops = []
+    for op in ops:
+        if op.kind not in ("send", "recv"):
+            raise ValueError(f"P2POp.kind={op.kind!r}: use 'send' or 'recv'")
+        _check_peer(op.peer, group)
+        group.stats.record(op.kind, group.name, op.tensor.numel(), op.tensor.element_size())
+        fn = dist.isend if op.kind == "send" else dist.irecv
+        torch_ops.append(dist.P2POp(fn, op.tensor, op.peer, group=group.pg))
+    works = dist.batch_isend_irecv(torch_ops)
+
+    def finish():
+        for w in works:
+            w.wait()
+        return [op.tensor for op in ops]
+
+    return Handle(finish=finish)

@@ -1,0 +1,93 @@
+"""Device, backend and process-group start-up: the one place these choices are made.
+
+CUDA + NCCL when a GPU is visible, CPU + gloo otherwise. ``ZEROTRON_DEVICE`` (``cpu`` or
+``cuda``) and ``ZEROTRON_BACKEND`` (``gloo`` or ``nccl``) override the choice, and
+``ZEROTRON_COLLECTIVE_TIMEOUT`` (seconds) sets how long a collective may wait before the rank
+fails instead of hanging -- a dead or diverged rank then stops the job loudly.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT_S = 600.0
+
+
+def pick_device(local_rank: int = 0) -> torch.device:
+    """The compute device of this process: ``cuda:<local_rank>`` when a GPU exists, else CPU."""
+    wanted = os.environ.get("ZEROTRON_DEVICE", "").strip().lower()
+    if wanted not in ("", "cpu", "cuda"):
+        raise ValueError(f"ZEROTRON_DEVICE={wanted!r}: use 'cpu' or 'cuda'")
+    if wanted == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("ZEROTRON_DEVICE=cuda but torch sees no GPU; unset it to run on CPU")
+    if wanted == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", local_rank % torch.cuda.device_count())
+
+
+def pick_backend(device: torch.device) -> str:
+    """NCCL for GPUs, gloo for CPUs, unless ``ZEROTRON_BACKEND`` says otherwise."""
+    wanted = os.environ.get("ZEROTRON_BACKEND", "").strip().lower()
+    if wanted:
+        if wanted not in ("gloo", "nccl"):
+            raise ValueError(f"ZEROTRON_BACKEND={wanted!r}: use 'gloo' or 'nccl'")
+        return wanted
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def collective_timeout(seconds: float | None = None) -> datetime.timedelta:
+    """Timeout for every collective; the env var wins over the argument so CI can tighten it."""
+    env = os.environ.get("ZEROTRON_COLLECTIVE_TIMEOUT")
+    value = float(env) if env else (seconds if seconds is not None else DEFAULT_TIMEOUT_S)
+    if value <= 0:
+        raise ValueError(f"collective timeout must be > 0 seconds, got {value}")
+    return datetime.timedelta(seconds=value)
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """What a process knows about itself once the default process group exists."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(timeout_s: float | None = None) -> DistEnv:
+    """Start (or join) the default process group from torchrun/SLURM-style env variables.
+
+    Without ``RANK``/``WORLD_SIZE`` (plain ``python script.py``) it starts a group of one so the
+    same code path runs single-process.
+    """
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = pick_device(local_rank)
+    backend = pick_backend(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        dist.init_process_group(backend=backend, timeout=collective_timeout(timeout_s))
+    return DistEnv(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
+
+
+def shutdown() -> None:
+    """Tear the default group down; safe to call twice."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
