@@ -1,0 +1,84 @@
+"""Config: YAML + DeepSpeed JSON + flags, validated once with errors that name the field."""
+
+import json
+
+import pytest
+
+from zerotron.training.cli import parse_config
+from zerotron.training.config import ConfigError, RunConfig
+from zerotron.training.schedule import learning_rate
+
+
+def test_tiny_yaml_and_flags(tmp_path):
+    cfg = parse_config(["--config", "configs/tiny.yaml", "--tp", "1", "--zero-stage", "3", "--lr", "1e-3",
+                        "--checkpoint-activations", "--partition-activations", "--wandb-mode", "disabled",
+                        "--optimizer.beta2", "0.99", "--data.data_weights=0.3,0.7"])
+    assert cfg.parallel.tp == 1 and cfg.zero.stage == 3 and cfg.optimizer.lr == 1e-3
+    assert cfg.activation_checkpointing.partition_activations is True
+    assert cfg.optimizer.beta2 == 0.99 and cfg.data.data_weights == [0.3, 0.7]
+    assert cfg.model.seq_length == 128  # from the YAML
+
+
+def test_deepspeed_json_sections(tmp_path):
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 2, "overlap_comm": True, "reduce_bucket_size": 5e7,
+                                                    "offload_optimizer": {"device": "cpu"}},
+                              "activation_checkpointing": {"partition_activations": True, "cpu_checkpointing": True},
+                              "bf16": {"enabled": True}}))
+    cfg = parse_config(["--deepspeed-config", str(ds)])
+    assert cfg.zero.stage == 2 and cfg.zero.overlap_comm and cfg.zero.reduce_bucket_size == 50_000_000
+    assert cfg.zero.offload_optimizer is True and cfg.training.precision == "bf16"
+    assert cfg.activation_checkpointing.cpu_checkpointing is True
+
+
+@pytest.mark.parametrize("argv,world,needle", [
+    (["--tp", "3"], 4, "parallel.tp*parallel.pp=3*1=3"),
+    (["--zero-stage", "5"], 1, "zero.stage=5"),
+    (["--precision", "fp8"], 1, "training.precision='fp8'"),
+    (["--global-batch-size", "10", "--micro-batch-size", "4"], 1, "training.global_batch_size=10"),
+    (["--training.micro_batch_size", "0"], 1, "training.micro_batch_size=0"),
+    (["--lr", "-1"], 1, "optimizer.lr=-1.0"),
+    (["--pp", "2", "--zero-stage", "3"], 2, "zero.stage=3 with parallel.pp>1"),
+    (["--partition-activations"], 1, "activation_checkpointing.partition_activations"),
+    (["--dropout", "1.5"], 1, "model.dropout=1.5"),
+])
+def test_invalid_values_name_the_field(argv, world, needle):
+    with pytest.raises(ConfigError) as info:
+        parse_config(argv).validate(world)
+    assert needle in str(info.value)
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--model.hidden", "3"], "unknown config key model.hidden"),
+    (["--modle.hidden_size", "3"], "unknown config section 'modle'"),
+    (["--tp", "two"], "parallel.tp='two' is not a valid int"),
+    (["--config", "/nonexistent.yaml"], "file not found"),
+    (["--bogus"], "unknown argument '--bogus'"),
+])
+def test_bad_keys_and_types(argv, needle):
+    with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+        parse_config(argv)
+
+
+def test_unknown_yaml_key(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("zero:\n  stag: 2\n")
+    with pytest.raises(ConfigError, match="unknown config key zero.stag"):
+        parse_config(["--config", str(bad)])
+
+
+def test_dp_inferred_and_microbatches():
+    cfg = RunConfig()
+    cfg.parallel.tp, cfg.training.micro_batch_size, cfg.training.global_batch_size = 2, 4, 32
+    cfg.validate(8)
+    assert cfg.parallel.dp == 4 and cfg.num_microbatches == 2
+
+
+def test_schedule_warmup_then_cosine_to_min():
+    kw = dict(lr=1.0, min_lr=0.1, warmup_steps=10, total_steps=110)
+    assert learning_rate(0, decay="cosine", **kw) == pytest.approx(0.1)
+    assert learning_rate(9, decay="cosine", **kw) == pytest.approx(1.0)
+    assert learning_rate(60, decay="cosine", **kw) == pytest.approx(0.55)
+    assert learning_rate(110, decay="cosine", **kw) == pytest.approx(0.1)
+    assert learning_rate(60, decay="linear", **kw) == pytest.approx(0.55)
+    assert learning_rate(500, decay="constant", **kw) == 1.0

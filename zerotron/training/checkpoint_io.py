@@ -1,0 +1,168 @@
+"""Files of a checkpoint: atomic writes, checksums, and finding the newest complete checkpoint.
+
+A checkpoint is the directory ``<save>/step_XXXXXXXX``. It is built under a ``.tmp`` name and
+renamed only after every rank's shard and the ``metadata.json`` that lists their SHA-256 sums
+have been fsynced, so a crash at any point leaves the previous checkpoint as the newest complete
+one. Shards are safetensors files (no pickle: loading can never run code).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import safe_open, save_file
+
+FORMAT_VERSION = 1
+STEP_DIR = re.compile(r"^step_(\d{8})$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete, corrupt or does not fit the model/layout."""
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` via a temporary name, fsync, rename: readers see all or nothing."""
+    tmp = path.with_name(path.name + ".partial")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def atomic_write_json(path: Path, obj: Any) -> None:
+    atomic_write_bytes(path, json.dumps(obj, indent=1, sort_keys=True).encode())
+
+
+def write_shard(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> str:
+    """Save tensors atomically as safetensors with JSON metadata; returns the file's SHA-256."""
+    tmp = path.with_name(path.name + ".partial")
+    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp),
+              metadata={"zerotron": json.dumps(meta)})
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+    return sha256_file(path)
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def verify_file(path: Path, expected_sha: str) -> None:
+    if not path.exists():
+        raise CheckpointError(f"checkpoint shard {path} is missing; the checkpoint is incomplete")
+    actual = sha256_file(path)
+    if actual != expected_sha:
+        raise CheckpointError(f"checkpoint shard {path} is corrupt: SHA-256 {actual[:12]}… does not match the "
+                              f"{expected_sha[:12]}… recorded in metadata.json; load an earlier checkpoint")
+
+
+class ShardReader:
+    """Reads slices of tensors from verified safetensors shards, one open file at a time."""
+
+    def __init__(self, directory: Path, files: dict[str, dict]):
+        self.directory, self.files, self._verified = directory, files, set()
+
+    def _verified_path(self, filename: str) -> str:
+        if filename not in self.files:
+            raise CheckpointError(f"{self.directory}: shard {filename} is not listed in metadata.json")
+        path = self.directory / filename
+        if filename not in self._verified:  # hash each shard once, before its first use
+            verify_file(path, self.files[filename]["sha256"])
+            self._verified.add(filename)
+        return str(path)
+
+    def read(self, filename: str, key: str, start: int, end: int) -> torch.Tensor:
+        """Elements ``[start, end)`` of the flat tensor ``key``, read without loading the rest."""
+        with safe_open(self._verified_path(filename), framework="pt") as f:
+            return f.get_slice(key)[start:end]
+
+    def tensors_with_prefix(self, filename: str, prefix: str) -> dict[str, torch.Tensor]:
+        """Every tensor of a shard whose key starts with ``prefix``, keyed without the prefix."""
+        with safe_open(self._verified_path(filename), framework="pt") as f:
+            return {k[len(prefix):]: f.get_tensor(k) for k in f.keys() if k.startswith(prefix)}
+
+
+def step_dir(save: str | Path, step: int) -> Path:
+    return Path(save) / f"step_{step:08d}"
+
+
+def complete_checkpoints(save: str | Path) -> list[Path]:
+    """Complete checkpoints under ``save``, oldest first (a ``metadata.json`` marks completion)."""
+    root = Path(save)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if STEP_DIR.match(p.name) and (p / "metadata.json").is_file()]
+    return sorted(found, key=lambda p: int(STEP_DIR.match(p.name).group(1)))
+
+
+def resolve_load_path(load: str | Path) -> tuple[Path, list[str]]:
+    """The checkpoint to load from ``load`` (a step directory or a save directory) and notes to print.
+
+    A save directory resolves to its newest *complete* checkpoint; partial ones (``.tmp``
+    directories left by a crash mid-write) are skipped, and the notes say so.
+    """
+    path = Path(load)
+    notes: list[str] = []
+    if (path / "metadata.json").is_file():
+        return path, notes
+    if not path.exists():
+        raise CheckpointError(f"checkpoint.load={load}: no such file or directory")
+    complete = complete_checkpoints(path)
+    partial = sorted(p.name for p in path.iterdir() if p.name.endswith(".tmp") or
+                     (STEP_DIR.match(p.name) and not (p / "metadata.json").is_file()))
+    if not complete:
+        raise CheckpointError(f"checkpoint.load={load}: no complete checkpoint found"
+                              + (f" (partial: {', '.join(partial)})" if partial else ""))
+    newest = complete[-1]
+    newer_partial = [n for n in partial if n.split(".")[0] > newest.name]
+    if newer_partial:
+        notes.append(f"skipping partial checkpoint(s) {', '.join(newer_partial)} (a write was interrupted); "
+                     f"loading the last complete one, {newest.name}")
+    return newest, notes
+
+
+def read_metadata(path: Path) -> dict[str, Any]:
+    try:
+        meta = json.loads((path / "metadata.json").read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: metadata.json is missing; the checkpoint is incomplete") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}/metadata.json is corrupt ({e}); load an earlier checkpoint") from None
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"{path}: checkpoint format version {meta.get('format_version')} is not "
+                              f"{FORMAT_VERSION}, the one this zerotron reads")
+    return meta
+
+
+def prune(save: str | Path, keep_last: int) -> None:
+    """Delete all but the newest ``keep_last`` complete checkpoints, and stale ``.tmp`` directories."""
+    complete = complete_checkpoints(save)
+    for old in complete[:-keep_last] if keep_last > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+    newest = complete[-1].name if complete else ""
+    for p in Path(save).iterdir():
+        if p.name.endswith(".tmp") and p.name.split(".")[0] < newest:
+            shutil.rmtree(p, ignore_errors=True)

@@ -1,0 +1,179 @@
+"""Build a ``RunConfig`` from a YAML file, an optional DeepSpeed JSON, and command-line overrides.
+
+Precedence: dataclass defaults < ``--config`` YAML < ``--deepspeed-config`` JSON (only its
+``zero_optimization`` and ``activation_checkpointing`` sections) < flags. Every field can be set
+as ``--<section>.<field> VALUE``; the common ones also have Megatron-style short flags
+(``--tp``, ``--zero-stage``, ``--lr`` ...). Unknown keys are errors that name the key.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from zerotron.training.config import ConfigError, RunConfig
+
+# short flag -> (section, field)
+SHORT_FLAGS = {
+    "tp": ("parallel", "tp"),
+    "pp": ("parallel", "pp"),
+    "zero-stage": ("zero", "stage"),
+    "precision": ("training", "precision"),
+    "micro-batch-size": ("training", "micro_batch_size"),
+    "global-batch-size": ("training", "global_batch_size"),
+    "seq-length": ("model", "seq_length"),
+    "train-steps": ("training", "train_steps"),
+    "lr": ("optimizer", "lr"),
+    "seed": ("training", "seed"),
+    "dropout": ("model", "dropout"),
+    "checkpoint-activations": ("activation_checkpointing", "checkpoint_activations"),
+    "partition-activations": ("activation_checkpointing", "partition_activations"),
+    "cpu-offload-activations": ("activation_checkpointing", "cpu_checkpointing"),
+    "offload-optimizer": ("zero", "offload_optimizer"),
+    "run-dir": ("logging", "run_dir"),
+    "save": ("checkpoint", "save"),
+    "save-interval": ("checkpoint", "save_interval"),
+    "load": ("checkpoint", "load"),
+    "log-interval": ("logging", "log_interval"),
+    "eval-interval": ("logging", "eval_interval"),
+    "wandb-mode": ("logging", "wandb_mode"),
+}
+BOOL_FLAGS = {"checkpoint-activations", "partition-activations", "cpu-offload-activations", "offload-optimizer"}
+DEEPSPEED_SECTIONS = {"zero_optimization": "zero", "activation_checkpointing": "activation_checkpointing"}
+# DeepSpeed keys whose zerotron spelling differs
+DEEPSPEED_RENAMES = {("zero", "offload_optimizer"): lambda v: bool(v) and (v.get("device", "none") if isinstance(v, dict) else v) not in ("none", None)}
+
+
+def _field_types(section_obj) -> dict[str, Any]:
+    hints = typing.get_type_hints(type(section_obj))
+    return {f.name: hints[f.name] for f in dataclasses.fields(section_obj)}
+
+
+def _coerce(name: str, tp: Any, value: Any) -> Any:
+    """Convert ``value`` (from YAML or a string flag) to the field's type, or raise naming the field."""
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    optional = type(None) in typing.get_args(tp)
+    if optional and (value is None or (isinstance(value, str) and value.lower() in ("none", "null"))):
+        return None
+    base = args[0] if optional and args else tp
+    origin = typing.get_origin(base)
+    try:
+        if origin is list:
+            (inner,) = typing.get_args(base)
+            items = value.split(",") if isinstance(value, str) else list(value)
+            return [inner(x) for x in items if x != ""]
+        if base is bool:
+            if isinstance(value, str):
+                low = value.lower()
+                if low not in ("true", "false", "1", "0", "yes", "no"):
+                    raise ValueError(value)
+                return low in ("true", "1", "yes")
+            if not isinstance(value, bool):
+                raise ValueError(value)
+            return value
+        if base is int:
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            if isinstance(value, str):
+                return int(float(value)) if "e" in value.lower() else int(value)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(value)
+            return value
+        if base is float:
+            return float(value)
+        if base is str:
+            return str(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name}={value!r} is not a valid {getattr(base, '__name__', base)}") from None
+    return value
+
+
+def set_field(cfg: RunConfig, section: str, name: str, value: Any) -> None:
+    if not hasattr(cfg, section) or not dataclasses.is_dataclass(getattr(cfg, section)):
+        sections = [f.name for f in dataclasses.fields(cfg)]
+        raise ConfigError(f"unknown config section {section!r}; sections are {sections}")
+    sec = getattr(cfg, section)
+    types = _field_types(sec)
+    if name not in types:
+        raise ConfigError(f"unknown config key {section}.{name}; keys of {section} are {sorted(types)}")
+    setattr(sec, name, _coerce(f"{section}.{name}", types[name], value))
+
+
+def apply_mapping(cfg: RunConfig, data: dict, source: str) -> None:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a mapping of sections, got {type(data).__name__}")
+    for section, values in data.items():
+        if not isinstance(values, dict):
+            raise ConfigError(f"{source}: section {section!r} must be a mapping of keys")
+        for name, value in values.items():
+            set_field(cfg, section, name, value)
+
+
+def apply_deepspeed(cfg: RunConfig, path: str) -> None:
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"--deepspeed-config {path}: file not found") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"--deepspeed-config {path}: invalid JSON ({e})") from None
+    for ds_key, section in DEEPSPEED_SECTIONS.items():
+        for name, value in (data.get(ds_key) or {}).items():
+            convert = DEEPSPEED_RENAMES.get((section, name))
+            value = convert(value) if convert else value
+            set_field(cfg, section, name, value)
+    for ds_key, precision in (("fp16", "fp16"), ("bf16", "bf16")):
+        if (data.get(ds_key) or {}).get("enabled"):
+            cfg.training.precision = precision
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="Pretrain a GPT with zerotron (TP x PP x ZeRO-DP).")
+    p.add_argument("--config", help="YAML run config (see configs/)")
+    p.add_argument("--deepspeed-config", help="DeepSpeed JSON: zero_optimization and activation_checkpointing are read")
+    for flag, (section, name) in SHORT_FLAGS.items():
+        if flag in BOOL_FLAGS:
+            p.add_argument(f"--{flag}", dest=f"{section}.{name}", action="store_const", const="true",
+                           help=f"sets {section}.{name}=true")
+        else:
+            p.add_argument(f"--{flag}", dest=f"{section}.{name}", metavar="V", help=f"sets {section}.{name}")
+    return p
+
+
+def parse_config(argv: list[str] | None = None) -> RunConfig:
+    """Parse flags into a ``RunConfig`` (not yet validated against a world size)."""
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    cfg = RunConfig()
+    if args.config:
+        try:
+            data = yaml.safe_load(Path(args.config).read_text()) or {}
+        except FileNotFoundError:
+            raise ConfigError(f"--config {args.config}: file not found") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"--config {args.config}: invalid YAML ({e})") from None
+        apply_mapping(cfg, data, args.config)
+    if args.deepspeed_config:
+        apply_deepspeed(cfg, args.deepspeed_config)
+    for dest, value in vars(args).items():
+        if "." in dest and value is not None:
+            set_field(cfg, *dest.split(".", 1), value)
+    i = 0
+    while i < len(rest):  # generic --section.field VALUE (or --section.field=VALUE)
+        token = rest[i]
+        if not token.startswith("--") or "." not in token:
+            raise ConfigError(f"unknown argument {token!r}; use --section.field VALUE or see --help")
+        key, _, value = token[2:].partition("=")
+        if not _:
+            if i + 1 >= len(rest):
+                raise ConfigError(f"{token} needs a value")
+            value, i = rest[i + 1], i + 1
+        section, name = key.split(".", 1)
+        set_field(cfg, section.replace("-", "_"), name.replace("-", "_"), value)
+        i += 1
+    return cfg

@@ -1,0 +1,198 @@
+"""The pretraining loop: micro-batches accumulated to the global batch, schedule, eval, logging,
+checkpoints and a graceful stop on SIGTERM (checkpoint, then exit) for preemptible clusters.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import time
+
+import numpy as np
+import torch
+
+from zerotron.parallel import collectives as C
+from zerotron.parallel.runtime import DistEnv
+from zerotron.training import checkpoint as ckpt
+from zerotron.training.config import RunConfig
+from zerotron.training.metrics import MetricsLogger, Throughput, peak_memory
+from zerotron.training.schedule import learning_rate
+from zerotron.training.setup_run import DTYPES, build_grid, model_config, prepare_data, zero_config
+
+
+class TrainingStopped(RuntimeError):
+    """The run cannot go on (NaN loss, loss-scale floor); the message says where to reproduce it."""
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig, env: DistEnv):
+        from zerotron.data import GPTDataset, PretrainSampler, prepare_dataset_index
+        from zerotron.model import GPT
+        from zerotron.model.flops import flops_per_iteration, peak_tflops
+        from zerotron.zero import ZeroOptimizer
+
+        self.cfg, self.env = cfg, env
+        self.grid = grid = build_grid(cfg)
+        self.data = prepare_data(cfg, grid)
+        self.mcfg = model_config(cfg, self.data.vocab_size)
+        t = cfg.training
+        self.model = GPT(self.mcfg, grid, dtype=torch.float32, device=env.device, seed=t.seed)
+        o = cfg.optimizer
+        self.opt = ZeroOptimizer(self.model, grid, zero_config(cfg), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                                 weight_decay=o.weight_decay, clip_grad=o.clip_grad)
+        seq = self.mcfg.seq_length
+        num_samples = t.train_steps * t.global_batch_size
+        ds_args = dict(seq_length=seq, seed=t.seed, cache_dir=cfg.data.cache_dir)
+        if grid.rank == 0:  # the sample index is built once and cached; the others wait, then read it
+            prepare_dataset_index(self.data.train_prefixes, self.data.train_weights, num_samples=num_samples, **ds_args)
+        C.barrier(grid.world_group)
+        self.train_ds = GPTDataset(self.data.train_prefixes, self.data.train_weights, num_samples=num_samples, **ds_args)
+        self.eval_ds = None
+        if self.data.eval_prefixes and cfg.logging.eval_interval > 0:
+            n_eval = cfg.logging.eval_steps * t.global_batch_size
+            if grid.rank == 0:
+                prepare_dataset_index(self.data.eval_prefixes, None, num_samples=n_eval, **ds_args)
+            C.barrier(grid.world_group)
+            self.eval_ds = GPTDataset(self.data.eval_prefixes, None, num_samples=n_eval, **ds_args)
+        self._sampler_cls = PretrainSampler
+        self.step, self.consumed = 0, 0
+        if cfg.checkpoint.load:
+            state = ckpt.load_checkpoint(cfg.checkpoint.load, self.model, self.opt, grid,
+                                         model_config=self.model_config_dict(), log=self.log)
+            self.step, self.consumed = state["step"], state["consumed_samples"]
+            self._restore_rng(state["rng"])
+        recompute = cfg.activation_checkpointing.checkpoint_activations
+        flops = flops_per_iteration(self.mcfg, t.global_batch_size, seq, recompute=recompute)
+        peak = cfg.logging.peak_tflops or peak_tflops(env.device, DTYPES[t.precision])
+        self.throughput = Throughput(flops, t.global_batch_size * seq, t.global_batch_size, grid.world_size, peak)
+        self.logger = MetricsLogger(cfg.logging.run_dir, cfg.to_dict(), enabled=grid.rank == 0,
+                                    wandb_mode=cfg.logging.wandb_mode, project=cfg.logging.wandb_project,
+                                    total_steps=t.train_steps, start_step=self.step)
+        self._stop_requested = False
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    # helpers ---------------------------------------------------------------------------------
+    def log(self, text: str) -> None:
+        if self.grid.rank == 0:
+            print(text, flush=True)
+
+    def model_config_dict(self) -> dict:
+        return {k: getattr(self.mcfg, k) for k in ckpt.MODEL_FIELDS}
+
+    def _on_sigterm(self, signum, frame) -> None:
+        self._stop_requested = True
+
+    def _rng_states(self) -> dict[str, torch.Tensor]:
+        states = {"torch_cpu": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            states["torch_cuda"] = torch.cuda.get_rng_state(self.env.device)
+        for k, v in self.model.rng.get_states().items():
+            states[f"model/{k}"] = v
+        return states
+
+    def _restore_rng(self, rng: dict | None) -> None:
+        if rng is None:  # another layout: per-rank streams cannot carry over; reseed from the step
+            self.model.rng.seed(self.cfg.training.seed + self.step, self.grid)
+            return
+        torch.set_rng_state(rng.pop("torch_cpu"))
+        if "torch_cuda" in rng:
+            torch.cuda.set_rng_state(rng.pop("torch_cuda"), self.env.device)
+        self.model.rng.set_states({k[len("model/"):]: v for k, v in rng.items() if k.startswith("model/")})
+
+    def _batch(self, dataset, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = torch.from_numpy(np.stack([dataset[i] for i in indices]).astype(np.int64)).to(self.env.device)
+        return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+    def _micro_batches(self, dataset, consumed: int):
+        t = self.cfg.training
+        sampler = self._sampler_cls(len(dataset), consumed, t.micro_batch_size, t.global_batch_size,
+                                    self.grid.dp_rank, self.grid.dp_size)
+        it = iter(sampler)
+        return [next(it) for _ in range(self.cfg.num_microbatches)]
+
+    def _dp_mean(self, value: float) -> float:
+        x = torch.tensor([value], dtype=torch.float64, device=self.env.device)
+        C.all_reduce(x, self.grid.dp_group, op="sum")
+        return float(x.item()) / self.grid.dp_size
+
+    # the loop --------------------------------------------------------------------------------
+    def train_step(self) -> dict:
+        cfg, t = self.cfg, self.cfg.training
+        lr = learning_rate(self.step, lr=cfg.optimizer.lr, min_lr=cfg.optimizer.min_lr,
+                           warmup_steps=cfg.optimizer.warmup_steps, total_steps=t.train_steps,
+                           decay=cfg.optimizer.decay)
+        self.opt.set_lr(lr)
+        batches = self._micro_batches(self.train_ds, self.consumed)
+        total = 0.0
+        for i, indices in enumerate(batches):
+            x, y = self._batch(self.train_ds, indices)
+            loss = self.model(x, labels=y)
+            self.opt.backward(loss / len(batches), last_microbatch=i == len(batches) - 1)
+            total += float(loss.detach()) / len(batches)
+        info = self.opt.step()
+        loss = self._dp_mean(total)
+        if not math.isfinite(loss):
+            raise TrainingStopped(f"loss is {loss} at step {self.step + 1} (consumed samples {self.consumed}); "
+                                  f"rerun from the last checkpoint with the same data position to reproduce")
+        self.step += 1
+        self.consumed += t.global_batch_size
+        return {"loss": loss, "lr": lr, **info}
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        self.model.eval()
+        losses = []
+        for k in range(self.cfg.logging.eval_steps):
+            for indices in self._micro_batches(self.eval_ds, k * self.cfg.training.global_batch_size):
+                x, y = self._batch(self.eval_ds, indices)
+                losses.append(float(self.model(x, labels=y)))
+        self.model.train()
+        loss = self._dp_mean(sum(losses) / len(losses))
+        return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
+
+    def save(self) -> None:
+        c = self.cfg.checkpoint
+        path = ckpt.save_checkpoint(c.save, self.step, self.model, self.opt, self.grid,
+                                    consumed_samples=self.consumed, model_config=self.model_config_dict(),
+                                    run_config=self.cfg.to_dict(), rng_states=self._rng_states(),
+                                    keep_last=c.keep_last)
+        self.log(f"[checkpoint] saved {path}")
+
+    def _stop_agreed(self) -> bool:
+        flag = torch.tensor([1.0 if self._stop_requested else 0.0], device=self.env.device)
+        C.all_reduce(flag, self.grid.world_group, op="max")
+        return bool(flag.item() > 0)
+
+    def train(self) -> dict:
+        cfg, t, lg = self.cfg, self.cfg.training, self.cfg.logging
+        c = cfg.checkpoint
+        skipped, last, window = 0, {}, 0
+        self.grid.stats.reset()
+        while self.step < t.train_steps:
+            out = self.train_step()
+            skipped += int(bool(out.get("skipped")))
+            self.throughput.step()
+            self.logger.progress()
+            window += 1
+            if self.step % lg.log_interval == 0 or self.step == t.train_steps:
+                rec = {"step": self.step, "loss": out["loss"], "lr": out["lr"], "grad_norm": out.get("grad_norm"),
+                       "loss_scale": out.get("loss_scale"), "skipped_steps": skipped, **self.throughput.read(),
+                       **peak_memory(self.env.device),
+                       "comm_bytes": {g: b // window for g, b in self.grid.stats.bytes_by_group().items()}}
+                rec.update({f"model_state_{k}": v for k, v in self.opt.memory_report().items()})
+                self.logger.log(rec)
+                last, window = rec, 0
+                self.grid.stats.reset()  # comm_bytes: bytes per step over the last logging window
+            if self.eval_ds is not None and lg.eval_interval and self.step % lg.eval_interval == 0:
+                ev = self.evaluate()
+                self.logger.log({"step": self.step, "loss": out["loss"], "lr": out["lr"], **ev})
+                last.update(ev)
+            stop = self._stop_agreed()
+            if c.save and ((c.save_interval and self.step % c.save_interval == 0) or stop
+                           or self.step == t.train_steps):
+                self.save()
+            if stop:
+                self.log(f"[zerotron] SIGTERM: checkpoint written at step {self.step}; exiting")
+                break
+        self.logger.close()
+        return last
