@@ -31,8 +31,8 @@ MODEL_FIELDS = ("num_layers", "hidden_size", "num_heads", "vocab_size", "seq_len
 
 
 def canonical_names(model: torch.nn.Module) -> dict[str, str]:
-    """Local parameter name -> layout-independent name (the model may define ``canonical_param_name``)."""
-    fn = getattr(model, "canonical_param_name", None)
+    """Local parameter name -> layout-independent name (the model may define ``global_name``)."""
+    fn = getattr(model, "global_name", None)
     return {n: (fn(n) if fn else n) for n, _ in model.named_parameters()}
 
 

@@ -1,0 +1,178 @@
+"""GPT-2 with Megatron-LM tensor parallelism, built in pieces a pipeline stage can hold.
+
+    embed:  vocab-parallel word embedding (g) + learned positions, dropout      [pre_process]
+    blocks: TransformerBlock × layers held by this stage                         [layer_ids]
+    head:   final LayerNorm, f, logits = h · Eᵀ against the *tied* word embedding,
+            vocab-parallel cross-entropy (only b×s values all-reduced)           [post_process]
+
+Initialisation (GPT-2 / Megatron-LM §5): N(0, 0.02) for GEMM weights and embeddings, residual
+output projections N(0, 0.02/√(2·layers)), biases 0, LayerNorm 1/0. Each tensor is drawn whole
+from a seed derived from (seed, global parameter name) and sliced to this rank (see
+``init_sharded_``), so the same seed gives the same full weights for every TP/PP/DP layout and
+runs of different layouts can be compared step by step. Names use the *global* layer index, so
+a pipeline stage holding layers 6..11 initialises them exactly as a single process would.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from zerotron.model.block import TransformerBlock, make_layernorm
+from zerotron.model.config import GPTConfig
+from zerotron.parallel.cross_entropy import vocab_parallel_cross_entropy
+from zerotron.parallel.grid import Grid
+from zerotron.parallel.rng import TPRNG
+from zerotron.parallel.tensor_parallel import VocabParallelEmbedding, init_sharded_, tp_param
+from zerotron.parallel.tp_mappings import copy_to_tp_region
+
+WORD_EMBEDDING = "embedding.word.weight"
+
+
+class Embedding(nn.Module):
+    """Word (vocab-parallel) plus learned position embeddings, then dropout on the shared stream."""
+
+    def __init__(self, cfg: GPTConfig, grid: Grid, dtype, device):
+        super().__init__()
+        self.max_positions = cfg.max_positions
+        self.word = VocabParallelEmbedding(cfg.padded_vocab_size(grid.tp_size), cfg.hidden_size, grid,
+                                           dtype=dtype, device=device)
+        self.position = tp_param((cfg.max_positions, cfg.hidden_size), None, dtype, device)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
+        s = input_ids.shape[1]
+        if s > self.max_positions:
+            raise ValueError(f"input sequence length {s} exceeds the position table "
+                             f"(model.max_position_embeddings={self.max_positions}); "
+                             f"shorten the sequences or raise max_position_embeddings")
+        return self.dropout(self.word(input_ids) + self.position[:s])
+
+
+class GPT(nn.Module):
+    """GPT-2 language model, tensor-parallel over ``grid.tp_group``.
+
+    ``pre_process`` / ``post_process`` / ``layer_ids`` select the pieces a pipeline stage holds
+    (default: the whole model). A post-process stage without the embedding keeps its own copy of
+    the word embedding (``is_embedding_copy = True``), initialised identically; keeping the two
+    copies equal during training (all-reducing their gradients over ``grid.embedding_group``) is
+    the pipeline's job. ``seed`` drives initialisation and, unless ``seed_rng=False``, seeds
+    ``self.rng`` (Megatron's two dropout streams, which also resets torch's default generator).
+    """
+
+    def __init__(self, config: GPTConfig, grid: Grid, dtype: torch.dtype = torch.float32, device=None,
+                 seed: int = 1234, pre_process: bool = True, post_process: bool = True,
+                 layer_ids: list[int] | None = None, layout_independent_init: bool = True,
+                 seed_rng: bool = True):
+        super().__init__()
+        config.validate(grid.tp_size)
+        if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise ValueError(f"dtype={dtype}: use torch.float32, torch.float16 or torch.bfloat16")
+        layer_ids = list(range(config.num_layers)) if layer_ids is None else list(layer_ids)
+        bad = [i for i in layer_ids if not 0 <= i < config.num_layers]
+        if bad or len(set(layer_ids)) != len(layer_ids):
+            raise ValueError(f"layer_ids={layer_ids}: must be distinct global layer indices in "
+                             f"[0, num_layers={config.num_layers})")
+        self.config, self.grid, self.dtype = config, grid, dtype
+        self.pre_process, self.post_process, self.layer_ids = pre_process, post_process, layer_ids
+        self.vocab_size = config.vocab_size
+        self.padded_vocab_size = config.padded_vocab_size(grid.tp_size)
+        self.vocab_start = grid.tp_rank * (self.padded_vocab_size // grid.tp_size)
+        self.rng = TPRNG()
+        if seed_rng:
+            self.rng.seed(seed, grid)
+
+        self.embedding = Embedding(config, grid, dtype, device) if pre_process else None
+        self.blocks = nn.ModuleList(TransformerBlock(config, grid, self.rng, i, dtype, device) for i in layer_ids)
+        self.final_ln = (make_layernorm(config.hidden_size, config.layernorm_eps, dtype, device)
+                         if post_process else None)
+        self.word_embedding_copy = None
+        if post_process and not pre_process:
+            self.word_embedding_copy = tp_param(
+                (self.padded_vocab_size // grid.tp_size, config.hidden_size), 0, dtype, device)
+            self.word_embedding_copy.is_embedding_copy = True
+        self.init_weights(seed, layout_independent_init)
+
+    # initialisation ----------------------------------------------------------------------------
+    def global_name(self, local_name: str) -> str:
+        """The layout-independent name of a parameter: global layer index, shared embedding name."""
+        if local_name == "word_embedding_copy":
+            return WORD_EMBEDDING
+        if local_name.startswith("blocks."):
+            _, idx, rest = local_name.split(".", 2)
+            return f"layers.{self.layer_ids[int(idx)]}.{rest}"
+        return local_name
+
+    @torch.no_grad()
+    def init_weights(self, seed: int, layout_independent: bool = True) -> None:
+        """(Re)initialise every parameter from ``seed`` (GPT-2 / Megatron-LM §5 scheme)."""
+        cfg, grid = self.config, self.grid
+        residual_std = cfg.init_std / math.sqrt(2.0 * cfg.num_layers)
+        for local_name, p in self.named_parameters():
+            name = self.global_name(local_name)
+            if name.split(".")[-2:-1] in (["ln1"], ["ln2"], ["final_ln"]):  # LayerNorm: ones, zeros
+                p.fill_(1.0 if name.endswith("weight") else 0.0)
+            elif p.ndim == 1:  # biases
+                p.zero_()
+            else:
+                std = residual_std if name.endswith(TransformerBlock.residual_projections) else cfg.init_std
+                rows = cfg.vocab_size if name == WORD_EMBEDDING else None  # padding rows stay 0
+                init_sharded_(p, std, seed, name, grid.tp_rank, grid.tp_size, layout_independent, rows)
+
+    # the three pieces --------------------------------------------------------------------------
+    @property
+    def word_embedding_weight(self) -> nn.Parameter:
+        """This rank's vocab slice of the (tied) word embedding, the output layer's weight."""
+        if self.embedding is not None:
+            return self.embedding.word.weight
+        if self.word_embedding_copy is None:
+            raise RuntimeError("this GPT stage has neither the embedding nor the head (pre_process=post_process=False)")
+        return self.word_embedding_copy
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token ids [b, s] → hidden [b, s, h] (replicated over TP ranks)."""
+        if self.embedding is None:
+            raise RuntimeError("embed() on a stage built with pre_process=False")
+        return self.embedding(input_ids)
+
+    def head(self, hidden: torch.Tensor, labels: torch.Tensor | None = None,
+             ignore_index: int = -100) -> torch.Tensor:
+        """Final LN and tied output layer: per-token fp32 loss [b, s] with ``labels``, else local logits.
+
+        Logits stay split over the vocabulary ([b, s, V_padded/tp], padded columns set to the
+        lowest value so they never win); the loss never gathers them (Megatron-LM §3).
+        """
+        if self.final_ln is None:
+            raise RuntimeError("head() on a stage built with post_process=False")
+        x = copy_to_tp_region(self.final_ln(hidden), self.grid.tp_group)  # f: grads all-reduced
+        logits = torch.matmul(x, self.word_embedding_weight.t())
+        if labels is not None:
+            return vocab_parallel_cross_entropy(logits, labels, self.grid.tp_group, self.vocab_start,
+                                                self.vocab_size, ignore_index)
+        pad_from = self.vocab_size - self.vocab_start
+        if pad_from < logits.shape[-1]:
+            mask = torch.arange(logits.shape[-1], device=logits.device) >= pad_from
+            logits = logits.masked_fill(mask, torch.finfo(logits.dtype).min)
+        return logits
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                ignore_index: int = -100) -> torch.Tensor:
+        """head(blocks(embed(input_ids))): mean fp32 loss over non-ignored tokens, or local logits.
+
+        On a stage without the embedding ``input_ids`` is the incoming hidden state; on a stage
+        without the head the hidden state is returned.
+        """
+        x = self.embed(input_ids) if self.pre_process else input_ids
+        for block in self.blocks:
+            x = block(x)
+        if not self.post_process:
+            return x
+        out = self.head(x, labels, ignore_index)
+        if labels is None:
+            return out
+        count = (labels != ignore_index).sum().clamp(min=1)
+        return out.sum() / count
