@@ -57,11 +57,12 @@ def _worker(rank: int, world_size: int, store_path: str, conn, collective_timeou
 
 
 def spawn(fn: Callable, world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT_S,
-          collective_timeout: float = 30.0, **kwargs: Any) -> list[Any]:
+          collective_timeout: float = 30.0, may_die: tuple[int, ...] = (), **kwargs: Any) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return the per-rank results.
 
     Raises ``RankFailure`` naming the failed rank(s), with their tracebacks, if any rank raises,
-    dies, or does not finish within ``timeout`` seconds.
+    dies, or does not finish within ``timeout`` seconds. Ranks in ``may_die`` (fault drills) may
+    exit without a result; theirs is then ``None``.
     """
     ctx = mp.get_context("fork")
     tmp = tempfile.mkdtemp(prefix="zerotron_store_")
@@ -92,9 +93,14 @@ def spawn(fn: Callable, world_size: int, *args: Any, timeout: float = DEFAULT_TI
                         status, value = pickle.loads(conn.recv_bytes())
                     except EOFError:
                         status, value = "error", f"rank {rank} exited (code {procs[rank].exitcode}) without a result"
+                        if rank in may_die:
+                            status, value = "ok", None
                     (results if status == "ok" else errors)[rank] = value
                 elif not procs[rank].is_alive() and not conn.poll(0.05):
-                    errors[rank] = f"rank {rank} died with exit code {procs[rank].exitcode}"
+                    if rank in may_die:
+                        results[rank] = None
+                    else:
+                        errors[rank] = f"rank {rank} died with exit code {procs[rank].exitcode}"
         if errors:
             text = "\n".join(f"--- rank {r} failed ---\n{msg}" for r, msg in sorted(errors.items()))
             raise RankFailure(f"{len(errors)} rank(s) failed: {sorted(errors)}\n{text}")

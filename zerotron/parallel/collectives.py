@@ -33,13 +33,18 @@ _OPS = {
 class Handle:
     """An in-flight collective; ``wait()`` blocks until it is done and returns its result."""
 
-    def __init__(self, work=None, result=None, finish: Callable[[], object] | None = None):
+    def __init__(self, work=None, result=None, finish: Callable[[], object] | None = None,
+                 op: str = "", group: Group | None = None):
         self._work, self._result, self._finish, self._done = work, result, finish, False
+        self._op, self._group = op, group
 
     def wait(self):
         if not self._done:
             if self._work is not None:
-                self._work.wait()
+                try:
+                    self._work.wait()
+                except RuntimeError as e:
+                    raise _explain(self._op, self._group, e) from e
             if self._finish is not None:
                 self._result = self._finish()
             self._done = True
@@ -47,6 +52,24 @@ class Handle:
 
     def is_completed(self) -> bool:
         return self._done or (self._work is None or self._work.is_completed())
+
+
+def _explain(op: str, group: Group | None, exc: RuntimeError) -> RuntimeError:
+    """Turn a backend error (peer died, timeout) into one that names the responsible rank."""
+    if group is None or group.health is None:
+        return exc
+    return group.health.diagnose(op, group, exc)
+
+
+def _launch(op: str, group: Group, tensor: torch.Tensor, numel: int, fn: Callable[[], object]):
+    """Count, (debug) sequence-check and issue one collective; backend errors name the culprit."""
+    group.stats.record(op, group.name, numel, tensor.element_size())
+    if group.health is not None:
+        group.health.before(op, group, tensor)
+    try:
+        return fn()
+    except RuntimeError as e:
+        raise _explain(op, group, e) from e
 
 
 def _done(result, async_op: bool):
@@ -64,10 +87,10 @@ def all_reduce(tensor: torch.Tensor, group: Group, op: str = "sum", async_op: bo
     _reduce_op(op, tensor)
     if group.size == 1:
         return _done(tensor, async_op)
-    group.stats.record("all_reduce", group.name, tensor.numel(), tensor.element_size())
     emulate_avg = op == "avg" and not tensor.is_floating_point()
     red = _OPS["sum" if emulate_avg else op]
-    work = dist.all_reduce(tensor, op=red, group=group.pg, async_op=async_op)
+    work = _launch("all_reduce", group, tensor, tensor.numel(),
+                   lambda: dist.all_reduce(tensor, op=red, group=group.pg, async_op=async_op))
 
     def finish():
         if emulate_avg:
@@ -75,7 +98,7 @@ def all_reduce(tensor: torch.Tensor, group: Group, op: str = "sum", async_op: bo
         return tensor
 
     if async_op:
-        return Handle(work, finish=finish)
+        return Handle(work, finish=finish, op="all_reduce", group=group)
     return finish()
 
 
@@ -90,11 +113,11 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Group, op: 
     if group.size == 1:
         output.copy_(input.view_as(output))
         return _done(output, async_op)
-    group.stats.record("reduce_scatter", group.name, input.numel(), input.element_size())
     if op == "avg" and not input.is_floating_point():
         raise ValueError("reduce_scatter: 'avg' on integer tensors is not supported; use 'sum' and divide")
-    work = _reduce_scatter_single(output, input, op=red, group=group.pg, async_op=async_op)
-    return Handle(work, result=output) if async_op else output
+    work = _launch("reduce_scatter", group, input, input.numel(),
+                   lambda: _reduce_scatter_single(output, input, op=red, group=group.pg, async_op=async_op))
+    return Handle(work, result=output, op="reduce_scatter", group=group) if async_op else output
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group, async_op: bool = False):
@@ -107,9 +130,9 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group, async_op
     if group.size == 1:
         output.copy_(input.view_as(output))
         return _done(output, async_op)
-    group.stats.record("all_gather", group.name, output.numel(), output.element_size())
-    work = _all_gather_single(output, input, group=group.pg, async_op=async_op)
-    return Handle(work, result=output) if async_op else output
+    work = _launch("all_gather", group, output, output.numel(),
+                   lambda: _all_gather_single(output, input, group=group.pg, async_op=async_op))
+    return Handle(work, result=output, op="all_gather", group=group) if async_op else output
 
 
 def all_gather_uneven(tensor: torch.Tensor, group: Group, sizes: list[int] | None = None, async_op: bool = False):
@@ -147,12 +170,15 @@ def broadcast(tensor: torch.Tensor, src: int, group: Group, async_op: bool = Fal
         raise ValueError(f"broadcast: src rank {src} is not in group {group.name} {group.ranks}")
     if group.size == 1:
         return _done(tensor, async_op)
-    group.stats.record("broadcast", group.name, tensor.numel(), tensor.element_size())
-    work = dist.broadcast(tensor, src=src, group=group.pg, async_op=async_op)
-    return Handle(work, result=tensor) if async_op else tensor
+    work = _launch("broadcast", group, tensor, tensor.numel(),
+                   lambda: dist.broadcast(tensor, src=src, group=group.pg, async_op=async_op))
+    return Handle(work, result=tensor, op="broadcast", group=group) if async_op else tensor
 
 
 def barrier(group: Group) -> None:
     """Wait for every member of ``group`` (under the group's timeout)."""
     if group.size > 1:
-        dist.barrier(group=group.pg)
+        try:
+            dist.barrier(group=group.pg)
+        except RuntimeError as e:
+            raise _explain("barrier", group, e) from e

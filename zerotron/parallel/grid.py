@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 from zerotron.parallel.comm_stats import CommStats
+from zerotron.parallel.health import Health
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,7 @@ class Group:
     ranks: tuple[int, ...]
     pg: object  # torch ProcessGroup (None for the default world group)
     stats: CommStats = field(repr=False)
+    health: Health | None = field(default=None, repr=False)
 
     @property
     def size(self) -> int:
@@ -101,6 +103,7 @@ class Grid:
         self.rank = dist.get_rank() if rank is None else rank
         self.world_size = world_size
         self.stats = CommStats()
+        self.health = Health(self.rank, world_size)
         tp, dp = self.dims.tp, self.dims.dp
         self.tp_rank = self.rank % tp
         self.dp_rank = (self.rank // tp) % dp
@@ -111,7 +114,7 @@ class Grid:
             for ranks in all_groups:  # every rank creates every group, in the same order
                 pg = self._new_group(ranks)
                 if self.rank in ranks:
-                    groups[kind] = Group(kind, ranks, pg, self.stats)
+                    groups[kind] = Group(kind, ranks, pg, self.stats, self.health)
         self.tp_group: Group = groups["tp"]
         self.dp_group: Group = groups["dp"]
         self.pp_group: Group = groups["pp"]

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from zerotron.parallel.collectives import Handle
+from zerotron.parallel.collectives import Handle, _launch
 from zerotron.parallel.grid import Group
 
 
@@ -23,27 +23,25 @@ def _check_peer(peer: int, group: Group) -> None:
 
 def send(tensor: torch.Tensor, dst: int, group: Group) -> None:
     _check_peer(dst, group)
-    group.stats.record("send", group.name, tensor.numel(), tensor.element_size())
-    dist.send(tensor.contiguous(), dst=dst, group=group.pg)
+    _launch("send", group, tensor, tensor.numel(), lambda: dist.send(tensor.contiguous(), dst=dst, group=group.pg))
 
 
 def recv(tensor: torch.Tensor, src: int, group: Group) -> torch.Tensor:
     _check_peer(src, group)
-    group.stats.record("recv", group.name, tensor.numel(), tensor.element_size())
-    dist.recv(tensor, src=src, group=group.pg)
+    _launch("recv", group, tensor, tensor.numel(), lambda: dist.recv(tensor, src=src, group=group.pg))
     return tensor
 
 
 def isend(tensor: torch.Tensor, dst: int, group: Group) -> Handle:
     _check_peer(dst, group)
-    group.stats.record("send", group.name, tensor.numel(), tensor.element_size())
-    return Handle(dist.isend(tensor.contiguous(), dst=dst, group=group.pg), result=tensor)
+    work = _launch("send", group, tensor, tensor.numel(), lambda: dist.isend(tensor.contiguous(), dst=dst, group=group.pg))
+    return Handle(work, result=tensor, op="send", group=group)
 
 
 def irecv(tensor: torch.Tensor, src: int, group: Group) -> Handle:
     _check_peer(src, group)
-    group.stats.record("recv", group.name, tensor.numel(), tensor.element_size())
-    return Handle(dist.irecv(tensor, src=src, group=group.pg), result=tensor)
+    work = _launch("recv", group, tensor, tensor.numel(), lambda: dist.irecv(tensor, src=src, group=group.pg))
+    return Handle(work, result=tensor, op="recv", group=group)
 
 
 @dataclass

@@ -4,6 +4,7 @@ checkpoints and a graceful stop on SIGTERM (checkpoint, then exit) for preemptib
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import signal
 import time
@@ -77,7 +78,7 @@ class Trainer:
             print(text, flush=True)
 
     def model_config_dict(self) -> dict:
-        return {k: getattr(self.mcfg, k) for k in ckpt.MODEL_FIELDS}
+        return dataclasses.asdict(self.mcfg)
 
     def _on_sigterm(self, signum, frame) -> None:
         self._stop_requested = True

@@ -1,0 +1,84 @@
+"""No silent hangs: a diverging, dead or stuck rank is named by the others, within the timeout."""
+
+import os
+import time
+
+import torch
+
+from tests.harness import spawn
+from zerotron.parallel import Grid, ParallelDims
+from zerotron.parallel import collectives as C
+from zerotron.parallel.health import CollectiveError, Health
+
+
+def diverging_shapes():
+    import torch.distributed as dist
+
+    grid = Grid(ParallelDims())
+    grid.health.check_sequence = True
+    C.all_reduce(torch.ones(4), grid.world_group)  # identical on every rank: passes the check
+    n = 5 if dist.get_rank() == 1 else 4
+    try:
+        C.all_reduce(torch.ones(n), grid.world_group)
+    except CollectiveError as e:
+        return str(e)
+    return "no error"
+
+
+def test_debug_mode_reports_the_first_divergence_with_both_call_sites():
+    msgs = spawn(diverging_shapes, 3, timeout=60)
+    for rank, msg in enumerate(msgs):
+        assert "collectives diverged on group world at its collective #2" in msg, msg
+        assert "test_health.py" in msg and "diverging_shapes" in msg
+    assert "rank 0 calls all_reduce|world|(4,)|float32" in msgs[0] and "rank 1 calls all_reduce|world|(5,)" in msgs[0]
+
+
+def one_rank_stuck():
+    import torch.distributed as dist
+
+    grid = Grid(ParallelDims())
+    C.all_reduce(torch.ones(1), grid.world_group)
+    if dist.get_rank() == 0:
+        time.sleep(9)  # alive (its heartbeat thread runs) but never reaches the next collective in time
+        return "slept"
+    start = time.monotonic()
+    try:
+        C.all_reduce(torch.ones(1), grid.world_group)
+    except CollectiveError as e:
+        return f"{time.monotonic() - start:.1f}s {e}"
+    return "no error"
+
+
+def test_stuck_rank_is_named_within_the_timeout():
+    msgs = spawn(one_rank_stuck, 3, timeout=60, collective_timeout=3)
+    for msg in msgs[1:]:
+        assert "rank 0 is alive but stuck behind" in msg, msg
+        assert float(msg.split("s ")[0]) < 9
+
+
+def one_rank_dies():
+    import torch.distributed as dist
+
+    grid = Grid(ParallelDims())
+    C.all_reduce(torch.ones(1), grid.world_group)
+    time.sleep(1.5)  # let every heartbeat be published once
+    if dist.get_rank() == 2:
+        os._exit(7)
+    try:
+        C.all_reduce(torch.ones(1), grid.world_group)
+        C.all_reduce(torch.ones(1), grid.world_group)
+    except CollectiveError as e:
+        return str(e)
+    return "no error"
+
+
+def test_dead_rank_is_named():
+    msgs = spawn(one_rank_dies, 3, timeout=60, collective_timeout=5, may_die=(2,))
+    assert msgs[2] is None
+    for msg in msgs[:2]:
+        assert "rank 2 is dead or frozen (its heartbeat stopped" in msg, msg
+
+
+def test_health_without_a_store_still_counts():
+    h = Health(rank=0, world_size=1)
+    assert h._thread is None
