@@ -1,0 +1,124 @@
+#!/usr/bin/env python
+"""Benchmark scripts/preprocess_data.py (streaming, bounded pool) against a plain ``datasets.map``.
+
+Generates a ~100 MB jsonl corpus in a temporary directory from standard-library docstrings
+(shuffled and repeated; never committed), takes the default-corpus tokenizer, and runs, each in
+its own process and measured the same way (wall time; peak RSS of the process tree, sampled
+every 0.2 s, summed over processes -- an upper bound, since forked workers share pages):
+
+  1. zerotron: ``preprocess_data.py --streaming --workers N`` -> .bin/.idx
+  2. peer:     ``load_dataset("json")`` + ``Dataset.map(batched encode, num_proc=N)``
+
+    python scripts/bench_preprocess.py [--size-mb 100] [--workers 2] [--keep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+import psutil
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, ROOT)
+
+from zerotron.data import build_default_corpus  # noqa: E402
+from zerotron.data.default_corpus import harvest_stdlib_texts  # noqa: E402
+
+PEER = r"""
+import json, sys, time
+import datasets
+from zerotron.data import Tokenizer
+src, model, cache, workers = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+t = time.perf_counter()
+tok = Tokenizer.load(model)
+ds = datasets.load_dataset("json", data_files=src, split="train", cache_dir=cache)
+out = ds.map(lambda b: {"ids": tok.encode_batch(b["text"])}, batched=True, batch_size=256,
+             num_proc=workers if workers > 1 else None, remove_columns=ds.column_names)
+tokens = sum(len(x) for b in out.iter(batch_size=4096) for x in b["ids"])
+print(json.dumps({"tokens": tokens, "documents": len(out), "seconds": time.perf_counter() - t}))
+"""
+
+
+def make_corpus(path: str, size_mb: float, seed: int = 0) -> int:
+    texts = harvest_stdlib_texts()
+    rng = np.random.default_rng(seed)
+    written = docs = 0
+    with open(path, "w", encoding="utf-8") as f:
+        while written < size_mb * 1e6:
+            order = rng.permutation(len(texts))
+            for i in range(0, len(order) - 4, 4):  # documents of ~4 joined texts (~1 KB)
+                line = json.dumps({"id": docs, "text": "\n\n".join(texts[j] for j in order[i:i + 4])})
+                f.write(line + "\n")
+                written += len(line) + 1
+                docs += 1
+                if written >= size_mb * 1e6:
+                    break
+    return docs
+
+
+def run_measured(cmd: list[str]) -> tuple[dict, float, float, float]:
+    """(last JSON line of stdout, wall s, peak tree RSS MB, peak main RSS MB)."""
+    t = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT)
+    ps = psutil.Process(proc.pid)
+    peak_tree = peak_main = 0.0
+    while proc.poll() is None:
+        try:
+            main = ps.memory_info().rss
+            kids = sum(c.memory_info().rss for c in ps.children(recursive=True))
+            peak_main, peak_tree = max(peak_main, main), max(peak_tree, main + kids)
+        except psutil.Error:
+            pass
+        time.sleep(0.2)
+    out = proc.stdout.read()
+    if proc.returncode != 0:
+        raise RuntimeError(f"{cmd} failed with {proc.returncode}")
+    result = json.loads(out.strip().splitlines()[-1])
+    return result, time.perf_counter() - t, peak_tree / 2**20, peak_main / 2**20
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size-mb", type=float, default=100)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--keep", action="store_true", help="keep the temporary directory")
+    args = ap.parse_args()
+    work = tempfile.mkdtemp(prefix="zt_bench_preprocess_")
+    try:
+        src = os.path.join(work, "corpus.jsonl")
+        t = time.perf_counter()
+        docs = make_corpus(src, args.size_mb)
+        print(f"corpus: {src}, {os.path.getsize(src) / 1e6:.0f} MB, {docs:,} documents "
+              f"({time.perf_counter() - t:.0f} s to generate)")
+        _, model, _ = build_default_corpus(os.path.join(work, "default_corpus"))
+        py = sys.executable
+        rows = []
+        ours = [py, "scripts/preprocess_data.py", src, "--tokenizer", model, "--output-prefix",
+                os.path.join(work, "tokens"), "--workers", str(args.workers), "--streaming",
+                "--no-progress", "--json"]
+        peer = [py, "-c", PEER, src, model, os.path.join(work, "hf_cache"), str(args.workers)]
+        for name, cmd in (("zerotron preprocess_data --streaming", ours), ("datasets.map", peer)):
+            res, wall, tree, main_rss = run_measured(cmd)
+            rows.append((name, res["tokens"], wall, res["tokens"] / wall, tree, main_rss))
+        print(f"\n{'method':<38}{'tokens':>13}{'wall s':>9}{'tokens/s':>13}{'peak tree RSS MB':>18}"
+              f"{'peak main RSS MB':>18}")
+        for name, tokens, wall, tps, tree, main_rss in rows:
+            print(f"{name:<38}{tokens:>13,}{wall:>9.1f}{tps:>13,.0f}{tree:>18,.0f}{main_rss:>18,.0f}")
+        ours_tok = rows[0][1] - docs  # minus one end-of-document id per document
+        print(f"\ntoken counts agree (ours minus EOD ids == peer): {ours_tok == rows[1][1]}")
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""Any ``datasets`` input (json/jsonl/parquet/arrow/text files, directories, save_to_disk, streaming)
+gives the same texts; bad input fails with a clear error and the scripts write no output."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+from zerotron.data import IndexedTokenDataset, iter_texts, load_source
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
+import preprocess_data  # noqa: E402
+import train_tokenizer  # noqa: E402
+
+
+def _jsonl(path, texts, field="content"):
+    with open(path, "w", encoding="utf-8") as f:
+        for i, t in enumerate(texts):
+            f.write(json.dumps({"id": i, field: t}) + "\n")
+    return str(path)
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_formats_agree(tmp_path, corpus, streaming):
+    import datasets
+    src = _jsonl(tmp_path / "c.jsonl", corpus)
+    table = datasets.Dataset.from_dict({"content": corpus})
+    table.to_parquet(str(tmp_path / "c.parquet"))
+    table.save_to_disk(str(tmp_path / "saved"))
+    txt = tmp_path / "txt"
+    txt.mkdir()
+    for i, t in enumerate(corpus[:5]):
+        (txt / f"{i}.txt").write_text(t, encoding="utf-8")
+    cache = str(tmp_path / "hf")
+    for inputs in (src, [src], str(tmp_path / "c.parquet"), str(tmp_path / "saved")):
+        ds = load_source(inputs, "content", streaming=streaming, cache_dir=cache)
+        assert list(iter_texts(ds, "content")) == corpus
+    ds = load_source(str(txt), "text", streaming=streaming, cache_dir=cache)  # one document per file
+    # datasets' text reader uses universal newlines: "\r\n" in a .txt file arrives as "\n"
+    assert list(iter_texts(ds, "text")) == [t.replace("\r\n", "\n") for t in corpus[:5]]
+
+
+def test_bad_sources(tmp_path, corpus):
+    with pytest.raises(FileNotFoundError, match="missing.jsonl does not exist"):
+        load_source(str(tmp_path / "missing.jsonl"))
+    src = _jsonl(tmp_path / "c.jsonl", corpus)
+    for streaming in (False, True):
+        with pytest.raises(KeyError, match=r"text field 'text' not found .*\['id', 'content'\].*--text-field"):
+            load_source(src, "text", streaming=streaming, cache_dir=str(tmp_path / "hf"))
+    ds = load_source(src, "id", cache_dir=str(tmp_path / "hf"))
+    with pytest.raises(TypeError, match="row 0: text field 'id' holds int"):
+        list(iter_texts(ds, "id"))
+    (tmp_path / "x.csvx").write_text("a")
+    with pytest.raises(ValueError, match="cannot tell the format"):
+        load_source([src, str(tmp_path / "x.csvx")])
+
+
+def test_scripts_end_to_end_and_errors(tmp_path, corpus, capsys):
+    src = _jsonl(tmp_path / "c.jsonl", corpus)
+    tok_prefix = str(tmp_path / "tok")
+    assert train_tokenizer.main([src, "--text-field", "content", "--model-prefix", tok_prefix,
+                                 "--vocab-size", "400"]) == 0
+    out = str(tmp_path / "out" / "c")
+    for streaming in ([], ["--streaming"]):
+        rc = preprocess_data.main([src, "--text-field", "content", "--tokenizer", tok_prefix + ".model",
+                                   "--output-prefix", out, "--workers", "2", "--no-progress", *streaming])
+        assert rc == 0
+        assert len(IndexedTokenDataset(out)) == len(corpus)
+    assert "tokens/s; peak RSS" in capsys.readouterr().out
+    bad = str(tmp_path / "bad" / "c")
+    base = ["--tokenizer", tok_prefix + ".model", "--output-prefix", bad, "--no-progress"]
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    only_empty = _jsonl(tmp_path / "e.jsonl", ["", ""], field="text")
+    cases = [([str(tmp_path / "nope.jsonl")], "does not exist"),
+             ([src, "--text-field", "body"], "text field 'body' not found"),
+             ([only_empty, "--streaming"], "empty corpus"),
+             ([str(empty), "--streaming"], "empty corpus"),
+             ([src, "--text-field", "content", "--tokenizer", str(tmp_path / "no.model")], "no.model does not exist")]
+    for args, msg in cases:
+        assert preprocess_data.main(args + base if "--tokenizer" not in args else args + base[2:]) == 2
+        assert msg in capsys.readouterr().err
+        assert not os.path.exists(tmp_path / "bad") or os.listdir(tmp_path / "bad") == []

@@ -1,0 +1,86 @@
+"""Atomic file and directory publication for everything zerotron/data writes.
+
+Why: token files, index caches and the default corpus are read by many ranks, often while
+another job is still writing them. A reader must see either nothing or a complete file, never a
+half-written one, so every output is written under a temporary name in the *same* directory,
+fsynced, and published with ``os.replace`` / ``os.rename`` (atomic on POSIX within one file
+system). A crash leaves only ``*.tmp-*`` debris, which is never mistaken for a finished file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from typing import Iterator
+
+import numpy as np
+
+
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
+
+def fsync_path(path: str) -> None:
+    """Flush a file (or directory entry table) to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def tmp_name(path: str) -> str:
+    """A unique sibling of ``path`` (same directory, hence same file system) to write into."""
+    d, base = os.path.split(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=f".{base}.tmp-", dir=d)
+    os.close(fd)
+    os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp's 0600 would hide shared caches from other users
+    return tmp
+
+
+def publish(tmp: str, path: str) -> None:
+    """fsync ``tmp`` and atomically rename it onto ``path``."""
+    fsync_path(tmp)
+    os.replace(tmp, path)
+    fsync_path(os.path.dirname(os.path.abspath(path)))
+
+
+def save_npy(path: str, array: np.ndarray) -> None:
+    """``np.save`` atomically; readers load with ``allow_pickle=False``."""
+    tmp = tmp_name(path)
+    try:
+        with open(tmp, "wb") as f:
+            np.save(f, np.ascontiguousarray(array), allow_pickle=False)
+        publish(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+
+
+@contextlib.contextmanager
+def atomic_dir(final: str) -> Iterator[str]:
+    """Yield a fresh temporary directory; on success rename it to ``final``.
+
+    If ``final`` appeared meanwhile (a concurrent builder won the race) ours is discarded: both
+    builds are deterministic, so the winner's content is as good as ours. On error nothing is
+    published.
+    """
+    parent = os.path.dirname(os.path.abspath(final))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(final)}.tmp-", dir=parent)
+    os.chmod(tmp, 0o777 & ~_UMASK)
+    try:
+        yield tmp
+        for name in os.listdir(tmp):
+            fsync_path(os.path.join(tmp, name))
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not os.path.isdir(final):
+                raise
+        fsync_path(parent)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
