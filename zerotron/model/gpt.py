@@ -88,6 +88,9 @@ class GPT(nn.Module):
 
         self.embedding = Embedding(config, grid, dtype, device) if pre_process else None
         self.blocks = nn.ModuleList(TransformerBlock(config, grid, self.rng, i, dtype, device) for i in layer_ids)
+        # Replaces the plain block loop when set (activation checkpointing, ZeRO-R Pa/Pa+cpu/MD:
+        # zerotron.zero.activation_checkpoint.apply_activation_checkpointing); called as runner(blocks, x).
+        self.block_runner = None
         self.final_ln = (make_layernorm(config.hidden_size, config.layernorm_eps, dtype, device)
                          if post_process else None)
         self.word_embedding_copy = None
@@ -159,6 +162,14 @@ class GPT(nn.Module):
             logits = logits.masked_fill(mask, torch.finfo(logits.dtype).min)
         return logits
 
+    def run_blocks(self, x: torch.Tensor) -> torch.Tensor:
+        """This stage's transformer blocks in order, through ``block_runner`` when one is set."""
+        if self.block_runner is not None:
+            return self.block_runner(self.blocks, x)
+        for block in self.blocks:
+            x = block(x)
+        return x
+
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 ignore_index: int = -100) -> torch.Tensor:
         """head(blocks(embed(input_ids))): mean fp32 loss over non-ignored tokens, or local logits.
@@ -167,8 +178,7 @@ class GPT(nn.Module):
         without the head the hidden state is returned.
         """
         x = self.embed(input_ids) if self.pre_process else input_ids
-        for block in self.blocks:
-            x = block(x)
+        x = self.run_blocks(x)
         if not self.post_process:
             return x
         out = self.head(x, labels, ignore_index)

@@ -1,0 +1,91 @@
+"""Single-process pieces: ZeroConfig validation and DeepSpeed keys, the loss scaler, the flat layout."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from zerotron.zero import DynamicLossScaler, ZeroConfig
+from zerotron.zero.partition import Layout
+
+
+@pytest.mark.parametrize("key,value", [
+    ("stage", 4), ("precision", "fp8"), ("reduce_bucket_size", 0), ("allgather_bucket_size", -5),
+    ("stage3_param_persistence_threshold", -1), ("overlap_comm", "yes"), ("hysteresis", 0),
+    ("min_loss_scale", 0.0), ("loss_scale_window", 1.5),
+])
+def test_validation_names_the_key(key, value):
+    with pytest.raises(ValueError, match=f"zero.{key}="):
+        ZeroConfig(**{key: value}).validate()
+
+
+def test_offload_needs_a_partitioned_stage():
+    with pytest.raises(ValueError, match="offload_optimizer"):
+        ZeroConfig(stage=0, offload_optimizer=True).validate()
+
+
+def test_from_deepspeed_maps_keys():
+    ds = {"zero_optimization": {"stage": 3, "contiguous_gradients": True, "reduce_bucket_size": 5e7,
+                                "allgather_bucket_size": 2e8, "stage3_prefetch_bucket_size": 1e7,
+                                "stage3_param_persistence_threshold": 1e4, "offload_optimizer": {"device": "cpu"},
+                                "reduce_scatter": True},
+          "fp16": {"enabled": True, "initial_scale_power": 12, "loss_scale_window": 500, "hysteresis": 3,
+                   "min_loss_scale": 2}}
+    cfg = ZeroConfig.from_deepspeed(ds)
+    assert (cfg.stage, cfg.precision, cfg.overlap_comm, cfg.offload_optimizer) == (3, "fp16", True, True)
+    assert (cfg.reduce_bucket_size, cfg.allgather_bucket_size, cfg.stage3_prefetch_bucket_size) == (50_000_000, 200_000_000, 10_000_000)
+    assert cfg.stage3_param_persistence_threshold == 10_000
+    assert (cfg.initial_loss_scale, cfg.loss_scale_window, cfg.hysteresis, cfg.min_loss_scale) == (4096.0, 500, 3, 2)
+    assert ZeroConfig.from_deepspeed({"stage": 1}).overlap_comm is False
+    assert ZeroConfig.from_deepspeed({"stage": 2, "overlap_comm": True}, precision="bf16").precision == "bf16"
+
+
+@pytest.mark.parametrize("ds,match", [
+    ({"stage": 2, "sub_group_size": 1e9}, "zero_optimization.sub_group_size"),
+    ({"stage": 5}, "zero.stage=5"),
+    ({"stage": 3, "offload_optimizer": {"device": "nvme"}}, "offload_optimizer.device"),
+    ({"stage": 2, "reduce_scatter": False}, "zero_optimization.reduce_scatter"),
+    ({"stage": 2, "reduce_bucket_size": "big"}, "zero.reduce_bucket_size"),
+])
+def test_from_deepspeed_errors_name_the_key(ds, match):
+    with pytest.raises(ValueError, match=match):
+        ZeroConfig.from_deepspeed(ds)
+
+
+def test_dynamic_loss_scaler_hysteresis_window_and_minimum():
+    s = DynamicLossScaler(8.0, window=3, hysteresis=2, min_scale=2.0)
+    s.update(True)
+    assert s.scale == 8.0  # first overflow spends hysteresis
+    s.update(True)
+    assert s.scale == 4.0
+    s.update(True)
+    assert s.scale == 2.0
+    s.update(True)
+    assert s.scale == 2.0  # never below the minimum
+    for _ in range(3):
+        s.update(False)
+    assert s.scale == 4.0 and s.hysteresis_left == 2
+    t = DynamicLossScaler(1.0, 1, 1, 1.0)
+    t.load_state_dict(s.state_dict())
+    assert t.state_dict() == s.state_dict()
+
+
+@settings(max_examples=40, deadline=None)
+@given(sizes=st.lists(st.integers(1, 40), min_size=1, max_size=6), shards=st.integers(1, 4),
+       chunk=st.integers(4, 50), split=st.integers(0, 6))
+def test_every_element_is_owned_by_exactly_one_rank(sizes, shards, chunk, split):
+    shapes = [torch.Size([n]) for n in sizes]
+    split = min(split, len(sizes))
+    groups = [g for g in (list(range(split)), list(range(split, len(sizes)))) if g]
+    seen = {(p, i): 0 for p, n in enumerate(sizes) for i in range(n)}
+    part = None
+    for r in range(shards):
+        lay = Layout(shapes, groups, shards, r, chunk)
+        assert part in (None, lay.part_numel)  # every rank holds the same (padded) size
+        part = lay.part_numel
+        assert all(c.numel <= max(chunk - chunk % shards, shards) and c.numel % shards == 0 for c in lay.chunks)
+        for name, s, e, off in lay.partition_index([str(i) for i in range(len(sizes))]):
+            assert 0 <= off and off + e - s <= lay.part_numel
+            for i in range(s, e):
+                seen[(int(name), i)] += 1
+    assert set(seen.values()) == {1}

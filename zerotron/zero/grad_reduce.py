@@ -1,0 +1,168 @@
+"""Bucketed gradient reduction across the DP group, driven by backward hooks.
+
+A chunk of the flat layout is the bucket (CB, §6.2): once every parameter touching it has its
+gradient, the chunk is averaged over DP and
+
+* all-reduced in place (stage 0, plain DP: 2Ψ, §7), or
+* reduce-scattered so each rank receives only the shard it owns (Pos / Pos+g, §5.1-5.2: Ψ).
+
+Two ways of holding gradients:
+
+* **flat** (stages 0-1 with ``contiguous_gradients``, MD §6.3): every ``param.grad`` is a view of
+  one pre-allocated flat buffer, autograd accumulates into it, and the bucket *is* a slice of it.
+* **packed** (stages 2-3, or ``contiguous_gradients=False``): autograd's gradient tensors are
+  copied into a fixed bucket buffer, reduced, added to the contiguous gradient *partition*, and
+  freed at once -- so a Pos+g rank never holds more than its partition plus the buckets in flight.
+
+Stages 0-1 reduce only after the last micro-batch; stages 2-3 on every backward (accumulating
+into the partition). With ``overlap_comm`` the collectives are asynchronous (gloo handles, NCCL
+streams) and at most two buckets are in flight while backward continues.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zerotron.parallel import collectives as C
+
+
+class GradReducer:
+    def __init__(self, layout, params: list[torch.nn.Parameter], dp_group, stage: int, flat: bool,
+                 overlap: bool, dtype: torch.dtype, device: torch.device):
+        self.layout, self.params, self.dp_group = layout, params, dp_group
+        self.stage, self.flat, self.overlap = stage, flat, overlap
+        self.dtype, self.device = dtype, device
+        chunks = layout.chunks
+        self.expected = [len({pc.param for pc in c.pieces if params[pc.param].requires_grad}) for c in chunks]
+        self.ready = [0] * len(chunks)
+        self.reduced = [False] * len(chunks)
+        self.packed_chunks = [0] * len(params)
+        self.inflight: list = []
+        self.sync = True        # set by the optimizer: reduce in the hooks now?
+        self.pending = False    # a backward ran whose gradients are not yet reduced
+        max_chunk = max(c.numel for c in chunks)
+        max_shard = max(c.shard for c in chunks)
+        n_buf = self.n_buf = 2 if overlap else 1
+        self.flat_grad = self.part_grad = None
+        if flat:
+            # MD: one contiguous buffer; param.grad are views so autograd accumulates in place.
+            self.flat_grad = torch.zeros(layout.full_numel, dtype=dtype, device=device)
+            for i, p in enumerate(params):
+                p.grad = layout.param_view(self.flat_grad, i)
+        else:
+            self.part_grad = torch.zeros(layout.part_numel, dtype=dtype, device=device)
+        self.buckets = [] if flat else [torch.empty(max_chunk, dtype=dtype, device=device) for _ in range(n_buf)]
+        self.shard_bufs = ([torch.empty(max_shard, dtype=dtype, device=device) for _ in range(n_buf)]
+                           if stage >= 1 else [])
+        self._next = 0
+        self.index = {id(p): i for i, p in enumerate(params)}
+        self.handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params if p.requires_grad]
+
+    # hooks ----------------------------------------------------------------------------------------
+    def _on_grad(self, param: torch.nn.Parameter) -> None:
+        i = self.index[id(param)]
+        if self.flat:
+            view = self.layout.param_view(self.flat_grad, i)
+            if param.grad is not view and param.grad.data_ptr() != view.data_ptr():
+                view.copy_(param.grad)  # someone replaced .grad (zero_grad(set_to_none)); re-attach
+                param.grad = view
+        if not self.sync:
+            self.pending = True
+            return
+        self.pending = True
+        for ci in self.layout.param_chunks[i]:
+            self.ready[ci] += 1
+            if self.ready[ci] == self.expected[ci] and not self.reduced[ci]:
+                self._reduce(ci)
+
+    # reduction ------------------------------------------------------------------------------------
+    def _reduce(self, ci: int) -> None:
+        c = self.layout.chunks[ci]
+        self.reduced[ci] = True
+        slot = self._next
+        self._next = (self._next + 1) % self.n_buf
+        if self.overlap and len(self.inflight) >= 2:
+            self._finish(self.inflight.pop(0))
+        if self.flat:
+            bucket = self.flat_grad[c.offset:c.offset + c.numel]
+        else:
+            bucket = self.buckets[slot][:c.numel]
+            self._pack(c, bucket)
+        if self.dp_group.size > 1:
+            bucket.div_(self.dp_group.size)  # average before summing keeps 16-bit sums in range
+        if self.stage == 0:
+            out = bucket
+            work = C.all_reduce(bucket, self.dp_group, async_op=self.overlap)
+        else:
+            out = self.shard_bufs[slot][:c.shard]
+            work = C.reduce_scatter(out, bucket, self.dp_group, async_op=self.overlap)
+        job = (work, c, out)
+        if self.overlap:
+            self.inflight.append(job)
+        else:
+            self._deliver(c, out)
+
+    def _finish(self, job) -> None:
+        work, c, out = job
+        work.wait()
+        self._deliver(c, out)
+
+    def _deliver(self, c, out: torch.Tensor) -> None:
+        if self.flat:
+            if self.stage >= 1:
+                lo, hi = self.layout.own_range(c)
+                self.flat_grad[lo:hi].copy_(out)
+        else:
+            self.part_grad[c.part_offset:c.part_offset + c.shard].add_(out)
+
+    def _pack(self, c, bucket: torch.Tensor) -> None:
+        bucket.zero_()
+        for pc in c.pieces:
+            p = self.params[pc.param]
+            if p.grad is not None:
+                bucket[pc.offset:pc.offset + pc.end - pc.start].copy_(p.grad.view(-1)[pc.start:pc.end])
+            self.packed_chunks[pc.param] += 1
+            if self.packed_chunks[pc.param] == len(self.layout.param_chunks[pc.param]):
+                p.grad = None  # Pos+g: the full gradient is gone as soon as it is in the bucket
+                self.packed_chunks[pc.param] = 0
+
+    def flush(self) -> None:
+        """Reduce every chunk not yet reduced in this round (unused params count as zero), wait, reset."""
+        if self.pending:
+            for ci in range(len(self.layout.chunks)):
+                if not self.reduced[ci]:
+                    self._reduce(ci)
+        self.wait()
+        self.ready = [0] * len(self.ready)
+        self.reduced = [False] * len(self.reduced)
+        self.pending = False
+
+    def wait(self) -> None:
+        while self.inflight:
+            self._finish(self.inflight.pop(0))
+
+    # reads for the optimizer step -------------------------------------------------------------------
+    def grad_shard(self, c) -> torch.Tensor:
+        """This rank's reduced gradient for chunk ``c`` (``c.shard`` elements, model dtype)."""
+        if self.flat:
+            lo, hi = self.layout.own_range(c)
+            return self.flat_grad[lo:hi]
+        return self.part_grad[c.part_offset:c.part_offset + c.shard]
+
+    def zero(self) -> None:
+        if self.flat:
+            self.flat_grad.zero_()
+        else:
+            self.part_grad.zero_()
+            for p in self.params:
+                p.grad = None
+        self.packed_chunks = [0] * len(self.params)
+
+    def buffer_bytes(self) -> tuple[int, int]:
+        """(gradient bytes held as model state, fixed bucket bytes)."""
+        grads = (self.flat_grad if self.flat else self.part_grad)
+        held = grads.numel() * grads.element_size()
+        if not self.flat:
+            held += sum(p.grad.numel() * p.grad.element_size() for p in self.params if p.grad is not None)
+        fixed = sum(b.numel() * b.element_size() for b in self.buckets + self.shard_bufs)
+        return held, fixed

@@ -1,0 +1,67 @@
+"""Dynamic loss scaling for fp16 (Micikevicius et al.; the rules DeepSpeed and Megatron use).
+
+The loss is multiplied by ``scale`` before backward so small fp16 gradients do not flush to zero.
+An overflow (inf/NaN anywhere in the global gradient, detected on every rank by the same
+all-reduce that computes the clipping norm) skips the step everywhere; after ``hysteresis``
+overflows the scale is halved (never below ``min_scale``). After ``window`` clean steps it doubles
+and the hysteresis budget is restored. bf16 and fp32 use a constant scale of 1.
+"""
+
+from __future__ import annotations
+
+
+class LossScaler:
+    """Constant scale (bf16, fp32): never skips for scale reasons, never changes."""
+
+    dynamic = False
+
+    def __init__(self, scale: float = 1.0):
+        self.scale = float(scale)
+
+    def update(self, overflow: bool) -> None:
+        pass
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale = float(state["scale"])
+
+
+class DynamicLossScaler(LossScaler):
+    """fp16 scaler: halve on overflow (after ``hysteresis`` of them), double after ``window`` clean steps."""
+
+    dynamic = True
+
+    def __init__(self, initial_scale: float, window: int, hysteresis: int, min_scale: float):
+        super().__init__(initial_scale)
+        self.window, self.hysteresis, self.min_scale = window, hysteresis, float(min_scale)
+        self.hysteresis_left = hysteresis
+        self.clean_steps = 0
+
+    def update(self, overflow: bool) -> None:
+        if overflow:
+            if self.hysteresis_left <= 1:
+                self.scale = max(self.scale / 2.0, self.min_scale)
+            else:
+                self.hysteresis_left -= 1
+            self.clean_steps = 0
+            return
+        self.clean_steps += 1
+        if self.clean_steps % self.window == 0:
+            self.scale *= 2.0
+            self.hysteresis_left = self.hysteresis
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "hysteresis_left": self.hysteresis_left, "clean_steps": self.clean_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale = float(state["scale"])
+        self.hysteresis_left = int(state.get("hysteresis_left", self.hysteresis))
+        self.clean_steps = int(state.get("clean_steps", 0))
+
+
+def make_loss_scaler(cfg) -> LossScaler:
+    if cfg.precision == "fp16":
+        return DynamicLossScaler(cfg.initial_loss_scale, cfg.loss_scale_window, cfg.hysteresis, cfg.min_loss_scale)
+    return LossScaler(1.0)

@@ -1,0 +1,297 @@
+"""ZeroOptimizer: one front for plain DP and ZeRO-DP stages 1-3 (Pos, Pos+g, Pos+g+p; ZeRO §5).
+
+It owns the flat layout (``partition``), the gradient buckets (``grad_reduce``), the parameter
+gathering of stage 3 (``stage3``), the fp32 state (``offload``), the AdamW math (``adam``), the
+global norm (``clip``) and the loss scale (``loss_scaler``); this file only wires them into the
+step. Life of a step:
+
+1. ``backward`` (per micro-batch): scaled loss backward; hooks reduce full buckets over DP
+   (stage 0-1: only on the last micro-batch; stage 2-3: every time, into the gradient partition).
+2. ``step``: global squared norm of the reduced shards (one all-reduce; inf/NaN = fp16 overflow,
+   skipped on every rank), unscale and clip while staging each chunk's shard to fp32, AdamW on the
+   fp32 master shard, write the 16-bit shard back, all-gather the updated parameters (stages 1-2;
+   stage 3 gathers them lazily at the next forward). Comm volume: 2Ψ for stages 0-2, 3Ψ for 3 (§7).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+from torch import nn
+
+from zerotron.parallel import collectives as C
+from zerotron.zero import accounting
+from zerotron.zero.adam import FlatAdamW
+from zerotron.zero.clip import clip_coef, counts_in_norm, global_norm, local_sq_norm
+from zerotron.zero.config import ZeroConfig
+from zerotron.zero.grad_reduce import GradReducer
+from zerotron.zero.loss_scaler import make_loss_scaler
+from zerotron.zero.offload import OptimizerState
+from zerotron.zero.partition import Layout
+from zerotron.zero.stage3 import ParamGatherer, default_units, unit_params
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
+
+
+class ZeroOptimizer:
+    def __init__(self, model: nn.Module, grid, cfg: ZeroConfig, lr: float = 1e-3, betas=(0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0, clip_grad: float | None = None,
+                 stage3_units: list[nn.Module] | None = None):
+        cfg.validate()
+        _check_hyper(lr, betas, eps, weight_decay, clip_grad)
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError("ZeroOptimizer: the model has no parameter with requires_grad=True")
+        self.model, self.grid, self.cfg, self.stage = model, grid, cfg, cfg.stage
+        self.lr, self.betas, self.eps, self.weight_decay, self.clip_grad = lr, tuple(betas), eps, weight_decay, clip_grad
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        self.num_params = sum(p.numel() for p in self.params)
+        self.dtype = DTYPES[cfg.precision]
+        self.device = self.params[0].device
+        dp = grid.dp_group
+        shards, rank = (dp.size, dp.rank_of(grid.rank)) if cfg.stage >= 1 else (1, 0)
+        groups, persistent, unit_mods, unit_groups = self._plan_groups(model, stage3_units)
+        self.layout = Layout([p.shape for p in self.params], groups, shards, rank,
+                             min(cfg.reduce_bucket_size, cfg.allgather_bucket_size), persistent)
+        max_shard = max(c.shard for c in self.layout.chunks)
+        self.state = OptimizerState(self.layout.part_numel, max_shard, self.device, cfg.offload_optimizer)
+        self.adam = FlatAdamW(self.state.device)
+        self.gather_in = torch.empty(max_shard, dtype=self.dtype, device=self.device) if 1 <= cfg.stage <= 2 else None
+        for _, p in model.named_parameters():
+            if not p.requires_grad and p.is_floating_point():
+                p.data = p.data.to(self.dtype)
+        self._init_storage()  # the only collectives of the constructor: broadcast from DP rank 0
+        flat = cfg.stage <= 1 and cfg.contiguous_gradients
+        self.reducer = GradReducer(self.layout, self.params, dp, cfg.stage, flat, cfg.overlap_comm,
+                                   self.dtype, self.device)
+        self.gatherer = None
+        if cfg.stage == 3:
+            self.gatherer = ParamGatherer(self.layout, self.params, unit_mods, unit_groups, model,
+                                          self.part_param, dp, cfg.stage3_prefetch_bucket_size)
+        self.scaler = make_loss_scaler(cfg)
+        tp_rank = grid.tp_rank
+        no_decay = [len(shape) < 2 for shape in self.layout.shapes]  # params may be released (stage 3)
+        self.decay_segments = [self.layout.segments(c, lambda i: not no_decay[i]) for c in self.layout.chunks]
+        self.norm_segments = [self.layout.segments(c, lambda i: counts_in_norm(self.params[i], tp_rank))
+                              for c in self.layout.chunks]
+        self.norm_group = grid.world_group if cfg.stage >= 1 else grid.mp_group
+        self._no_sync = False
+        self.reducer.sync = self._default_sync()
+        self._mark = grid.stats.snapshot()
+        self.comm_per_step: dict = {}
+
+    # construction helpers -------------------------------------------------------------------------
+    def _plan_groups(self, model, stage3_units):
+        n = len(self.params)
+        if self.stage < 3:  # reverse order: buckets fill in the order backward produces gradients
+            return [list(reversed(range(n)))], [False], [], []
+        units = list(stage3_units) if stage3_units is not None else default_units(model)
+        if not any(u is model for u in units):
+            units.insert(0, model)  # the root covers whatever the given units leave out
+        per_unit = unit_params(units, self.params)
+        owner = [-1] * n
+        for u, members in enumerate(per_unit):
+            for p in members:
+                if owner[p] < 0:
+                    owner[p] = u
+        missing = [self.names[i] for i in range(n) if owner[i] < 0]
+        if missing:
+            raise ValueError(f"stage3_units: parameter(s) {missing[:3]} belong to no unit; pass units that "
+                             f"cover every trainable parameter (or the model itself)")
+        threshold = self.cfg.stage3_param_persistence_threshold
+        small = [self.params[i].numel() <= threshold for i in range(n)]
+        groups, group_of_unit = [], {}
+        for u in range(len(units)):
+            members = [p for p in per_unit[u] if owner[p] == u and not small[p]]
+            if members:
+                group_of_unit[u] = len(groups)
+                groups.append(members)
+        persistent = [False] * len(groups)
+        if any(small):
+            groups.append([i for i in range(n) if small[i]])
+            persistent.append(True)
+        param_group = {}
+        for gi, members in enumerate(groups):
+            for p in members:
+                param_group[p] = gi
+        unit_groups = [sorted({param_group[p] for p in per_unit[u] if not small[p]}) for u in range(len(units))]
+        return groups, persistent, units, unit_groups
+
+    def _init_storage(self) -> None:
+        """Fill the master shard and the 16-bit storage from DP rank 0's fp32 values (one chunk at a time)."""
+        lay, dp = self.layout, self.grid.dp_group
+        if self.stage < 3:
+            self.flat_param = torch.zeros(lay.full_numel, dtype=self.dtype, device=self.device)
+            self.part_param = None
+        else:
+            self.flat_param = None
+            self.part_param = torch.zeros(lay.part_numel, dtype=self.dtype, device=self.device)
+        tmp = torch.empty(max(c.numel for c in lay.chunks), dtype=torch.float32, device=self.device)
+        with torch.no_grad():
+            for c in lay.chunks:
+                buf = tmp[:c.numel].zero_()
+                for pc in c.pieces:
+                    buf[pc.offset:pc.offset + pc.end - pc.start].copy_(self.params[pc.param].reshape(-1)[pc.start:pc.end])
+                C.broadcast(buf, dp.ranks[0], dp)
+                lo, hi = lay.own_range(c)
+                own = buf[lo - c.offset:hi - c.offset]
+                self.state.master[c.part_offset:c.part_offset + c.shard].copy_(own)
+                if self.stage < 3:
+                    self.flat_param[c.offset:c.offset + c.numel].copy_(buf)
+                else:
+                    self.part_param[c.part_offset:c.part_offset + c.shard].copy_(own)
+        if self.stage < 3:
+            for i, p in enumerate(self.params):
+                p.data = lay.param_view(self.flat_param, i)
+
+    def _default_sync(self) -> bool:
+        return not self._no_sync and self.stage >= 2
+
+    # training interface ---------------------------------------------------------------------------
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.scaler.scale if self.scaler.dynamic else loss
+
+    def backward(self, loss: torch.Tensor, last_microbatch: bool = True) -> None:
+        """Backward of ``loss`` (already divided by the number of micro-batches), reducing as ZeRO prescribes."""
+        self.reducer.sync = not self._no_sync and (self.stage >= 2 or last_microbatch)
+        try:
+            self.scale_loss(loss).backward()
+            if self.reducer.sync:
+                self.reducer.flush()
+        finally:
+            self.reducer.sync = self._default_sync()
+            if self.gatherer is not None:
+                self.gatherer.release_all()
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward calls inside accumulate gradients locally with no communication (pipeline mode)."""
+        self._no_sync, self.reducer.sync = True, False
+        try:
+            yield
+        finally:
+            self._no_sync = False
+            self.reducer.sync = self._default_sync()
+
+    def reduce_gradients(self) -> None:
+        """Reduce everything accumulated so far (once per step after ``no_sync`` backward calls)."""
+        self.reducer.flush()
+        if self.gatherer is not None:
+            self.gatherer.release_all()
+
+    def set_lr(self, lr: float) -> None:
+        _check_hyper(lr, self.betas, self.eps, self.weight_decay, self.clip_grad)
+        self.lr = lr
+
+    def step(self) -> dict:
+        if self.reducer.pending:
+            self.reduce_gradients()
+        self.reducer.wait()
+        lay, st, scale = self.layout, self.state, self.scaler.scale
+        sq = local_sq_norm([(self.reducer.grad_shard(c), self.norm_segments[c.index]) for c in lay.chunks],
+                           self.device)
+        norm = global_norm(sq, self.norm_group) / scale
+        overflow = not math.isfinite(norm)
+        if not overflow:
+            coef = clip_coef(norm, self.clip_grad) / scale
+            st.step += 1
+            for c in lay.chunks:
+                lo, hi = c.part_offset, c.part_offset + c.shard
+                grad = st.stage_grad(self.reducer.grad_shard(c), coef)
+                self.adam.update(st.master[lo:hi], grad, st.exp_avg[lo:hi], st.exp_avg_sq[lo:hi], st.step,
+                                 self.lr, self.betas, self.eps, self.weight_decay, self.decay_segments[c.index])
+            self._publish()
+        self.scaler.update(overflow)
+        self.reducer.zero()
+        now = self.grid.stats.snapshot()
+        self.comm_per_step, self._mark = accounting.snapshot_diff(now, self._mark), now
+        return {"grad_norm": norm, "skipped": overflow, "loss_scale": self.scaler.scale}
+
+    def _publish(self) -> None:
+        """Master shards -> 16-bit parameters: all-gathered for stages 1-2, kept partitioned for stage 3."""
+        lay, st = self.layout, self.state
+        with torch.no_grad():
+            for c in lay.chunks:
+                lo, hi = c.part_offset, c.part_offset + c.shard
+                if self.stage == 0:
+                    st.write_params(self.flat_param[c.offset:c.offset + c.numel], lo, hi)
+                elif self.stage < 3:
+                    st.write_params(self.gather_in[:c.shard], lo, hi)
+                    C.all_gather(self.flat_param[c.offset:c.offset + c.numel], self.gather_in[:c.shard],
+                                 self.grid.dp_group)
+                else:
+                    st.write_params(self.part_param[lo:hi], lo, hi)
+        if self.gatherer is not None:
+            self.gatherer.release_all()
+            self.gatherer.refresh_persistent()
+
+    # accounting -----------------------------------------------------------------------------------
+    def memory_report(self) -> dict:
+        return accounting.memory_report(self)
+
+    # checkpoint support (reshardable) ---------------------------------------------------------------
+    @property
+    def param_shapes(self) -> dict[str, torch.Size]:
+        """TP-local shape of every parameter by name (stage 3 releases ``p.data``, so ``p.shape`` lies)."""
+        return dict(zip(self.names, self.layout.shapes))
+
+    def partition_index(self) -> list[tuple[str, int, int, int]]:
+        return self.layout.partition_index(self.names)
+
+    def partition_state(self) -> dict:
+        st = self.state
+        return {"master": st.master, "exp_avg": st.exp_avg, "exp_avg_sq": st.exp_avg_sq, "step": st.step,
+                "loss_scaler": self.scaler.state_dict()}
+
+    def load_partition_state(self, read_fn, step: int | None = None, loss_scaler: dict | None = None) -> None:
+        """Fill this rank's partition with ``read_fn(param_name, key, start, end)`` for every indexed range."""
+        st = self.state
+        with torch.no_grad():
+            for name, start, end, off in self.partition_index():
+                for key in STATE_KEYS:
+                    value = read_fn(name, key, start, end)
+                    if value.numel() != end - start:
+                        raise ValueError(f"load_partition_state: {name}[{start}:{end}] {key} has {value.numel()} "
+                                         f"elements, expected {end - start}")
+                    getattr(st, key)[off:off + end - start].copy_(value.reshape(-1))
+        if step is not None:
+            st.step = int(step)
+        if loss_scaler is not None:
+            self.scaler.load_state_dict(loss_scaler)
+        self._publish()
+
+    def full_params(self):
+        """Yield ``(name, full fp32 TP-local tensor)`` from the master weights, gathered over DP."""
+        lay, dp = self.layout, self.grid.dp_group
+        parts: dict[int, torch.Tensor] = {}
+        done = [0] * len(self.params)
+        for c in lay.chunks:
+            mine = self.state.master[c.part_offset:c.part_offset + c.shard].to(self.device)
+            if lay.shards == 1:
+                full = mine
+            else:
+                full = torch.empty(c.numel, dtype=torch.float32, device=self.device)
+                C.all_gather(full, mine, dp)
+            for pc in c.pieces:
+                buf = parts.setdefault(pc.param, torch.empty(lay.numels[pc.param], dtype=torch.float32, device=self.device))
+                buf[pc.start:pc.end].copy_(full[pc.offset:pc.offset + pc.end - pc.start])
+                done[pc.param] += 1
+                if done[pc.param] == len(lay.param_chunks[pc.param]):
+                    yield self.names[pc.param], parts.pop(pc.param).view(lay.shapes[pc.param])
+
+
+def _check_hyper(lr, betas, eps, weight_decay, clip_grad) -> None:
+    if not (isinstance(lr, (int, float)) and lr >= 0):
+        raise ValueError(f"lr={lr!r}: must be a number >= 0")
+    if len(tuple(betas)) != 2 or not all(0 <= b < 1 for b in betas):
+        raise ValueError(f"betas={betas!r}: must be two numbers in [0, 1), e.g. (0.9, 0.95)")
+    if not eps > 0:
+        raise ValueError(f"eps={eps!r}: must be > 0, e.g. 1e-8")
+    if not weight_decay >= 0:
+        raise ValueError(f"weight_decay={weight_decay!r}: must be >= 0")
+    if clip_grad is not None and not clip_grad >= 0:
+        raise ValueError(f"clip_grad={clip_grad!r}: must be >= 0 (0 or None disables clipping)")

@@ -1,0 +1,220 @@
+"""Pos+g+p (ZeRO §5.3): parameters partitioned, gathered per unit just in time, released after use.
+
+Each rank keeps only its shard of every 16-bit parameter (the flat partition). A *unit* is a
+submodule: by default the model itself (for everything outside containers) plus each member of
+its ``ModuleList``/``ModuleDict``/``Sequential`` containers such as ``blocks`` (see
+``default_units``). Its layout group is all-gathered
+
+* in forward, by a forward pre-hook, and released by the forward hook once the unit has run;
+* in backward, by a hook on the unit's output tensors (it fires when the output's gradient
+  arrives, i.e. just before the unit's backward), and released once every parameter of the group
+  has its gradient (post-accumulate hooks) -- which is when autograd no longer needs it.
+
+That is one all-gather in forward and one in backward, plus the gradient reduce-scatter: 3Ψ per
+step, 1.5x plain DP (§7.2.2). The next units in the order recorded during the first forward are
+prefetched asynchronously up to ``stage3_prefetch_bucket_size`` elements (in reverse order during
+backward). Parameters smaller than ``stage3_param_persistence_threshold`` sit in one *persistent*
+group that stays gathered (their gather would cost more in latency than it saves in memory); they
+are still partitioned for the optimizer and re-gathered once after each step (2Ψ_small).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from zerotron.parallel import collectives as C
+
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+
+
+def default_units(model: nn.Module) -> list[nn.Module]:
+    """The model itself, then every member of its ``ModuleList``/``ModuleDict``/``Sequential`` containers.
+
+    The root unit holds every parameter outside those containers (embeddings, final LayerNorm,
+    head): a tied output layer uses the word embedding in the root's own forward (GPT's ``head``),
+    so the embedding must stay gathered for the whole forward and again for the whole backward.
+    Each transformer block is its own unit, gathered only while it runs.
+    """
+    units: list[nn.Module] = [model]
+
+    def visit(container: nn.Module) -> None:
+        for member in container.children():
+            if isinstance(member, _CONTAINERS):
+                visit(member)
+            elif any(True for _ in member.parameters()):
+                units.append(member)
+
+    for child in model.children():
+        if isinstance(child, _CONTAINERS):
+            visit(child)
+    return units
+
+
+def unit_params(units: list[nn.Module], params: list[nn.Parameter]) -> list[list[int]]:
+    """Parameter indices each unit uses: all parameters reachable from it, minus those of units nested in it."""
+    index = {id(p): i for i, p in enumerate(params)}
+    reach = [[index[id(p)] for p in u.parameters() if id(p) in index] for u in units]
+    out = []
+    for ui, u in enumerate(units):
+        inner = set()
+        for vi, v in enumerate(units):
+            if vi != ui and v is not u and any(m is v for m in u.modules()):
+                inner.update(reach[vi])
+        out.append([p for p in reach[ui] if p not in inner])
+    return out
+
+
+class ParamGatherer:
+    """Gathers, binds, releases and prefetches the partitioned parameters of stage 3."""
+
+    def __init__(self, layout, params, units: list[nn.Module], unit_groups: list[list[int]], model: nn.Module,
+                 part_param: torch.Tensor, dp_group, prefetch_numel: int):
+        self.layout, self.params, self.units = layout, params, units
+        self.unit_groups, self.part, self.dp_group = unit_groups, part_param, dp_group
+        self.prefetch_numel = prefetch_numel
+        n = len(layout.groups)
+        self.full: dict[int, torch.Tensor] = {}
+        self.inflight: dict[int, list] = {}
+        self.refs, self.bwd_active, self.ready = [0] * n, [False] * n, [0] * n
+        self.expected = [sum(1 for p in g.params if params[p].requires_grad) for g in layout.groups]
+        self.order: list[int] = []
+        self.recording, self.cursor, self.stack = True, 0, []
+        self.empty = torch.empty(0, dtype=part_param.dtype, device=part_param.device)
+        self.index = {id(p): i for i, p in enumerate(params)}
+        self.hooks = [model.register_forward_pre_hook(self._model_pre, prepend=True),
+                      model.register_forward_hook(self._model_post)]
+        for ui, u in enumerate(units):
+            self.hooks.append(u.register_forward_pre_hook(lambda m, a, ui=ui: self._unit_pre(ui)))
+            self.hooks.append(u.register_forward_hook(lambda m, a, out, ui=ui: self._unit_post(ui, out)))
+        for p in params:
+            if p.requires_grad:
+                self.hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        for g in layout.groups:
+            if g.persistent:
+                self.ensure(g.index)
+            else:
+                self.release(g.index)
+
+    # gather / release -------------------------------------------------------------------------------
+    def _gather(self, g: int, async_op: bool) -> None:
+        group = self.layout.groups[g]
+        buf = torch.empty(group.numel, dtype=self.part.dtype, device=self.part.device)
+        works = []
+        for ci in group.chunks:
+            c = self.layout.chunks[ci]
+            out = buf[c.offset - group.offset:c.offset - group.offset + c.numel]
+            works.append(C.all_gather(out, self.part[c.part_offset:c.part_offset + c.shard], self.dp_group,
+                                      async_op=async_op))
+        self.full[g] = buf
+        for p in group.params:
+            self.params[p].data = self.layout.param_view(buf, p)
+        if async_op:
+            self.inflight[g] = works
+
+    def ensure(self, g: int) -> None:
+        """Make group ``g`` resident (waiting for its prefetch if one is in flight)."""
+        if g in self.inflight:
+            for w in self.inflight.pop(g):
+                w.wait()
+        elif g not in self.full:
+            self._gather(g, async_op=False)
+
+    def release(self, g: int) -> None:
+        if g in self.inflight:
+            for w in self.inflight.pop(g):
+                w.wait()
+        for p in self.layout.groups[g].params:
+            self.params[p].data = self.empty
+        self.full.pop(g, None)
+        self.bwd_active[g] = False
+
+    def release_all(self) -> None:
+        """Drop every non-persistent group nobody is using (end of backward, after a step)."""
+        for g in list(self.full):
+            if not self.layout.groups[g].persistent and self.refs[g] == 0:
+                self.release(g)
+        self.bwd_active = [False] * len(self.bwd_active)
+        self.ready = [0] * len(self.ready)
+
+    def refresh_persistent(self) -> None:
+        """After a step: the persistent params are re-gathered from the updated partitions."""
+        for g in self.layout.groups:
+            if g.persistent:
+                self.full.pop(g.index, None)
+                self._gather(g.index, async_op=False)
+
+    def _prefetch(self, pos: int, step: int) -> None:
+        budget, k = self.prefetch_numel, pos + step
+        if step < 0 and pos == 0:
+            k = len(self.order) - 1  # the root's output gradient comes first; the last block is next
+        while 0 <= k < len(self.order) and k != pos and not self.recording:
+            for g in self.unit_groups[self.order[k]]:
+                if g in self.full or self.layout.groups[g].persistent:
+                    continue
+                numel = self.layout.groups[g].numel
+                if numel > budget:
+                    return
+                budget -= numel
+                self._gather(g, async_op=True)
+            k += step
+
+    # hooks ----------------------------------------------------------------------------------------
+    def _model_pre(self, module, args) -> None:
+        self.cursor = 0
+
+    def _model_post(self, module, args, out) -> None:
+        self.recording = False
+        if not torch.is_grad_enabled():  # inference: nothing will come back for these
+            self.release_all()
+
+    def _unit_pre(self, ui: int) -> None:
+        pos = self.cursor
+        self.cursor += 1
+        self.stack.append(pos)
+        if self.recording:
+            self.order.append(ui)
+        for g in self.unit_groups[ui]:
+            self.refs[g] += 1
+            self.ensure(g)
+        self._prefetch(pos, +1)
+
+    def _unit_post(self, ui: int, out):
+        pos = self.stack.pop()
+        for g in self.unit_groups[ui]:
+            self.refs[g] -= 1
+            if self.refs[g] == 0 and not self.bwd_active[g] and not self.layout.groups[g].persistent:
+                self.release(g)
+        if torch.is_grad_enabled():
+            for t in _tensors(out):
+                if t.requires_grad:
+                    t.register_hook(lambda grad, ui=ui, pos=pos: self._backward_fetch(ui, pos))
+        return None
+
+    def _backward_fetch(self, ui: int, pos: int) -> None:
+        for g in self.unit_groups[ui]:
+            if not self.bwd_active[g]:
+                self.bwd_active[g], self.ready[g] = True, 0
+            self.ensure(g)
+        self._prefetch(pos, -1)
+
+    def _on_grad(self, param) -> None:
+        g = self.layout.param_group[self.index[id(param)]]
+        self.ready[g] += 1
+        group = self.layout.groups[g]
+        if self.ready[g] >= self.expected[g] and self.refs[g] == 0 and not group.persistent and g in self.full:
+            self.release(g)
+
+    def resident_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for g, b in self.full.items() if self.layout.groups[g].persistent)
+
+
+def _tensors(out):
+    if isinstance(out, torch.Tensor):
+        yield out
+    elif isinstance(out, (tuple, list)):
+        for o in out:
+            yield from _tensors(o)
+    elif isinstance(out, dict):
+        for o in out.values():
+            yield from _tensors(o)
