@@ -30,7 +30,7 @@ class Trainer:
         from zerotron.data import GPTDataset, PretrainSampler, prepare_dataset_index
         from zerotron.model import GPT
         from zerotron.model.flops import flops_per_iteration, peak_tflops
-        from zerotron.zero import ZeroOptimizer
+        from zerotron.zero import ActivationCheckpointConfig, ZeroOptimizer, apply_activation_checkpointing
 
         self.cfg, self.env = cfg, env
         self.grid = grid = build_grid(cfg)
@@ -38,6 +38,8 @@ class Trainer:
         self.mcfg = model_config(cfg, self.data.vocab_size)
         t = cfg.training
         self.model = GPT(self.mcfg, grid, dtype=torch.float32, device=env.device, seed=t.seed)
+        ac = ActivationCheckpointConfig(**dataclasses.asdict(cfg.activation_checkpointing))
+        self.activations = apply_activation_checkpointing(self.model, grid, ac)  # None when off
         o = cfg.optimizer
         self.opt = ZeroOptimizer(self.model, grid, zero_config(cfg), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
                                  weight_decay=o.weight_decay, clip_grad=o.clip_grad)
@@ -64,7 +66,8 @@ class Trainer:
             self._restore_rng(state["rng"])
         recompute = cfg.activation_checkpointing.checkpoint_activations
         flops = flops_per_iteration(self.mcfg, t.global_batch_size, seq, recompute=recompute)
-        peak = cfg.logging.peak_tflops or peak_tflops(env.device, DTYPES[t.precision])
+        device_name = torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else "cpu"
+        peak = cfg.logging.peak_tflops or peak_tflops(device_name, DTYPES[t.precision])
         self.throughput = Throughput(flops, t.global_batch_size * seq, t.global_batch_size, grid.world_size, peak)
         self.logger = MetricsLogger(cfg.logging.run_dir, cfg.to_dict(), enabled=grid.rank == 0,
                                     wandb_mode=cfg.logging.wandb_mode, project=cfg.logging.wandb_project,
@@ -181,12 +184,17 @@ class Trainer:
                        **peak_memory(self.env.device),
                        "comm_bytes": {g: b // window for g, b in self.grid.stats.bytes_by_group().items()}}
                 rec.update({f"model_state_{k}": v for k, v in self.opt.memory_report().items()})
+                if self.activations is not None:
+                    act = self.activations.step_report()
+                    rec.update(saved_activation_device_bytes=act["peak_saved_device_bytes"],
+                               saved_activation_host_bytes=act["peak_saved_host_bytes"],
+                               pa_allgather_bytes=act["pa_allgather_bytes"])
                 self.logger.log(rec)
                 last, window = rec, 0
                 self.grid.stats.reset()  # comm_bytes: bytes per step over the last logging window
             if self.eval_ds is not None and lg.eval_interval and self.step % lg.eval_interval == 0:
                 ev = self.evaluate()
-                self.logger.log({"step": self.step, "loss": out["loss"], "lr": out["lr"], **ev})
+                self.logger.log({"step": self.step, **ev})
                 last.update(ev)
             stop = self._stop_agreed()
             if c.save and ((c.save_interval and self.step % c.save_interval == 0) or stop

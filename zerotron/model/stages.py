@@ -1,0 +1,109 @@
+"""Cutting the GPT into pipeline stages, and keeping the tied word embedding in sync across them.
+
+Split rule: ``num_layers`` transformer blocks over ``pp`` stages as evenly as possible, the
+*earlier* stages taking the extra layer when the division is uneven (10 layers on 4 stages:
+3, 3, 2, 2), unless an explicit ``layers_per_stage`` list is given. The embedding lives on the
+first stage, the final LayerNorm, the tied output layer and the loss on the last.
+
+Tied embeddings (Megatron-LM): the last stage holds its own copy of the word embedding
+(``GPT.word_embedding_copy``), initialised identically. After every step's backwards the two
+gradients are summed by an all-reduce over ``grid.embedding_group`` (first and last stage of
+one pipeline), so both copies receive the full gradient and take the same optimizer step: they
+stay bit-identical, and the step equals the single-process one where the weight is shared.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from zerotron.model.config import GPTConfig
+from zerotron.model.gpt import GPT
+from zerotron.parallel import collectives as C
+from zerotron.parallel.grid import Grid
+from zerotron.parallel.pipeline import StepOutput, train_step
+
+
+def split_layers(num_layers: int, pp: int, layers_per_stage: Sequence[int] | None = None) -> list[list[int]]:
+    """Global layer indices held by each stage; raises ValueError naming the field and the fix."""
+    if not isinstance(pp, int) or pp < 1:
+        raise ValueError(f"parallel.pp={pp!r}: must be a positive integer")
+    if not isinstance(num_layers, int) or num_layers < 1:
+        raise ValueError(f"model.num_layers={num_layers!r}: must be a positive integer")
+    if layers_per_stage is None:
+        if pp > num_layers:
+            raise ValueError(f"parallel.pp={pp} exceeds model.num_layers={num_layers}: every stage needs at "
+                             f"least one transformer layer; use pp <= {num_layers}")
+        base, extra = divmod(num_layers, pp)
+        counts = [base + (1 if s < extra else 0) for s in range(pp)]  # earlier stages get the extra layer
+    else:
+        counts = list(layers_per_stage)
+        if len(counts) != pp:
+            raise ValueError(f"parallel.layers_per_stage={counts} has {len(counts)} entries but parallel.pp={pp}; "
+                             f"give one layer count per stage")
+        if any(not isinstance(c, int) or isinstance(c, bool) or c < 1 for c in counts):
+            raise ValueError(f"parallel.layers_per_stage={counts}: every stage needs a positive integer number "
+                             f"of layers")
+        if sum(counts) != num_layers:
+            raise ValueError(f"parallel.layers_per_stage={counts} sums to {sum(counts)} but model.num_layers="
+                             f"{num_layers}; make the counts add up to num_layers")
+    out, start = [], 0
+    for c in counts:
+        out.append(list(range(start, start + c)))
+        start += c
+    return out
+
+
+def build_stage(config: GPTConfig, grid: Grid, layers_per_stage: Sequence[int] | None = None, **gpt_kwargs) -> GPT:
+    """This rank's pipeline stage of the GPT (``gpt_kwargs``: dtype, device, seed, ...).
+
+    The same seed gives the same full weights for every (tp, pp) layout: parameters are
+    initialised by their global names, so stage 1 of 2 draws layers 3.. exactly as a single process.
+    """
+    config.validate(grid.tp_size)
+    layer_ids = split_layers(config.num_layers, grid.pp_size, layers_per_stage)[grid.pp_rank]
+    return GPT(config, grid, pre_process=grid.is_first_stage, post_process=grid.is_last_stage,
+               layer_ids=layer_ids, **gpt_kwargs)
+
+
+def sync_embedding_grads(model: GPT) -> None:
+    """Sum the tied word embedding's gradient over the first and last stage (Megatron's embedding group).
+
+    Call after every backward of the step and before the data-parallel reduction. No-op when one
+    stage holds both ends (pp = 1) or on middle stages.
+    """
+    group = model.grid.embedding_group
+    if group is None or group.size == 1 or not (model.pre_process or model.post_process):
+        return
+    weight = model.word_embedding_weight
+    if weight.grad is None:  # e.g. Pos+g freed it and no backward ran: contribute zeros
+        weight.grad = torch.zeros_like(weight)
+    C.all_reduce(weight.grad, group)
+
+
+def pipeline_step(model: GPT, microbatches: Sequence, optimizer=None, schedule: str = "1f1b",
+                  micro_batch_size: int | None = None) -> StepOutput:
+    """Forward + backward of one global batch on this rank's stage, gradients reduced; then call ``step()``.
+
+    ``microbatches``: ``m`` pairs ``(token_ids [b, s], labels [b, s])`` for this DP rank (middle
+    stages may pass None for both, then ``micro_batch_size`` is required). The tied-embedding
+    gradients are all-reduced after the last backward and before the optimizer's reduction.
+    """
+    b = micro_batch_size
+    if b is None:
+        sample = next((t for t in microbatches[0] if t is not None), None) if len(microbatches) else None
+        if sample is None:
+            raise ValueError("pipeline_step: cannot infer the micro-batch size from micro-batches of None; "
+                             "pass micro_batch_size")
+        b = sample.shape[0]
+    seq = model.config.seq_length
+    for ids, labels in microbatches:
+        for name, t in (("token_ids", ids), ("labels", labels)):
+            if t is not None and tuple(t.shape) != (b, seq):
+                raise ValueError(f"pipeline_step: {name} shape {tuple(t.shape)} != (micro_batch_size, seq_length)"
+                                 f" = ({b}, {seq}); every micro-batch must have the same shape")
+    device = next(model.parameters()).device
+    return train_step(model, microbatches, model.grid, (b, seq, model.config.hidden_size), schedule=schedule,
+                      optimizer=optimizer, after_backward=lambda: sync_embedding_grads(model),
+                      dtype=model.dtype, device=device)
