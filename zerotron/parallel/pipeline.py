@@ -203,3 +203,25 @@ def train_step_1f1b(stage, microbatches, grid, shape, **kw) -> StepOutput:
 
 def train_step_afab(stage, microbatches, grid, shape, **kw) -> StepOutput:
     return train_step(stage, microbatches, grid, shape, schedule="afab", **kw)
+
+
+@torch.no_grad()
+def eval_step(stage: nn.Module, microbatches: Sequence, grid: Grid, shape: Sequence[int], *,
+              dtype=torch.float32, device=None) -> float:
+    """Forward-only pass of ``m`` micro-batches through the pipeline; mean loss on every pp rank.
+
+    No backward, so no schedule is needed: each stage receives, computes and sends one
+    micro-batch at a time (blocking p2p, which cannot deadlock in a chain).
+    """
+    total = torch.zeros(1, dtype=torch.float64, device=device)
+    for ids, labels in microbatches:
+        x = ids
+        if not grid.is_first_stage:
+            x = p2p.recv(torch.empty(tuple(shape), dtype=dtype, device=device), grid.prev_pp_rank, grid.pp_group)
+        out = stage(x, labels) if grid.is_last_stage else stage(x)
+        if grid.is_last_stage:
+            total += out.double()
+        else:
+            p2p.send(out, grid.next_pp_rank, grid.pp_group)
+    C.broadcast(total, grid.pp_group.ranks[-1], grid.pp_group)
+    return float(total.item()) / max(len(microbatches), 1)

@@ -79,7 +79,7 @@ def save_checkpoint(save: str, step: int, model, opt, grid, *, consumed_samples:
         atomic_write_json(tmp / "metadata.json", {
             "format_version": FORMAT_VERSION, "step": step, "consumed_samples": consumed_samples,
             "adam_step": int(state.get("step", step)), "loss_scaler": state.get("loss_scaler"),
-            "layout": {"tp": grid.tp_size, "pp": grid.pp_size, "dp": grid.dp_size, "stage": opt.config.stage,
+            "layout": {"tp": grid.tp_size, "pp": grid.pp_size, "dp": grid.dp_size, "stage": opt.stage,
                        "world_size": grid.world_size},
             "model": model_config, "config": run_config, "params": params, "files": files})
         for r in range(grid.world_size):

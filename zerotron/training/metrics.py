@@ -71,12 +71,16 @@ class MetricsLogger:
     def log(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
+        record = {k: (v.item() if isinstance(v, torch.Tensor) else v) for k, v in record.items()}
         self._file.write(json.dumps(record) + "\n")
         if self._wandb is not None:
             flat = {k: v for k, v in record.items() if isinstance(v, (int, float))}
             for group, nbytes in (record.get("comm_bytes") or {}).items():
                 flat[f"comm_bytes/{group}"] = nbytes
             self._wandb.log(flat, step=record["step"])
+        if "eval_loss" in record:
+            self.message(f"eval {record['step']:>6} | loss {record['eval_loss']:.4f} | ppl {record['eval_ppl']:.2f}")
+            return
         line = (f"step {record['step']:>6} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
                 f"grad_norm {record.get('grad_norm', float('nan')):.3f} | tok/s {record.get('tokens_per_s', 0):,.0f} | "
                 f"TFLOP/s {record.get('tflops_per_device', 0):.3f}")

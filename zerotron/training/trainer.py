@@ -30,6 +30,8 @@ class Trainer:
         from zerotron.data import GPTDataset, PretrainSampler, prepare_dataset_index
         from zerotron.model import GPT
         from zerotron.model.flops import flops_per_iteration, peak_tflops
+        from zerotron.model.stages import build_stage
+        from zerotron.parallel.pipeline import microbatches_in_flight
         from zerotron.zero import ActivationCheckpointConfig, ZeroOptimizer, apply_activation_checkpointing
 
         self.cfg, self.env = cfg, env
@@ -37,9 +39,14 @@ class Trainer:
         self.data = prepare_data(cfg, grid)
         self.mcfg = model_config(cfg, self.data.vocab_size)
         t = cfg.training
-        self.model = GPT(self.mcfg, grid, dtype=torch.float32, device=env.device, seed=t.seed)
+        if grid.pp_size > 1:  # this rank's pipeline stage: same weights as the whole model would have
+            self.model = build_stage(self.mcfg, grid, dtype=torch.float32, device=env.device, seed=t.seed)
+        else:
+            self.model = GPT(self.mcfg, grid, dtype=torch.float32, device=env.device, seed=t.seed)
         ac = ActivationCheckpointConfig(**dataclasses.asdict(cfg.activation_checkpointing))
-        self.activations = apply_activation_checkpointing(self.model, grid, ac)  # None when off
+        in_flight = microbatches_in_flight(cfg.parallel.pipeline_schedule, grid.pp_size, grid.pp_rank,
+                                           cfg.num_microbatches)
+        self.activations = apply_activation_checkpointing(self.model, grid, ac, microbatches_in_flight=in_flight)
         o = cfg.optimizer
         self.opt = ZeroOptimizer(self.model, grid, zero_config(cfg), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
                                  weight_decay=o.weight_decay, clip_grad=o.clip_grad)
@@ -127,14 +134,21 @@ class Trainer:
                            decay=cfg.optimizer.decay)
         self.opt.set_lr(lr)
         batches = self._micro_batches(self.train_ds, self.consumed)
-        total = 0.0
-        for i, indices in enumerate(batches):
-            x, y = self._batch(self.train_ds, indices)
-            loss = self.model(x, labels=y)
-            self.opt.backward(loss / len(batches), last_microbatch=i == len(batches) - 1)
-            total += float(loss.detach()) / len(batches)
-        info = self.opt.step()
-        loss = self._dp_mean(total)
+        if self.grid.pp_size > 1:  # the schedule accumulates, syncs tied embeddings, reduces once
+            from zerotron.model.stages import pipeline_step
+
+            data = [self._batch(self.train_ds, indices) for indices in batches]
+            loss = pipeline_step(self.model, data, self.opt, schedule=cfg.parallel.pipeline_schedule).loss
+            info = self.opt.step()
+        else:
+            total = 0.0
+            for i, indices in enumerate(batches):
+                x, y = self._batch(self.train_ds, indices)
+                mb_loss = self.model(x, labels=y)
+                self.opt.backward(mb_loss / len(batches), last_microbatch=i == len(batches) - 1)
+                total += float(mb_loss.detach()) / len(batches)
+            info = self.opt.step()
+            loss = self._dp_mean(total)
         if not math.isfinite(loss):
             raise TrainingStopped(f"loss is {loss} at step {self.step + 1} (consumed samples {self.consumed}); "
                                   f"rerun from the last checkpoint with the same data position to reproduce")
@@ -144,12 +158,18 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict:
+        from zerotron.parallel.pipeline import eval_step
+
         self.model.eval()
         losses = []
+        t = self.cfg.training
         for k in range(self.cfg.logging.eval_steps):
-            for indices in self._micro_batches(self.eval_ds, k * self.cfg.training.global_batch_size):
-                x, y = self._batch(self.eval_ds, indices)
-                losses.append(float(self.model(x, labels=y)))
+            data = [self._batch(self.eval_ds, ix) for ix in self._micro_batches(self.eval_ds, k * t.global_batch_size)]
+            if self.grid.pp_size > 1:
+                shape = (t.micro_batch_size, self.mcfg.seq_length, self.mcfg.hidden_size)
+                losses.append(eval_step(self.model, data, self.grid, shape, device=self.env.device))
+            else:
+                losses.extend(float(self.model(x, labels=y)) for x, y in data)
         self.model.train()
         loss = self._dp_mean(sum(losses) / len(losses))
         return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
