@@ -173,3 +173,37 @@ def test_corrupt_truncated_and_foreign_checkpoints_fail_clearly_on_every_rank(tm
     msgs = spawn(load_into, 2, str(step), ["--model.hidden_size", "128"], timeout=120)
     assert all("model.hidden_size=64 in the checkpoint, 128 in this run" in m for m in msgs), msgs
     assert shard.read_bytes() == original and sorted(p.name for p in ck.iterdir()) == ["step_00000010"]
+
+
+def sigterm_on_rank0_at_step_5(run_dir, ck):
+    import json
+
+    import torch.distributed as dist
+
+    from zerotron.parallel.runtime import init_distributed
+    from zerotron.training.trainer import Trainer
+
+    cfg = make_config(run_dir, "--tp", "2", "--zero-stage", "2", "--save", ck, "--save-interval", "0",
+                      "--log-interval", "1").validate(dist.get_world_size())
+    trainer = Trainer(cfg, init_distributed())
+    step = trainer.train_step
+
+    def preempted_step():
+        out = step()
+        if trainer.step == 5 and dist.get_rank() == 0:
+            os.kill(os.getpid(), signal.SIGTERM)  # only one rank is told: all must agree to stop
+        return out
+
+    trainer.train_step = preempted_step
+    trainer.train()
+    keys = set(json.loads((Path(run_dir) / "metrics.jsonl").read_text().splitlines()[0])) if dist.get_rank() == 0 else set()
+    return trainer.step, keys
+
+
+def test_sigterm_checkpoints_then_stops_on_every_rank(tmp_path):
+    out = spawn(sigterm_on_rank0_at_step_5, 4, tmp_path / "run", tmp_path / "ck", timeout=120)
+    assert [s for s, _ in out] == [5, 5, 5, 5]
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step_00000005"]
+    wanted = {"step", "loss", "lr", "grad_norm", "loss_scale", "skipped_steps", "tokens_per_s", "samples_per_s",
+              "tflops_per_device", "mfu", "peak_rss_bytes", "comm_bytes", "model_state_total_model_states"}
+    assert wanted <= out[0][1], wanted - out[0][1]

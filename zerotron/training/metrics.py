@@ -128,6 +128,5 @@ class Throughput:
         tflops = self.flops_per_step * n / elapsed / self.world / 1e12
         out = {"tokens_per_s": self.tokens * n / elapsed, "samples_per_s": self.samples * n / elapsed,
                "tflops_per_device": tflops, "step_time_s": elapsed / max(n, 1)}
-        if self.peak:
-            out["mfu"] = tflops / self.peak
+        out["mfu"] = tflops / self.peak if self.peak else None  # None: no peak known for this device
         return out
