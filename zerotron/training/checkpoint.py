@@ -24,6 +24,7 @@ from typing import Any, Callable
 import torch
 
 from zerotron.parallel import collectives as C
+from zerotron.training import faults
 from zerotron.training.checkpoint_io import (FORMAT_VERSION, CheckpointError, ShardReader, atomic_write_json,
                                              prune, read_metadata, resolve_load_path, step_dir, write_shard)
 
@@ -68,6 +69,7 @@ def save_checkpoint(save: str, step: int, model, opt, grid, *, consumed_samples:
     filename = f"rank_{grid.rank:05d}.safetensors"
     sha = write_shard(tmp / filename, tensors, {"rank": grid.rank, "coords": grid.coords})
     atomic_write_json(tmp / f"rank_{grid.rank:05d}.json", {"sha256": sha, **meta})
+    faults.hit("kill_after_shard", step, grid.rank)  # test hook (zerotron/training/faults.py); off by default
     C.barrier(grid.world_group)
     if grid.rank == 0:
         files, params = {}, {}
@@ -84,6 +86,7 @@ def save_checkpoint(save: str, step: int, model, opt, grid, *, consumed_samples:
             "model": model_config, "config": run_config, "params": params, "files": files})
         for r in range(grid.world_size):
             (tmp / f"rank_{r:05d}.json").unlink()
+        faults.hit("kill_before_commit", step, grid.rank)  # test hook: metadata written, not yet renamed
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import shutil
 from pathlib import Path
@@ -18,6 +17,8 @@ from typing import Any
 
 import torch
 from safetensors.torch import safe_open, save_file
+
+from zerotron.data.atomic import publish
 
 FORMAT_VERSION = 1
 STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -27,23 +28,11 @@ class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete, corrupt or does not fit the model/layout."""
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` via a temporary name, fsync, rename: readers see all or nothing."""
     tmp = path.with_name(path.name + ".partial")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    tmp.write_bytes(data)
+    publish(str(tmp), str(path))
 
 
 def atomic_write_json(path: Path, obj: Any) -> None:
@@ -55,10 +44,7 @@ def write_shard(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, An
     tmp = path.with_name(path.name + ".partial")
     save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp),
               metadata={"zerotron": json.dumps(meta)})
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    publish(str(tmp), str(path))
     return sha256_file(path)
 
 

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from zerotron.data.atomic import publish
+
 _DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64"}
 
 
@@ -57,10 +59,8 @@ class SafetensorsStreamWriter:
             self._f.close()
             os.unlink(self._tmp)
             raise RuntimeError(f"only {self._next} of {len(self.specs)} tensors were written to {self.path}")
-        self._f.flush()
-        os.fsync(self._f.fileno())
         self._f.close()
         if exc_type is None:
-            os.replace(self._tmp, self.path)
+            publish(str(self._tmp), str(self.path))  # fsync, then atomic rename
         else:
             os.unlink(self._tmp)

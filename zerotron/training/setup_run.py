@@ -31,7 +31,7 @@ class DataBundle:
 
 def prepare_data(cfg: RunConfig, grid: Grid) -> DataBundle:
     """Token files and tokenizer: the built-in corpus (rank 0 builds, the others wait) or the user's."""
-    from zerotron.data import IndexedTokenDataset, Tokenizer, build_default_corpus
+    from zerotron.data import build_default_corpus
 
     d = cfg.data
     if not d.data_path:
@@ -42,20 +42,55 @@ def prepare_data(cfg: RunConfig, grid: Grid) -> DataBundle:
         bundle = DataBundle([train], None, [evals], tok_path, 0)
     else:
         bundle = DataBundle(list(d.data_path), list(d.data_weights) or None, list(d.eval_path), d.tokenizer, 0)
-    if bundle.tokenizer_path and not Path(bundle.tokenizer_path).is_file():
-        raise ConfigError(f"data.tokenizer={bundle.tokenizer_path}: file not found; train one with "
+    bundle.vocab_size = check_data(cfg, bundle.tokenizer_path, bundle.train_prefixes, bundle.eval_prefixes)
+    return bundle
+
+
+def check_data(cfg: RunConfig, tokenizer_path: str | None, train: list[str], evals: list[str]) -> int:
+    """Tokenizer and token files against the model's vocabulary; returns the vocabulary size.
+
+    Raises ``ConfigError`` naming the field (``data.tokenizer``, ``data.data_path``,
+    ``data.eval_path``, ``model.vocab_size``), the file and the fix -- never a crash mid-run.
+    """
+    from zerotron.data import IndexedTokenDataset, Tokenizer
+
+    if tokenizer_path and not Path(tokenizer_path).is_file():
+        raise ConfigError(f"data.tokenizer={tokenizer_path}: file not found; train one with "
                           f"scripts/train_tokenizer.py")
-    tok_vocab = Tokenizer.load(bundle.tokenizer_path).vocab_size if bundle.tokenizer_path else None
+    try:
+        tok_vocab = Tokenizer.load(tokenizer_path).vocab_size if tokenizer_path else None
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"data.tokenizer={tokenizer_path}: {e}") from None
     vocab = cfg.model.vocab_size or tok_vocab
     if vocab is None:
         raise ConfigError("model.vocab_size is unset and there is no data.tokenizer to take it from")
     if tok_vocab is not None and tok_vocab > vocab:
         raise ConfigError(f"data.tokenizer has {tok_vocab} tokens but model.vocab_size={vocab}; token ids would "
                           f"fall outside the embedding: raise model.vocab_size to >= {tok_vocab} or leave it unset")
-    for prefix in bundle.train_prefixes + bundle.eval_prefixes:
-        IndexedTokenDataset(prefix).validate_vocab(vocab)
-    bundle.vocab_size = vocab
-    return bundle
+    for field_name, prefixes in (("data.data_path", train), ("data.eval_path", evals)):
+        for prefix in prefixes:
+            try:
+                ds = IndexedTokenDataset(prefix)
+                _check_index(ds)
+                ds.validate_vocab(vocab)
+            except (OSError, ValueError) as e:
+                raise ConfigError(f"{field_name}={prefix}: {e}") from None
+    return vocab
+
+
+def _check_index(ds) -> None:
+    """The ``.idx``'s per-document sizes must agree with its offsets (a corrupted index would send
+    samples to the wrong tokens, or past the end of the ``.bin``, mid-run). O(documents), chunked."""
+    n, chunk = len(ds.sizes), 1 << 24
+    for lo in range(0, n, chunk):
+        hi = min(n, lo + chunk)
+        diff = ds.offsets[lo + 1:hi + 1] - ds.offsets[lo:hi]
+        bad = (diff != ds.sizes[lo:hi]) | (ds.sizes[lo:hi] < 0)
+        if bad.any():
+            doc = lo + int(bad.argmax())
+            raise ValueError(f"{ds.prefix}.idx is corrupt: document {doc} has size {int(ds.sizes[doc])} but its "
+                             f"offsets span {int(diff[doc - lo])} tokens; re-create it with "
+                             f"scripts/preprocess_data.py")
 
 
 def model_config(cfg: RunConfig, vocab_size: int):
@@ -86,5 +121,50 @@ def zero_config(cfg: RunConfig):
                       stage3_param_persistence_threshold=z.stage3_param_persistence_threshold,
                       offload_optimizer=z.offload_optimizer, initial_loss_scale=o.initial_loss_scale,
                       loss_scale_window=o.loss_scale_window, hysteresis=o.hysteresis, min_loss_scale=o.min_loss_scale)
-    zcfg.validate()
+    try:
+        zcfg.validate()
+    except ValueError as e:  # ZeroConfig says zero.<key>; name the run config's field (issue 10)
+        msg = str(e).replace("zero.precision", "training.precision")
+        for key in ("initial_loss_scale", "loss_scale_window", "hysteresis", "min_loss_scale"):
+            msg = msg.replace(f"zero.{key}", f"optimizer.{key}")
+        raise ConfigError(msg) from None
     return zcfg
+
+
+# --- start-up validation before any process group (issue 10) ----------------------------------------
+def validate_model(cfg: RunConfig, vocab_size: int | None = None):
+    """The model (preset + overrides), its pipeline split, ZeRO and activation-checkpointing settings,
+    checked without a process group so every rank rejects a bad config before any collective.
+
+    ``vocab_size`` unknown (a tokenizer not read yet): ``model.vocab_size``, the built-in corpus's
+    vocabulary, else a placeholder -- the vocabulary only pads, it never makes a shape invalid.
+    Returns the ``GPTConfig``; raises ``ConfigError`` naming ``section.field``.
+    """
+    from zerotron.model import get_preset
+    from zerotron.model.presets import PRESETS
+    from zerotron.model.stages import split_layers
+    from zerotron.zero import ActivationCheckpointConfig
+
+    if cfg.model.preset not in PRESETS:
+        raise ConfigError(f"model.preset={cfg.model.preset!r} is not a known preset; choose one of {sorted(PRESETS)}")
+    vocab = (vocab_size or cfg.model.vocab_size or (None if cfg.data.data_path else cfg.data.default_corpus_vocab)
+             or get_preset(cfg.model.preset).vocab_size)
+    try:
+        mcfg = model_config(cfg, vocab)
+        split_layers(mcfg.num_layers, cfg.parallel.pp)
+        zero_config(cfg)
+        ActivationCheckpointConfig(**dataclasses.asdict(cfg.activation_checkpointing)).validate()
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as e:
+        raise ConfigError(str(e)) from None
+    return mcfg
+
+
+def preflight(cfg: RunConfig) -> None:
+    """Everything checkable before ``init_process_group``: the model, and the user's data files
+    (the built-in corpus is built after start-up by rank 0). Raises ``ConfigError``."""
+    vocab = None
+    if cfg.data.data_path:
+        vocab = check_data(cfg, cfg.data.tokenizer, list(cfg.data.data_path), list(cfg.data.eval_path))
+    validate_model(cfg, vocab)

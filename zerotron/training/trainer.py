@@ -15,6 +15,7 @@ import torch
 from zerotron.parallel import collectives as C
 from zerotron.parallel.runtime import DistEnv
 from zerotron.training import checkpoint as ckpt
+from zerotron.training import faults
 from zerotron.training.config import RunConfig
 from zerotron.training.metrics import MetricsLogger, Throughput, peak_memory
 from zerotron.training.schedule import learning_rate
@@ -126,6 +127,32 @@ class Trainer:
         C.all_reduce(x, self.grid.dp_group, op="sum")
         return float(x.item()) / self.grid.dp_size
 
+    # reliability (issue 10) ------------------------------------------------------------------
+    MAX_SKIPS_AT_MIN_SCALE = 8  # consecutive overflowed (skipped) steps at the loss-scale floor
+
+    def _inject_faults(self, step: int) -> None:
+        """Drill hooks (zerotron/training/faults.py): kill or stall this rank, or poison a weight."""
+        faults.hit("kill", step, self.grid.rank)
+        faults.hit("stall", step, self.grid.rank)
+        if faults.armed("nan", step, self.grid.rank):
+            with torch.no_grad():
+                next(self.model.parameters()).fill_(float("nan"))
+
+    def _check_overflow_storm(self, info: dict, loss: float) -> None:
+        """An overflow at the minimum loss scale cannot be cured by scaling: after a few in a row the
+        run only burns compute skipping steps, so stop with the step, the scale and the fixes."""
+        floor = self.cfg.optimizer.min_loss_scale
+        scale = info.get("loss_scale")
+        at_floor = bool(info.get("skipped")) and scale is not None and scale <= floor
+        self._skips_at_floor = getattr(self, "_skips_at_floor", 0) + 1 if at_floor else 0
+        if self._skips_at_floor >= self.MAX_SKIPS_AT_MIN_SCALE:
+            raise TrainingStopped(
+                f"gradient overflow storm: {self._skips_at_floor} consecutive steps up to step {self.step + 1} "
+                f"overflowed (inf/NaN gradients; loss {loss:.4g}) and were skipped at the minimum loss scale "
+                f"{scale:g} (optimizer.min_loss_scale={floor:g}, training.precision={self.cfg.training.precision}); "
+                f"consumed samples {self.consumed}. Fix: lower optimizer.lr or optimizer.clip_grad, use "
+                f"training.precision=bf16, or lower optimizer.min_loss_scale; then resume from the last checkpoint")
+
     # the loop --------------------------------------------------------------------------------
     def train_step(self) -> dict:
         cfg, t = self.cfg, self.cfg.training
@@ -133,6 +160,7 @@ class Trainer:
                            warmup_steps=cfg.optimizer.warmup_steps, total_steps=t.train_steps,
                            decay=cfg.optimizer.decay)
         self.opt.set_lr(lr)
+        self._inject_faults(self.step + 1)  # issue 10 test hook: no-op unless ZEROTRON_FAULT is set
         batches = self._micro_batches(self.train_ds, self.consumed)
         if self.grid.pp_size > 1:  # the schedule accumulates, syncs tied embeddings, reduces once
             from zerotron.model.stages import pipeline_step
@@ -152,6 +180,7 @@ class Trainer:
         if not math.isfinite(loss):
             raise TrainingStopped(f"loss is {loss} at step {self.step + 1} (consumed samples {self.consumed}); "
                                   f"rerun from the last checkpoint with the same data position to reproduce")
+        self._check_overflow_storm(info, loss)  # issue 10: stop instead of skipping steps forever
         self.step += 1
         self.consumed += t.global_batch_size
         return {"loss": loss, "lr": lr, **info}

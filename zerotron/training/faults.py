@@ -1,0 +1,61 @@
+"""Fault-injection hooks for the reliability drills (tests/reliability, scripts/drill.py). TEST HOOK ONLY.
+
+Off unless ``ZEROTRON_FAULT`` is set, and then a single string compare per call site. Syntax::
+
+    ZEROTRON_FAULT=<point>[@step=N][@rank=R]      e.g. kill_after_shard@step=4@rank=1
+
+Points (each fires once, on the matching rank -- every rank when ``@rank`` is absent -- at the
+matching step -- any step when ``@step`` is absent):
+
+* ``kill_after_shard``   checkpoint.save_checkpoint: this rank's shard is written, the checkpoint
+                         is not yet committed -> ``os._exit(9)`` (a writer crash mid-checkpoint)
+* ``kill_before_commit`` checkpoint.save_checkpoint: metadata.json written, ``.tmp`` not renamed
+* ``kill``               trainer, start of a step -> ``os._exit(9)`` (a rank dies, like kill -9)
+* ``stall``              trainer, start of a step: sleeps ``ZEROTRON_FAULT_STALL_S`` seconds (default
+                         3600; the heartbeat thread keeps running: "alive but stuck"), then exits 9
+* ``nan``                trainer, start of a step: fills the first parameter with NaN (a blown-up weight)
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+EXIT_CODE = 9
+
+
+def _spec() -> tuple[str, int | None, int | None] | None:
+    raw = os.environ.get("ZEROTRON_FAULT", "").strip()
+    if not raw:
+        return None
+    point, *rest = raw.split("@")
+    step = rank = None
+    for part in rest:
+        key, _, value = part.partition("=")
+        if key == "step":
+            step = int(value)
+        elif key == "rank":
+            rank = int(value)
+        else:
+            raise ValueError(f"ZEROTRON_FAULT={raw!r}: unknown qualifier {key!r}; use @step=N and/or @rank=R")
+    return point, step, rank
+
+
+def armed(point: str, step: int, rank: int) -> bool:
+    """True when ``ZEROTRON_FAULT`` names ``point`` for this step and rank."""
+    spec = _spec()
+    if spec is None or spec[0] != point:
+        return False
+    _, want_step, want_rank = spec
+    return (want_step is None or want_step == step) and (want_rank is None or want_rank == rank)
+
+
+def hit(point: str, step: int, rank: int) -> None:
+    """Kill (``kill*``) or stall (``stall``) this process when ``point`` is armed; else nothing."""
+    if not armed(point, step, rank):
+        return
+    print(f"[fault] rank {rank}: injected {point} at step {step}", file=sys.stderr, flush=True)
+    if point == "stall":
+        time.sleep(float(os.environ.get("ZEROTRON_FAULT_STALL_S", "3600")))
+    os._exit(EXIT_CODE)
