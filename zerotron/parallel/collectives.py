@@ -175,6 +175,21 @@ def broadcast(tensor: torch.Tensor, src: int, group: Group, async_op: bool = Fal
     return Handle(work, result=tensor, op="broadcast", group=group) if async_op else tensor
 
 
+def all_to_all(output: torch.Tensor, input: torch.Tensor, group: Group, async_op: bool = False):
+    """Block ``j`` of ``input`` (``group.size`` equal blocks along dim 0) goes to member ``j``;
+    ``output`` receives block ``i`` from member ``i``. Counted as the (n-1)/n that leaves the rank."""
+    if input.numel() != output.numel() or input.numel() % group.size:
+        raise ValueError(f"all_to_all: input ({input.numel()}) and output ({output.numel()}) must have the same "
+                         f"number of elements, divisible by group.size={group.size}")
+    if group.size == 1:
+        output.copy_(input)
+        return _done(output, async_op)
+    moved = input.numel() // group.size * (group.size - 1)
+    work = _launch("all_to_all", group, input, moved,
+                   lambda: dist.all_to_all_single(output, input, group=group.pg, async_op=async_op))
+    return Handle(work, result=output, op="all_to_all", group=group) if async_op else output
+
+
 def barrier(group: Group) -> None:
     """Wait for every member of ``group`` (under the group's timeout)."""
     if group.size > 1:

@@ -2,7 +2,8 @@
 
 Volumes are counted the way the ZeRO paper counts them (§7): a reduce-scatter or an all-gather
 of a Ψ-element tensor moves Ψ elements per rank, an all-reduce 2Ψ (a reduce-scatter followed by
-an all-gather), a broadcast Ψ, a send or a receive the elements sent or received. With these
+an all-gather), a broadcast Ψ, a send or a receive the elements sent or received, an all-to-all
+the elements that leave the rank ((n-1)/n of the tensor: its own block stays local). With these
 rules plain data parallelism costs 2Ψ per step, Pos and Pos+g 2Ψ and Pos+g+p 3Ψ, which the ZeRO
 tests check against these counters.
 """
@@ -18,6 +19,7 @@ VOLUME_FACTOR = {
     "reduce_scatter": 1,
     "all_gather": 1,
     "broadcast": 1,
+    "all_to_all": 1,  # recorded with the elements that leave the rank: (n-1)/n of the tensor
     "send": 1,
     "recv": 1,
 }

@@ -109,6 +109,7 @@ class Grid:
         self.dp_rank = (self.rank // tp) % dp
         self.pp_rank = self.rank // (tp * dp)
         self._cache: dict[tuple[int, ...], object] = {}
+        self._split_cache: dict[tuple[str, int], tuple[Group, Group]] = {}
         groups = {}
         for kind, all_groups in layout(self.dims).items():
             for ranks in all_groups:  # every rank creates every group, in the same order
@@ -124,6 +125,34 @@ class Grid:
         self.embedding_group: Group | None = groups.get("embedding")
         if self.embedding_group is not None and not (self.is_first_stage or self.is_last_stage):
             self.embedding_group = None
+
+    def split_group(self, kind: str, inner_size: int) -> tuple[Group, Group]:
+        """Split every group of ``kind`` (e.g. ``"dp"``) into consecutive blocks of ``inner_size``.
+
+        Returns this rank's ``(inner, outer)`` groups: ``inner`` holds the ``inner_size`` members
+        next to it (the GPUs of one node when ``inner_size`` = GPUs per node, as ZeRO++ hpZ/qgZ
+        assume), ``outer`` the members at the same position of every block. Collective: every
+        rank must call it with the same arguments; groups are created once and cached.
+        """
+        all_groups = layout(self.dims)[kind]
+        size = len(all_groups[0])
+        if inner_size < 1 or size % inner_size:
+            raise ValueError(f"cannot split {kind} groups of size {size} into blocks of {inner_size}; "
+                             f"use a divisor of {size}")
+        key = (kind, inner_size)
+        if key not in self._split_cache:
+            mine = None
+            for ranks in all_groups:
+                blocks = [ranks[i:i + inner_size] for i in range(0, size, inner_size)]
+                inner = [(f"{kind}_inner", b) for b in blocks]
+                outer = [(f"{kind}_outer", tuple(b[j] for b in blocks)) for j in range(inner_size)]
+                for name, members in inner + outer:  # every rank creates every group, same order
+                    pg = self._new_group(members)
+                    if self.rank in members:
+                        mine = mine or {}
+                        mine[name] = Group(name, members, pg, self.stats, self.health)
+            self._split_cache[key] = (mine[f"{kind}_inner"], mine[f"{kind}_outer"])
+        return self._split_cache[key]
 
     def _new_group(self, ranks: tuple[int, ...]):
         if len(ranks) == self.world_size:
