@@ -59,8 +59,6 @@ def test_a_hung_rank_times_out_and_is_named():
 
 
 def test_results_come_back_in_rank_order():
-    import torch.distributed as dist  # noqa: F401
-
     assert spawn(_rank, 3) == [0, 1, 2]
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import signal
-import time
 
 import numpy as np
 import torch

@@ -1,0 +1,266 @@
+"""Run the ZeRO paper's C1–C5 ablations (Table 3, §10.5) on the hardware at hand and check them
+against the memory model (``zerotron.zero.memory_model``).
+
+    python scripts/run_ablations.py                 # ~3-5 min on a 2-core CPU
+    python scripts/run_ablations.py --quick         # the test's run (~40 s)
+
+Layout: a tiny GPT on 4 gloo ranks, TP 2 x DP 2, so Pa has MP ranks to partition over. Configs:
+the no-ZeRO baseline (stage 0), C1–C5 (read from ``configs/zero100b/ablations/c*.yaml``) and
+stage 3 (Pos+g+p with C4's ZeRO-R), all with CB (fixed buckets) and MD (contiguous checkpoints
+and gradients), 16-bit. For each it measures, per rank, the model states
+(``ZeroOptimizer.memory_report()``), the checkpoint bytes (the checkpointing handle's
+``step_report()``), the fixed buffers, the RSS, and TFLOP/s per device (recompute counted,
+``zerotron.model.flops``), then searches the most layers that fit a memory cap: every probe is
+a real run of a few steps. On a CPU the interpreter dominates RSS, so the cap is on the
+*accounted* bytes -- model states + device checkpoints + fixed buffers -- not on RSS.
+Finally it measures model states per rank at DP 2, 4, 8 (TP 1) for stages 0–3 (Figure 1).
+
+Every measured figure is compared with the memory model's prediction; results go to CSV, JSONL,
+a markdown table and wandb (offline by default), and figures to PNG (matplotlib, Agg).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pickle
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as tmp
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from zerotron.model import GPT, GPTConfig, flops_per_iteration  # noqa: E402
+from zerotron.training.cli import apply_mapping  # noqa: E402
+from zerotron.training.config import RunConfig  # noqa: E402
+from zerotron.zero.accounting import expected_model_state_bytes  # noqa: E402
+from zerotron.zero.memory_model import Setup, estimate, max_layers  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ablation_report import ratio, results_table, write_outputs  # noqa: E402
+
+NAMES = ["baseline", "C1", "C2", "C3", "C4", "C5", "stage3"]
+
+
+def ablation_settings(name: str) -> dict:
+    """zero.stage and activation_checkpointing keys of a configuration (C-configs from their YAML)."""
+    cfg = RunConfig()
+    if name.startswith("C"):
+        path = ROOT / "configs" / "zero100b" / "ablations" / f"{name.lower()}.yaml"
+        apply_mapping(cfg, yaml.safe_load(path.read_text()), str(path))
+    else:  # baseline: plain DP + checkpointing, CB + MD; stage3: Pos+g+p + C4's ZeRO-R
+        cfg.zero.stage = 0 if name == "baseline" else 3
+        ac = cfg.activation_checkpointing
+        ac.checkpoint_activations = ac.contiguous_memory_optimization = True
+        ac.partition_activations = name == "stage3"
+    ac = cfg.activation_checkpointing
+    return {"stage": cfg.zero.stage, "pa": ac.partition_activations, "cpu": ac.cpu_checkpointing,
+            "md": ac.contiguous_memory_optimization}
+
+
+def model_cfg(a, layers: int) -> GPTConfig:
+    return GPTConfig(num_layers=layers, hidden_size=a.hidden, num_heads=4, vocab_size=256, seq_length=a.seq,
+                     make_vocab_size_divisible_by=64)
+
+
+def setup_of(a, name: str, layers: int, tp: int, dp: int) -> Setup:
+    s = ablation_settings(name)
+    return Setup(model_cfg(a, layers), tp=tp, dp=dp, micro_batch=a.batch, stage=s["stage"],
+                 partition_activations=s["pa"], cpu_checkpointing=s["cpu"], contiguous_memory=s["md"],
+                 precision=a.precision, bucket_size=a.bucket)
+
+
+# worker side ---------------------------------------------------------------------------------------
+def train_and_measure(grid, a, name: str, layers: int, steps: int) -> dict:
+    """Build GPT + ZeroOptimizer + checkpointing from the library, train ``steps`` steps, measure."""
+    from zerotron.parallel import collectives as C
+    from zerotron.zero import ActivationCheckpointConfig, ZeroConfig, ZeroOptimizer, apply_activation_checkpointing
+
+    s = ablation_settings(name)
+    model = GPT(model_cfg(a, layers), grid, seed=1234)
+    zc = ZeroConfig(stage=s["stage"], precision=a.precision, reduce_bucket_size=a.bucket, allgather_bucket_size=a.bucket,
+                    stage3_param_persistence_threshold=0).validate()
+    opt = ZeroOptimizer(model, grid, zc, lr=1e-4, clip_grad=1.0)
+    handle = apply_activation_checkpointing(model, grid, ActivationCheckpointConfig(
+        True, partition_activations=s["pa"] and grid.tp_size > 1, cpu_checkpointing=s["cpu"],
+        contiguous_memory_optimization=s["md"]))
+    gen = torch.Generator().manual_seed(1000 * grid.dp_rank + layers)
+    times, act = [], {}
+    for _ in range(steps):
+        ids = torch.randint(0, 256, (a.batch, a.seq), generator=gen)
+        t0 = time.perf_counter()
+        opt.backward(model(ids, ids))
+        opt.step()
+        times.append(time.perf_counter() - t0)
+        act = handle.step_report() if handle else {}
+    mem = opt.memory_report()
+    device = max(act.get("peak_saved_device_bytes", 0),
+                 act.get("md_buffer_bytes", 0) if act.get("md_buffer_placement") == "device" else 0)
+    pa_gather = act.get("fixed_buffers", {}).get("pa_gather_bytes", 0)
+    row = {"model_states": mem["total_model_states"], "checkpoints_device": device,
+           "checkpoints_host": act.get("peak_saved_host_bytes", 0), "fixed_buffers": mem["fixed_buffers"] + pa_gather,
+           "params_per_rank": opt.num_params,
+           "rss_bytes": int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+           if Path("/proc/self/statm").exists() else 0}
+    row["accounted"] = row["model_states"] + device + row["fixed_buffers"]
+    worst = torch.tensor([float(row["accounted"]), min(times[1:] or times)])
+    C.all_reduce(worst, grid.world_group, op="max")  # every rank decides on the same numbers
+    row["accounted_max_rank"], row["step_s"] = int(worst[0]), float(worst[1])
+    return row
+
+
+def ablation_worker(a) -> dict:
+    from zerotron.parallel import Grid, ParallelDims
+
+    grid = Grid(ParallelDims(tp=a.tp))
+    out = {}
+    for name in a.configs:
+        row = train_and_measure(grid, a, name, a.layers, a.steps)
+        pred_l = max_layers(setup_of(a, name, a.layers, a.tp, grid.dp_size), a.cap_bytes, accounted_only=True,
+                            limit=a.max_search_layers)
+        probes, layers = {}, max(1, pred_l)
+        while True:  # walk from the prediction to the boundary; every probe is a real run
+            if layers not in probes:
+                probes[layers] = train_and_measure(grid, a, name, layers, 2)["accounted_max_rank"] <= a.cap_bytes
+            if probes[layers] and layers + 1 not in probes and layers < a.max_search_layers:
+                layers += 1
+            elif not probes[layers] and layers > 1:
+                layers -= 1
+            else:
+                break
+        best = max([n for n, ok in probes.items() if ok], default=0)
+        out[name] = {**row, "max_layers": best, "max_layers_predicted": pred_l, "probes": sorted(probes.items())}
+    return out
+
+
+def dp_worker(a) -> dict:
+    from zerotron.parallel import Grid, ParallelDims
+
+    grid = Grid(ParallelDims(tp=1))
+    names = {0: "baseline", 1: "C1", 2: "C3", 3: "stage3"}  # stages 0-3, no Pa at TP 1
+    return {stage: train_and_measure(grid, a, names[stage], a.layers, 1) for stage in (0, 1, 2, 3)}
+
+
+def _entry(rank, world, store, conn, fn, a):
+    try:
+        import torch.distributed as dist
+        torch.set_num_threads(1)
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), ZEROTRON_DEVICE="cpu")
+        dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=120))
+        conn.send_bytes(pickle.dumps(("ok", fn(a))))
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - the parent must hear of every failure
+        conn.send_bytes(pickle.dumps(("error", f"rank {rank}: {traceback.format_exc()}")))
+    finally:
+        os._exit(0)
+
+
+def launch(fn, world: int, a, timeout: float = 900.0) -> list:
+    """Fork ``world`` gloo ranks running ``fn(a)``; return their results or raise naming the failure."""
+    ctx = tmp.get_context("fork")
+    store = os.path.join(tempfile.mkdtemp(prefix="zerotron_abl_"), "store")
+    pipes = [ctx.Pipe(duplex=False) for _ in range(world)]
+    procs = [ctx.Process(target=_entry, args=(r, world, store, pipes[r][1], fn, a), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    results, deadline = {}, time.monotonic() + timeout
+    try:
+        while len(results) < world:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{fn.__name__}: ranks {sorted(set(range(world)) - set(results))} timed out")
+            for r, (recv, _) in enumerate(pipes):
+                if r not in results and recv.poll(0.05):
+                    status, value = pickle.loads(recv.recv_bytes())
+                    if status != "ok":
+                        raise RuntimeError(value)
+                    results[r] = value
+                elif r not in results and not procs[r].is_alive() and not recv.poll(0.05):
+                    raise RuntimeError(f"{fn.__name__}: rank {r} died (exit code {procs[r].exitcode})")
+        return [results[r] for r in range(world)]
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(timeout=5)
+
+
+# parent side -----------------------------------------------------------------------------------------
+
+
+def run(a) -> dict:
+    t0 = time.time()
+    world = a.tp * a.dp
+    per_rank = launch(ablation_worker, world, a)[0]
+    rows = []
+    for name in a.configs:
+        m = per_rank[name]
+        p = estimate(setup_of(a, name, a.layers, a.tp, a.dp))
+        psi_total = model_cfg(a, m["max_layers"]).exact_num_params(a.tp) if m["max_layers"] else 0
+        tflops = flops_per_iteration(model_cfg(a, a.layers), a.batch * a.dp, recompute=True, tp=a.tp) / m["step_s"] / world / 1e12
+        rows.append({"config": name, **{k: v for k, v in m.items() if k != "probes"}, "probes": json.dumps(m["probes"]),
+                     "max_params": psi_total, "tflops_per_device": tflops,
+                     **{f"pred_{k}": p[k] for k in ("model_states", "checkpoints_device", "checkpoints_host",
+                                                    "fixed_buffers", "accounted")},
+                     **{f"ratio_{k}": ratio(m[k], p[k]) for k in ("model_states", "checkpoints_device",
+                                                                  "checkpoints_host", "accounted")}})
+    dp_rows = []
+    for nd in a.dp_sweep:
+        res = launch(dp_worker, nd, a)[0]
+        for stage, m in res.items():
+            want = expected_model_state_bytes(m["params_per_rank"], nd, stage)
+            dp_rows.append({"dp": nd, "stage": stage, "params": m["params_per_rank"], "measured": m["model_states"],
+                            "formula": want, "ratio": m["model_states"] / want})
+    return {"rows": rows, "dp_rows": dp_rows, "seconds": time.time() - t0}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="small run for the test (~40 s)")
+    p.add_argument("--configs", default=",".join(NAMES), help=f"comma list of {NAMES}")
+    p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--dp", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=32)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--batch", type=int, default=8, help="micro-batch per rank")
+    p.add_argument("--layers", type=int, default=8, help="layers of the measured (fixed) model")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--precision", default="fp16", choices=["fp16", "bf16"])
+    p.add_argument("--bucket", type=int, default=4096, help="reduce/all-gather bucket (CB), elements")
+    p.add_argument("--cap-kib", type=float, default=1536.0, help="cap on accounted bytes per rank, KiB")
+    p.add_argument("--max-search-layers", type=int, default=48)
+    p.add_argument("--dp-sweep", default="2,4,8")
+    p.add_argument("--out", default=str(ROOT / "runs" / "ablations"))
+    p.add_argument("--figures", default=str(ROOT / "docs" / "figures"))
+    p.add_argument("--wandb-mode", default="offline", choices=["offline", "online", "disabled"])
+    p.add_argument("--wandb-project", default="zerotron-ablations")
+    a = p.parse_args(argv)
+    if a.quick:
+        a.layers, a.steps, a.batch, a.cap_kib, a.dp_sweep = 4, 2, 4, 512.0, "2,4"
+    a.configs = [c for c in a.configs.split(",") if c]
+    bad = sorted(set(a.configs) - set(NAMES))
+    if bad:
+        p.error(f"--configs: unknown {bad}; choose from {NAMES}")
+    a.dp_sweep = [int(x) for x in str(a.dp_sweep).split(",") if x]
+    a.cap_bytes = int(a.cap_kib * 1024)
+    return a
+
+
+def main(argv=None) -> dict:
+    a = parse_args(argv)
+    res = run(a)
+    write_outputs(a, res, lambda layers: model_cfg(a, layers).exact_num_params(a.tp))
+    print(results_table(a, res) + f"\n{res['seconds']:.0f} s; results in {a.out}, figures in {a.figures}")
+    return res
+
+
+if __name__ == "__main__":
+    main()

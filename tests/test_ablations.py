@@ -1,0 +1,52 @@
+"""scripts/run_ablations.py --quick: C1–C5, the no-ZeRO baseline and stage 3 on TP 2 x DP 2 gloo ranks.
+
+Every measured per-rank figure -- model states (``ZeroOptimizer.memory_report()``), device and
+host checkpoint bytes (the checkpointing handle's ``step_report()``) -- must be within 10% of the
+memory model's prediction; the largest model found by real runs under the accounted cap must be
+the one the model predicts (±1 layer); model states per rank at DP 2 and 4 for stages 0-3 must
+follow the paper's formulas within 5% (Figure 1). The CSV, JSONL, results table and the four
+PNG figures must be written. wandb is disabled here.
+"""
+
+import importlib.util
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("run_ablations", ROOT / "scripts" / "run_ablations.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_quick_ablations_match_memory_model(tmp_path):
+    res = _script().main(["--quick", "--out", str(tmp_path / "out"), "--figures", str(tmp_path / "fig"),
+                          "--wandb-mode", "disabled"])
+    rows = {r["config"]: r for r in res["rows"]}
+    assert set(rows) == {"baseline", "C1", "C2", "C3", "C4", "C5", "stage3"}
+    for name, r in rows.items():
+        for key in ("model_states", "checkpoints_device", "checkpoints_host", "accounted"):
+            assert abs(r[f"ratio_{key}"] - 1) <= 0.10, (name, key, r[key], r[f"pred_{key}"])
+        assert abs(r["max_layers"] - r["max_layers_predicted"]) <= 1, (name, r["probes"])
+        assert r["max_layers"] >= 1 and r["tflops_per_device"] > 0
+    # Pa halves the device checkpoints at TP 2; Pa+cpu moves them to the host
+    assert rows["C2"]["checkpoints_device"] * 2 == rows["C1"]["checkpoints_device"]
+    assert rows["C5"]["checkpoints_device"] == 0 and rows["C5"]["checkpoints_host"] == rows["C4"]["checkpoints_device"]
+    # partitioning more states, or the activations, never shrinks the largest model
+    assert rows["baseline"]["max_layers"] <= rows["C1"]["max_layers"] <= rows["C2"]["max_layers"]
+    assert rows["C3"]["max_layers"] <= rows["C4"]["max_layers"] <= rows["C5"]["max_layers"]
+    dp = {(r["dp"], r["stage"]): r for r in res["dp_rows"]}
+    assert {d for d, _ in dp} == {2, 4}
+    for key, r in dp.items():
+        assert abs(r["ratio"] - 1) <= 0.05, (key, r)
+    out = tmp_path / "out"
+    for name in ("ablations.csv", "ablations.jsonl", "memory_vs_dp.csv", "memory_vs_dp.jsonl", "results.md"):
+        assert (out / name).stat().st_size > 0, name
+    assert len((out / "ablations.jsonl").read_text().splitlines()) == 7
+    json.loads((out / "ablations.jsonl").read_text().splitlines()[0])
+    for name in ("max_model_size", "max_cached_memory", "throughput", "memory_vs_dp"):
+        png = tmp_path / "fig" / f"ablation_{name}.png"
+        assert png.read_bytes()[:4] == b"\x89PNG", name

@@ -1,0 +1,235 @@
+"""Per-device memory of a GPT training run, term by term, and the largest model that fits.
+
+Every term is derived from first principles (the ZeRO paper, arXiv 1910.02054) and checked
+against what zerotron's own runs hold (``ZeroOptimizer.memory_report()`` and the activation
+checkpointing handle's ``memory_report()``; see ``scripts/run_ablations.py`` and
+``tests/zero/test_memory_model.py``). Bytes per rank, with Ψ the parameters a rank's model
+replica holds (its TP slice), Nd the DP degree, t the MP (TP) degree, b the per-rank micro-batch,
+s the sequence, h the hidden size, L the layers:
+
+* **model states** (§3.1, §5): 16-bit parameters and gradients plus K = 12 bytes of fp32 Adam
+  state (master, momentum, variance) per parameter -- 16Ψ plain DP, 4Ψ + 12Ψ/Nd for Pos,
+  2Ψ + 14Ψ/Nd for Pos+g, 16Ψ/Nd for Pos+g+p.
+* **activation checkpoints** (§3.2, §6.1): one b·s·h 16-bit tensor per checkpoint (the input of
+  every ``checkpoint_every`` layers). Pa keeps 1/t of each on every MP rank; Pa+cpu (and
+  ``cpu_checkpointing``) moves them to host memory, so the device holds none.
+* **recompute working memory**: in backward one layer at a time is re-run with its graph; its
+  activations are Korthikanti et al. 2022 (arXiv 2205.05198) eq. 2 with TP:
+  s·b·h·(10 + 24/t + 5·a·s/(h·t)) bytes (16-bit tensors, 1-byte dropout masks, a heads). The
+  head (logits and cross-entropy) is b·s·V/t elements held as 16-bit logits plus fp32
+  log-softmax and fp32 gradient, 10 bytes each. The larger of the two is live at a time.
+* **fixed buffers** (CB, §6.2): zerotron's reduce buckets, the DP shard buffers, the fp32
+  staging shard, the all-gather input and (with Pa) the one-checkpoint all-gather target. They
+  depend on the bucket size, not on the model (``fixed_buffer_bytes`` mirrors
+  ``zero/grad_reduce.py``, ``zero/offload.py`` and ``zero/optimizer.py``).
+* **fragmentation margin** (§3.2, §6.3): the paper reports OOM with over 30% of memory free
+  when long- and short-lived tensors interleave; MD (contiguous checkpoints and gradients)
+  removes most of it. The default margin is therefore 10% of the device with MD, 30% without.
+
+On a CPU run the interpreter dominates RSS, so the figures compared there are the *accounted*
+bytes: model states + device checkpoints + fixed buffers (``accounted_bytes``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from zerotron.model.config import GPTConfig
+from zerotron.zero.accounting import expected_model_state_bytes
+
+BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
+ADAM_K = 12  # fp32 master + momentum + variance (§3.1)
+
+# The ZeRO configurations of Table 3 (§10.5). All use CB + MD; none uses Pos+g+p.
+C_CONFIGS: dict[str, dict] = {
+    "C1": dict(stage=1, partition_activations=False, cpu_checkpointing=False),
+    "C2": dict(stage=1, partition_activations=True, cpu_checkpointing=False),
+    "C3": dict(stage=2, partition_activations=False, cpu_checkpointing=False),
+    "C4": dict(stage=2, partition_activations=True, cpu_checkpointing=False),
+    "C5": dict(stage=2, partition_activations=True, cpu_checkpointing=True),
+}
+
+# (hidden, heads) of the GPT-2 family the paper trains (Tables 4, 5, 10). Its deepest model has
+# 212 layers; ``max_model`` stops at 256 so a configuration that frees the device of activations
+# (Pa+cpu) is not credited with a 3,000-layer, 1920-wide model nobody would train.
+GPT_FAMILY = [(1536, 16), (1600, 16), (1920, 16), (2304, 24), (3072, 24), (4096, 32), (6144, 32), (8192, 64)]
+MAX_FAMILY_LAYERS = 256
+
+
+@dataclass
+class Setup:
+    """One run as the memory model sees it (a subset of ``RunConfig``, per rank)."""
+
+    model: GPTConfig
+    tp: int = 1
+    dp: int = 1
+    micro_batch: int = 1
+    stage: int = 2
+    checkpoint_activations: bool = True
+    checkpoint_every: int = 1
+    partition_activations: bool = False
+    cpu_checkpointing: bool = False
+    contiguous_memory: bool = True  # MD
+    precision: str = "fp16"
+    bucket_size: int = 500_000_000  # min(reduce_bucket_size, allgather_bucket_size), elements
+    overlap_comm: bool = False
+    fragmentation: float | None = None  # None: 0.10 with MD, 0.30 without (§3.2)
+
+    def with_config(self, name: str, **overrides) -> "Setup":
+        """This setup under ZeRO configuration ``name`` (C1..C5, Table 3), CB + MD on."""
+        if name not in C_CONFIGS:
+            raise ValueError(f"unknown ZeRO configuration {name!r}; use one of {sorted(C_CONFIGS)}")
+        return dataclasses.replace(self, checkpoint_activations=True, contiguous_memory=True,
+                                   **C_CONFIGS[name], **overrides)
+
+    @property
+    def margin(self) -> float:
+        if self.fragmentation is not None:
+            return self.fragmentation
+        return 0.10 if self.contiguous_memory else 0.30
+
+
+def params_per_rank(cfg: GPTConfig, tp: int = 1) -> int:
+    """Parameters one TP rank holds (Ψ of its replica): split GEMMs and vocab, replicated LN/biases.
+
+    Megatron-LM §3 splits QKV and fc1 by columns (weights and biases) and proj and fc2 by rows
+    (weights only: their biases, LayerNorms and the position table are replicated), and the word
+    embedding over the vocabulary. Equals ``ZeroOptimizer.num_params`` for a ``GPT``.
+    """
+    l, h, f, s = cfg.num_layers, cfg.hidden_size, cfg.ffn_size, cfg.max_positions
+    split = 3 * h * h + 3 * h + h * h + h * f + f + f * h
+    replicated = h + h + 4 * h  # proj bias, fc2 bias, two LayerNorms
+    return l * (split // tp + replicated) + cfg.padded_vocab_size(tp) * h // tp + s * h + 2 * h
+
+
+def model_state_bytes(psi: float, nd: int, stage: int, param_bytes: int = 2) -> float:
+    """(2 + 2 + K)Ψ split by the stage (§5.4); ``param_bytes`` 2 for fp16/bf16 runs."""
+    return expected_model_state_bytes(psi, nd, stage, param_bytes, ADAM_K)
+
+
+def checkpoint_bytes(b: int, s: int, h: int, layers: int, tp: int = 1, every: int = 1, pa: bool = False,
+                     cpu: bool = False, act_bytes: int = 2) -> dict[str, int]:
+    """Bytes of the checkpoints alive after forward: one b·s·h input per ``every`` layers (§6.1).
+
+    Pa stores ceil(b·s·h/t) elements per checkpoint (the last slice is padded so the all-gather
+    is even); Pa+cpu / offload puts them in host memory instead of on the device.
+    """
+    n = -(-layers // every)
+    piece = -(-b * s * h // tp) if pa and tp > 1 else b * s * h
+    total = n * piece * act_bytes
+    return {"device": 0 if cpu else total, "host": total if cpu else 0}
+
+
+def layer_working_bytes(b: int, s: int, h: int, heads: int, tp: int = 1) -> float:
+    """Activations of one transformer layer while it is recomputed (Korthikanti 2022, eq. 2, TP t)."""
+    return s * b * h * (10 + 24 / tp + 5 * heads * s / (h * tp))
+
+
+def head_working_bytes(b: int, s: int, vocab: int, tp: int = 1) -> float:
+    """Logits (16-bit) + fp32 log-softmax + fp32 gradient over this rank's vocabulary slice."""
+    return b * s * (vocab // tp) * 10
+
+
+def fixed_buffer_bytes(stage: int, bucket: int, nd: int, psi: int, param_bytes: int = 2,
+                       overlap: bool = False) -> int:
+    """CB (§6.2): ZeRO buffers sized by the bucket, not the model (mirrors zerotron's optimizer).
+
+    C = the bucket rounded down to a multiple of Nd (capped by the padded model); per stage:
+    0: fp32 staging C (unsharded); 1: shard buffer, fp32 staging and all-gather input of C/Nd;
+    2: + a 16-bit bucket of C; 3: bucket, shard buffer and staging (no all-gather input).
+    ``overlap`` doubles the bucket and shard buffers (two in flight).
+    """
+    shards = nd if stage >= 1 else 1
+    c = bucket - bucket % shards
+    c = min(c, -(-psi // shards) * shards)
+    shard, nbuf = c // shards, 2 if overlap else 1
+    if stage == 0:
+        return 4 * c
+    out = nbuf * param_bytes * shard + 4 * shard
+    if stage <= 2:
+        out += param_bytes * shard
+    if stage >= 2:
+        out += nbuf * param_bytes * c
+    return out
+
+
+def estimate(setup: Setup) -> dict:
+    """Per-rank bytes of every term (see the module docstring) and their sum with the margin."""
+    cfg, t, nd, b = setup.model, setup.tp, setup.dp, setup.micro_batch
+    pb = BYTES[setup.precision]
+    s, h, l = cfg.seq_length, cfg.hidden_size, cfg.num_layers
+    psi = params_per_rank(cfg, t)
+    states = model_state_bytes(psi, nd, setup.stage, pb)
+    pa = setup.partition_activations and t > 1
+    layer = layer_working_bytes(b, s, h, cfg.num_heads, t) * pb / 2
+    if setup.checkpoint_activations:
+        ckpt = checkpoint_bytes(b, s, h, l, t, setup.checkpoint_every, pa, setup.cpu_checkpointing, pb)
+        working = max(layer * setup.checkpoint_every, head_working_bytes(b, s, cfg.padded_vocab_size(t), t))
+    else:  # every layer's activations stay alive until its backward
+        ckpt = {"device": int(layer * l), "host": 0}
+        working = head_working_bytes(b, s, cfg.padded_vocab_size(t), t)
+    fixed = fixed_buffer_bytes(setup.stage, setup.bucket_size, nd, psi, pb, setup.overlap_comm)
+    pa_gather = -(-b * s * h // t) * t * pb if pa and setup.checkpoint_activations else 0
+    used = states + ckpt["device"] + working + fixed + pa_gather
+    return {
+        "params_total": cfg.exact_num_params(t),
+        "params_per_rank": psi,
+        "model_states": states,
+        "checkpoints_device": ckpt["device"],
+        "checkpoints_host": ckpt["host"],
+        "working": working,
+        "fixed_buffers": fixed + pa_gather,
+        "fragmentation_margin": setup.margin,
+        "accounted": states + ckpt["device"] + fixed + pa_gather,
+        "total": used / (1 - setup.margin),
+    }
+
+
+def accounted_bytes(setup: Setup) -> float:
+    """What a CPU run can measure exactly: model states + device checkpoints + fixed buffers."""
+    return estimate(setup)["accounted"]
+
+
+def fits(setup: Setup, device_bytes: float, accounted_only: bool = False) -> bool:
+    e = estimate(setup)
+    return (e["accounted"] if accounted_only else e["total"]) <= device_bytes
+
+
+def max_layers(setup: Setup, device_bytes: float, accounted_only: bool = False, limit: int = 100_000) -> int:
+    """Most layers of ``setup.model``'s width that fit in ``device_bytes`` (0 if none).
+
+    Every term grows monotonically with L, so a bisection over L is exact.
+    """
+    def ok(layers: int) -> bool:
+        return fits(dataclasses.replace(setup, model=dataclasses.replace(setup.model, num_layers=layers)),
+                    device_bytes, accounted_only)
+
+    if not ok(1):
+        return 0
+    lo, hi = 1, 2
+    while hi < limit and ok(hi):
+        lo, hi = hi, hi * 2
+    if hi >= limit and ok(limit):
+        return limit
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo
+
+
+def max_model(setup: Setup, device_bytes: float, family=GPT_FAMILY, layer_limit: int = MAX_FAMILY_LAYERS) -> dict:
+    """The largest GPT (by parameters) of ``family`` widths that fits: layers, hidden, heads, params.
+
+    Only widths the MP degree can split are tried (hidden, heads and 4h divisible by t).
+    """
+    best = {"layers": 0, "hidden": 0, "heads": 0, "params": 0}
+    for hidden, heads in family:
+        if hidden % setup.tp or heads % setup.tp:
+            continue
+        m = dataclasses.replace(setup.model, hidden_size=hidden, num_heads=heads, ffn_hidden_size=None)
+        layers = max_layers(dataclasses.replace(setup, model=m), device_bytes, limit=layer_limit)
+        params = dataclasses.replace(m, num_layers=layers).exact_num_params(setup.tp) if layers else 0
+        if params > best["params"]:
+            best = {"layers": layers, "hidden": hidden, "heads": heads, "params": params}
+    return best
