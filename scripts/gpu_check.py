@@ -81,7 +81,7 @@ def run(name, stage, ckpt, offload, cfg, grid, device, args) -> dict:
     tflops = flops_per_iteration(cfg, args.micro_batch, cfg.seq_length, recompute=ckpt) / step_s / 1e12
     peak = args.peak_tflops or peak_tflops(torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")
     row = {"config": name, "step_s": step_s, "tflops": tflops, "mfu": tflops / peak if peak else None,
-           "loss": float(loss), "model_states_GB": opt.memory_report()["total_model_states"] / 2**30}
+           "loss": float(loss.detach()), "model_states_GB": opt.memory_report()["total_model_states"] / 2**30}
     if device.type == "cuda":
         row["peak_alloc_GB"] = torch.cuda.max_memory_allocated(device) / 2**30
         row["peak_reserved_GB"] = torch.cuda.max_memory_reserved(device) / 2**30
