@@ -132,7 +132,8 @@ class Health:
             for member in peers:
                 beat, later = first[member], self._read(member)
                 if beat is None and later is None:
-                    findings.append(f"rank {member} never published a heartbeat (dead at start-up?)")
+                    findings.append(f"rank {member} has no readable heartbeat (it died before publishing one, "
+                                    f"or the launcher's store is gone because a worker died)")
                 elif later is None or later["t"] == beat["t"]:
                     last = (later or beat)["last"] or "no collective yet"
                     findings.append(f"rank {member} is dead or frozen (its heartbeat stopped; last: {last})")

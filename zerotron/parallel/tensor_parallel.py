@@ -61,6 +61,8 @@ def init_sharded_(param: torch.Tensor, std: float, seed: int, name: str, tp_rank
     ``valid_rows`` rows of the full tensor and zero-fills the rest, so the real rows do not
     depend on how much padding this layout needs.
     """
+    if param.is_meta:  # shape-only model (config checks, memory estimates): no data, nothing to draw
+        return
     split = getattr(param, "tp_split_dim", None)
     if split is None or tp_size == 1 or layout_independent:
         full_shape = list(param.shape)

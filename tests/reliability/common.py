@@ -1,0 +1,34 @@
+"""Run scripts/pretrain_gpt.py's ``main`` on forked gloo ranks (tests/harness.py) with a fault armed."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import time
+
+import torch  # noqa: F401 - imported once here, not in every forked rank (start-up dominates)
+import zerotron.training.trainer  # noqa: F401
+
+from scripts.pretrain_gpt import main as pretrain_main
+from tests.harness import spawn
+
+TINY = ["--config", "configs/tiny.yaml", "--tp", "1", "--micro-batch-size", "2", "--global-batch-size", "4",
+        "--seq-length", "32", "--log-interval", "1", "--eval-interval", "0", "--wandb-mode", "disabled",
+        "--optimizer.warmup_steps", "2", "--save", "none"]
+
+
+def _main(argv: list[str], env: dict[str, str]) -> tuple[int, str, str, float]:
+    os.environ.update(env)
+    out, err = io.StringIO(), io.StringIO()
+    start = time.monotonic()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = pretrain_main(argv)
+    return code, out.getvalue(), err.getvalue(), time.monotonic() - start
+
+
+def run(argv: list[str], world: int = 2, fault: str = "", env: dict | None = None, may_die=(),
+        collective_timeout: float = 20.0, timeout: float = 55.0):
+    """Per rank ``(exit code, stdout, stderr, seconds)``, or None for a rank in ``may_die`` that died."""
+    env = {"ZEROTRON_FAULT": fault, **(env or {})}
+    return spawn(_main, world, argv, env, may_die=may_die, timeout=timeout, collective_timeout=collective_timeout)

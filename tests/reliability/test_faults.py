@@ -1,0 +1,86 @@
+"""Reliability drills through the real entry point (scripts/pretrain_gpt.py ``main``) on 2 gloo ranks.
+
+Dead and stuck ranks are named by the survivors, which exit 3 within the collective timeout; a
+crash in the middle of a checkpoint write loses nothing (the resumed run ends exactly where an
+uninterrupted one does); an fp16 overflow storm and a NaN loss stop the run with the step, the
+data position and the fix. Faults are armed with ``ZEROTRON_FAULT`` (zerotron/training/faults.py).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.reliability.common import TINY, run
+
+
+def test_dead_rank_is_named_and_the_survivor_exits_3(tmp_path):
+    argv = TINY + ["--train-steps", "6", "--run-dir", str(tmp_path)]
+    res = run(argv, fault="kill@step=3@rank=1", may_die=(1,), collective_timeout=20)
+    assert res[1] is None
+    code, _, err, seconds = res[0]
+    assert code == 3, err
+    assert "CollectiveError" in err and "rank 1" in err and "dead" in err, err
+    assert seconds < 20
+
+
+def test_stuck_rank_is_named_within_the_timeout(tmp_path):
+    argv = TINY + ["--train-steps", "6", "--run-dir", str(tmp_path)]
+    res = run(argv, fault="stall@step=3@rank=1", env={"ZEROTRON_FAULT_STALL_S": "14"}, may_die=(1,),
+              collective_timeout=5)
+    code, _, err, seconds = res[0]
+    assert code == 3, err
+    assert "rank 1 is alive but stuck behind" in err, err
+    assert seconds < 14  # named before the stuck rank woke up
+
+
+def _final_loss(run_dir: Path) -> float:
+    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in recs if "loss" in r][-1]["loss"]
+
+
+@pytest.mark.parametrize("fault", ["kill_after_shard@step=4@rank=1", "kill_before_commit@step=4@rank=0"])
+def test_crash_mid_checkpoint_loses_nothing(tmp_path, fault):
+    save = tmp_path / "ck"
+    argv = TINY + ["--train-steps", "6", "--save", str(save), "--save-interval", "2"]
+    dead = int(fault[-1])
+    res = run(argv + ["--run-dir", str(tmp_path / "a")], fault=fault, may_die=(dead,))
+    survivor = res[1 - dead]
+    assert survivor[0] == 3, survivor[2]
+    assert f"rank {dead}" in survivor[2]
+    assert (save / "step_00000002" / "metadata.json").is_file()
+    assert (save / "step_00000004.tmp").is_dir() and not (save / "step_00000004").exists()
+
+    res = run(argv + ["--run-dir", str(tmp_path / "b"), "--load", str(save)])
+    assert [r[0] for r in res] == [0, 0], res[0][2]
+    out = res[0][1]
+    assert "skipping partial checkpoint(s) step_00000004.tmp" in out, out
+    assert "loaded" in out and "(step 2," in out, out
+    assert (save / "step_00000006" / "metadata.json").is_file() and not (save / "step_00000004.tmp").exists()
+
+    clean = run(TINY + ["--train-steps", "6", "--run-dir", str(tmp_path / "c")])
+    assert [r[0] for r in clean] == [0, 0]
+    assert _final_loss(tmp_path / "b") == pytest.approx(_final_loss(tmp_path / "c"), rel=1e-6)
+
+
+def test_fp16_overflow_storm_stops_with_step_scale_and_fix(tmp_path):
+    argv = TINY + ["--train-steps", "20", "--run-dir", str(tmp_path), "--precision", "fp16",
+                   "--optimizer.initial_loss_scale", "4294967296", "--optimizer.min_loss_scale", "4294967296",
+                   "--optimizer.hysteresis", "1"]
+    res = run(argv)
+    for code, _, err, _ in res:
+        assert code == 2, err
+        assert "TrainingStopped: gradient overflow storm: 8 consecutive steps up to step 8" in err, err
+        assert "minimum loss scale 4.29497e+09" in err and "optimizer.min_loss_scale" in err, err
+        assert "training.precision=bf16" in err  # the fix
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_nan_loss_stops_with_step_and_data_position(tmp_path, precision):
+    argv = TINY + ["--train-steps", "6", "--run-dir", str(tmp_path), "--precision", precision]
+    res = run(argv, fault="nan@step=3")
+    for code, _, err, _ in res:
+        assert code == 2, err
+        assert "TrainingStopped: loss is nan at step 3 (consumed samples 8)" in err, err
