@@ -57,6 +57,7 @@ class Health:
         self._stop = threading.Event()
         self._thread = None
         if self._store is not None and world_size > 1:
+            self._publish()  # at once: a rank that dies in its first second is still "seen alive once"
             self._thread = threading.Thread(target=self._beat, name="zerotron-heartbeat", daemon=True)
             self._thread.start()
 
