@@ -48,7 +48,13 @@ def _worker(rank: int, world_size: int, store_path: str, conn, collective_timeou
         except Exception:  # unpicklable result: report its repr
             payload = pickle.dumps(("ok", repr(result)))
         conn.send_bytes(payload)
-        dist.destroy_process_group()
+        # Leave together: a rank that exits while a slower peer is still connecting its gloo mesh
+        # makes that peer's init_process_group fail ("connectFullMesh ... closed by peer").
+        try:
+            dist.barrier()
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - the result is already reported
+            pass
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
         conn.send_bytes(pickle.dumps(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")))
     finally:
