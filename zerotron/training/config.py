@@ -180,9 +180,10 @@ class RunConfig:
                 raise ConfigError(f"model.{name}={getattr(m, name)} must be in [0, 1)")
         ac = self.activation_checkpointing
         _positive("activation_checkpointing.checkpoint_every", ac.checkpoint_every)
-        if (ac.partition_activations or ac.cpu_checkpointing) and not ac.checkpoint_activations:
-            raise ConfigError("activation_checkpointing.partition_activations/cpu_checkpointing need "
-                              "activation_checkpointing.checkpoint_activations=true (they act on the checkpoints)")
+        for name in ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization"):
+            if getattr(ac, name) and not ac.checkpoint_activations:
+                raise ConfigError(f"activation_checkpointing.{name}=true needs activation_checkpointing."
+                                  f"checkpoint_activations=true (it acts on the checkpoints); set both")
         lg = self.logging
         for name in ("log_interval", "eval_interval", "eval_steps"):
             _positive(f"logging.{name}", getattr(lg, name), allow_zero=name != "log_interval")

@@ -22,10 +22,11 @@ class LossScaler:
         pass
 
     def state_dict(self) -> dict:
-        return {"scale": self.scale}
+        return {"scale": self.scale, "dynamic": False}
 
     def load_state_dict(self, state: dict) -> None:
-        self.scale = float(state["scale"])
+        """Nothing to restore: a constant scale belongs to the precision, not to the run's history
+        (a bf16 run resumed from an fp16 checkpoint must not inherit its loss scale)."""
 
 
 class DynamicLossScaler(LossScaler):
@@ -53,9 +54,12 @@ class DynamicLossScaler(LossScaler):
             self.hysteresis_left = self.hysteresis
 
     def state_dict(self) -> dict:
-        return {"scale": self.scale, "hysteresis_left": self.hysteresis_left, "clean_steps": self.clean_steps}
+        return {"scale": self.scale, "hysteresis_left": self.hysteresis_left, "clean_steps": self.clean_steps,
+                "dynamic": True}
 
     def load_state_dict(self, state: dict) -> None:
+        if not state.get("dynamic", "hysteresis_left" in state):
+            return  # saved by a constant-scale (bf16/fp32) run: start from initial_loss_scale
         self.scale = float(state["scale"])
         self.hysteresis_left = int(state.get("hysteresis_left", self.hysteresis))
         self.clean_steps = int(state.get("clean_steps", 0))
