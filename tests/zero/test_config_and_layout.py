@@ -41,9 +41,9 @@ def test_from_deepspeed_maps_keys():
 
 
 @pytest.mark.parametrize("ds,match", [
-    ({"stage": 2, "sub_group_size": 1e9}, "zero_optimization.sub_group_size"),
+    ({"stage": 2, "round_robin_gradients": True}, "zero_optimization.round_robin_gradients"),
     ({"stage": 5}, "zero.stage=5"),
-    ({"stage": 3, "offload_optimizer": {"device": "nvme"}}, "offload_optimizer.device"),
+    ({"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}, "offload_optimizer_device"),
     ({"stage": 2, "reduce_scatter": False}, "zero_optimization.reduce_scatter"),
     ({"stage": 2, "reduce_bucket_size": "big"}, "zero.reduce_bucket_size"),
 ])

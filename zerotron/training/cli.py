@@ -46,8 +46,30 @@ SHORT_FLAGS = {
 }
 BOOL_FLAGS = {"checkpoint-activations", "partition-activations", "cpu-offload-activations", "offload-optimizer"}
 DEEPSPEED_SECTIONS = {"zero_optimization": "zero", "activation_checkpointing": "activation_checkpointing"}
-# DeepSpeed keys whose zerotron spelling differs
-DEEPSPEED_RENAMES = {("zero", "offload_optimizer"): lambda v: bool(v) and (v.get("device", "none") if isinstance(v, dict) else v) not in ("none", None)}
+
+
+def _offload_optimizer(v) -> dict:
+    """DeepSpeed's nested ``offload_optimizer`` dict -> the flat ZeroSection fields (issue 11)."""
+    if not isinstance(v, dict):
+        return {"offload_optimizer": bool(v) and v not in ("none", None)}
+    device = v.get("device", "none")
+    out = {"offload_optimizer": device not in ("none", None), "offload_optimizer_device": device or "none"}
+    for src in ("nvme_path", "buffer_count"):
+        if src in v:
+            out[src] = v[src]
+    return out
+
+
+def _offload_param(v) -> dict:
+    device = v.get("device", "none") if isinstance(v, dict) else v
+    if device not in ("none", None):
+        raise ConfigError(f"zero_optimization.offload_param.device={device!r}: parameter offload is not implemented "
+                          f"in zerotron; remove offload_param (offload_optimizer with device nvme is supported)")
+    return {}
+
+
+# DeepSpeed keys whose zerotron spelling differs: converter(value) -> {zero-section field: value}
+DEEPSPEED_RENAMES = {("zero", "offload_optimizer"): _offload_optimizer, ("zero", "offload_param"): _offload_param}
 
 
 def _field_types(section_obj) -> dict[str, Any]:
@@ -125,8 +147,8 @@ def apply_deepspeed(cfg: RunConfig, path: str) -> None:
     for ds_key, section in DEEPSPEED_SECTIONS.items():
         for name, value in (data.get(ds_key) or {}).items():
             convert = DEEPSPEED_RENAMES.get((section, name))
-            value = convert(value) if convert else value
-            set_field(cfg, section, name, value)
+            for field_name, field_value in (convert(value) if convert else {name: value}).items():
+                set_field(cfg, section, field_name, field_value)
     for ds_key, precision in (("fp16", "fp16"), ("bf16", "bf16")):
         if (data.get(ds_key) or {}).get("enabled"):
             cfg.training.precision = precision

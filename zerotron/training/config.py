@@ -49,7 +49,18 @@ class ZeroSection:
     allgather_bucket_size: int = 500_000_000
     stage3_prefetch_bucket_size: int = 50_000_000
     stage3_param_persistence_threshold: int = 100_000
-    offload_optimizer: bool = False
+    offload_optimizer: bool = False  # = offload_optimizer_device "cpu"
+    # ZeRO++ (arXiv 2306.10209): qwZ, qgZ, hpZ; block = elements per fp32 scale of the int8 quantization
+    zero_quantized_weights: bool = False
+    zero_quantized_gradients: bool = False
+    zero_hpz_partition_size: int = 1
+    zero_quantization_block_size: int = 256
+    zero_quantized_gradients_node_size: int = 0  # 0: zero_hpz_partition_size
+    # ZeRO-Infinity (arXiv 2104.07857): DeepSpeed's offload_optimizer {device, nvme_path, buffer_count}
+    offload_optimizer_device: str = "none"  # none | cpu | nvme
+    nvme_path: str | None = None
+    buffer_count: int = 4
+    sub_group_size: int = 1_000_000_000
 
 
 @dataclass

@@ -120,11 +120,21 @@ def zero_config(cfg: RunConfig):
                       stage3_prefetch_bucket_size=z.stage3_prefetch_bucket_size,
                       stage3_param_persistence_threshold=z.stage3_param_persistence_threshold,
                       offload_optimizer=z.offload_optimizer, initial_loss_scale=o.initial_loss_scale,
-                      loss_scale_window=o.loss_scale_window, hysteresis=o.hysteresis, min_loss_scale=o.min_loss_scale)
+                      loss_scale_window=o.loss_scale_window, hysteresis=o.hysteresis, min_loss_scale=o.min_loss_scale,
+                      # ZeRO++ / ZeRO-Infinity (issue 11)
+                      zero_quantized_weights=z.zero_quantized_weights,
+                      zero_quantized_gradients=z.zero_quantized_gradients,
+                      zero_hpz_partition_size=z.zero_hpz_partition_size,
+                      zero_quantization_block_size=z.zero_quantization_block_size,
+                      zero_quantized_gradients_node_size=z.zero_quantized_gradients_node_size,
+                      offload_optimizer_device=z.offload_optimizer_device, offload_optimizer_nvme_path=z.nvme_path,
+                      offload_optimizer_buffer_count=z.buffer_count, sub_group_size=z.sub_group_size)
     try:
-        zcfg.validate()
+        zcfg.validate(dp_size=cfg.parallel.dp)
     except ValueError as e:  # ZeroConfig says zero.<key>; name the run config's field (issue 10)
         msg = str(e).replace("zero.precision", "training.precision")
+        msg = msg.replace("zero.offload_optimizer_nvme_path", "zero.nvme_path")
+        msg = msg.replace("zero.offload_optimizer_buffer_count", "zero.buffer_count")
         for key in ("initial_loss_scale", "loss_scale_window", "hysteresis", "min_loss_scale"):
             msg = msg.replace(f"zero.{key}", f"optimizer.{key}")
         raise ConfigError(msg) from None

@@ -7,6 +7,10 @@ Model states per rank, in bytes, with Ψ parameters, Nd DP ranks and 16-bit para
     Pos+g         2Ψ + 2Ψ/Nd + 12Ψ/Nd
     Pos+g+p       (2 + 2 + 12)Ψ/Nd
 
+In fp32 runs (on the device) the parameters *are* the fp32 master weights -- there is no second
+copy -- so K = 8 (the two Adam moments) and baseline DP holds 4Ψ + 4Ψ + 8Ψ = 16Ψ, not 20Ψ;
+``master_fp32`` then reports 0. 16-bit runs keep the paper's K = 12.
+
 ``memory_report`` measures the tensors the optimizer actually holds (padding included) and
 reports the fixed buffers -- buckets, staging buffers (CB) -- separately, since they do not
 grow with the model. Communication is read from the grid's ``CommStats`` as the difference
@@ -42,14 +46,19 @@ def memory_report(opt) -> dict:
     master, moments = opt.state.state_bytes()
     fixed += opt.state.staging_bytes() + nbytes(opt.gather_in)
     key = "params" if opt.cfg.precision == "fp32" else "params_16bit"
+    # issue 11: hpZ's secondary parameter partition is held model state; ZeRO-Infinity's disk is not
+    secondary = opt.gatherer.secondary_bytes() if opt.gatherer is not None else 0
+    disk = opt.state.disk_bytes() if hasattr(opt.state, "disk_bytes") else 0
     return {
         key: params,
         "grads": grads,
         "master_fp32": master,
         "optimizer_moments": moments,
         "fixed_buffers": fixed,
-        "total_model_states": params + grads + master + moments,
+        "secondary_params": secondary,
+        "total_model_states": params + grads + master + moments + secondary,
         "offloaded_to_host": master + moments if opt.cfg.offload_optimizer else 0,
+        "offloaded_to_disk": disk,
     }
 
 

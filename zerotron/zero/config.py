@@ -4,6 +4,13 @@ The stages are the paper's cumulative partitions (ZeRO §5): 0 = plain data para
 1 = Pos (optimizer states), 2 = Pos+g (+ gradients), 3 = Pos+g+p (+ parameters). Bucket sizes are
 ZeRO-R's constant buffers (CB, §6.2): they bound the temporary buffers whatever the model size.
 ``contiguous_gradients`` is MD (§6.3): gradients live in one pre-allocated flat buffer.
+
+ZeRO++ (arXiv 2306.10209) keys cut the communication of Pos+g+p: ``zero_quantized_weights`` (qwZ:
+int8 block-quantized parameter all-gather), ``zero_hpz_partition_size`` (hpZ: a secondary parameter
+partition inside a node so the backward all-gather never leaves it) and ``zero_quantized_gradients``
+(qgZ: int8 hierarchical all-to-all reduce-scatter). ZeRO-Infinity (arXiv 2104.07857) keys put the
+optimizer state on NVMe: ``offload_optimizer_device="nvme"`` with its ``nvme_path`` and
+``buffer_count``, the step done in ``sub_group_size`` tiles.
 """
 
 from __future__ import annotations
@@ -16,6 +23,8 @@ PRECISIONS = ("fp32", "fp16", "bf16")
 _DS_KEYS = {
     "stage", "overlap_comm", "contiguous_gradients", "reduce_bucket_size", "allgather_bucket_size",
     "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold", "offload_optimizer",
+    "offload_param", "sub_group_size", "zero_quantized_weights", "zero_quantized_gradients",
+    "zero_hpz_partition_size", "zero_quantization_block_size", "zero_quantized_gradients_node_size",
     # Accepted because zerotron always behaves this way (documented, not silently ignored):
     "reduce_scatter", "allgather_partitions",
 }
@@ -39,13 +48,37 @@ class ZeroConfig:
     stage3_prefetch_bucket_size: int = int(5e7)
     stage3_param_persistence_threshold: int = int(1e5)
     offload_optimizer: bool = False
+    # ZeRO++ (issue 11)
+    zero_quantized_weights: bool = False
+    zero_quantized_gradients: bool = False
+    zero_hpz_partition_size: int = 1
+    zero_quantization_block_size: int = 256
+    zero_quantized_gradients_node_size: int = 0  # 0: the hpZ size (flat all-to-all when that is 1)
+    # ZeRO-Infinity (issue 11): "none" follows offload_optimizer (True means "cpu")
+    offload_optimizer_device: str = "none"
+    offload_optimizer_nvme_path: str | None = None
+    offload_optimizer_buffer_count: int = 4
+    sub_group_size: int = int(1e9)
     initial_loss_scale: float = 2.0 ** 16
     loss_scale_window: int = 1000
     hysteresis: int = 2
     min_loss_scale: float = 1.0
 
-    def validate(self) -> "ZeroConfig":
-        """Raise ``ValueError`` naming the key, the value and the fix; returns self."""
+    @property
+    def optimizer_offload(self) -> str:
+        """Where the fp32 optimizer state lives: "none", "cpu" (ZeRO-Offload) or "nvme" (ZeRO-Infinity)."""
+        if self.offload_optimizer_device != "none":
+            return self.offload_optimizer_device
+        return "cpu" if self.offload_optimizer else "none"
+
+    @property
+    def qgz_node_size(self) -> int:
+        return self.zero_quantized_gradients_node_size or self.zero_hpz_partition_size
+
+    def validate(self, dp_size: int | None = None) -> "ZeroConfig":
+        """Raise ``ValueError`` naming the key, the value and the fix; returns self.
+
+        ``dp_size`` (when known) is checked against the ZeRO++ group sizes."""
         def bad(key: str, fix: str):
             raise ValueError(f"zero.{key}={getattr(self, key)!r}: {fix}")
 
@@ -65,6 +98,7 @@ class ZeroConfig:
             bad("stage3_param_persistence_threshold", "must be a number of elements >= 0 (0 partitions everything)")
         if self.offload_optimizer and self.stage == 0:
             bad("offload_optimizer", "CPU offload (ZeRO-Offload) needs stage 1, 2 or 3; set stage >= 1 or turn it off")
+        self._validate_zeropp_infinity(bad, dp_size)
         if not (isinstance(self.initial_loss_scale, (int, float)) and self.initial_loss_scale > 0):
             bad("initial_loss_scale", "must be > 0, e.g. 65536")
         if not (isinstance(self.min_loss_scale, (int, float)) and 0 < self.min_loss_scale <= self.initial_loss_scale):
@@ -74,6 +108,46 @@ class ZeroConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 bad(key, "must be a positive integer")
         return self
+
+    def _validate_zeropp_infinity(self, bad, dp_size: int | None) -> None:
+        for key in ("zero_quantized_weights", "zero_quantized_gradients"):
+            if not isinstance(getattr(self, key), bool):
+                bad(key, "must be true or false")
+        for key in ("zero_hpz_partition_size", "zero_quantization_block_size", "offload_optimizer_buffer_count",
+                    "sub_group_size"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                bad(key, "must be a positive integer")
+        value = self.zero_quantized_gradients_node_size
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            bad("zero_quantized_gradients_node_size", "must be >= 0 (0: use zero_hpz_partition_size)")
+        if self.zero_quantized_weights and self.stage != 3:
+            bad("zero_quantized_weights", "qwZ quantizes the stage-3 parameter all-gather; set stage=3 or turn it off")
+        if self.zero_hpz_partition_size > 1 and self.stage != 3:
+            bad("zero_hpz_partition_size", "hpZ partitions the stage-3 parameters; set stage=3 or use 1")
+        if self.zero_quantized_gradients and self.stage < 1:
+            bad("zero_quantized_gradients", "qgZ quantizes the gradient reduce-scatter of stages 1-3; set stage>=1")
+        if dp_size is not None:
+            for key in ("zero_hpz_partition_size", "zero_quantized_gradients_node_size"):
+                k = getattr(self, key)
+                if k > 1 and dp_size % k:
+                    bad(key, f"must divide the data-parallel size {dp_size} (e.g. the GPUs per node)")
+        if self.offload_optimizer_device not in ("none", "cpu", "nvme"):
+            bad("offload_optimizer_device", "use 'none', 'cpu' or 'nvme'")
+        if self.offload_optimizer_device == "none" and self.offload_optimizer:
+            self.offload_optimizer_device = "cpu"  # the boolean spelling of device=cpu
+        if self.offload_optimizer_device in ("cpu", "nvme"):
+            if self.stage == 0:
+                bad("offload_optimizer_device", "optimizer offload needs stage 1, 2 or 3")
+            self.offload_optimizer = True  # the state is off the accelerator either way
+        if self.offload_optimizer_device == "nvme":
+            if self.stage != 3:
+                bad("offload_optimizer_device", "NVMe offload (ZeRO-Infinity) needs stage=3, as in DeepSpeed; "
+                                                "use device 'cpu' for stages 1-2")
+            if not self.offload_optimizer_nvme_path:
+                bad("offload_optimizer_nvme_path", "set it to a directory on local NVMe (e.g. /local_nvme)")
+            if self.offload_optimizer_buffer_count < 2:
+                bad("offload_optimizer_buffer_count", "need >= 2 (one tile updating, one read ahead)")
 
     @classmethod
     def from_deepspeed(cls, ds: dict, **overrides) -> "ZeroConfig":
@@ -109,15 +183,12 @@ class ZeroConfig:
                                  f"(ZeRO §7); remove the key or set it to true")
         if "overlap_comm" not in zero and kw.get("stage") == 3:
             kw["overlap_comm"] = True  # DeepSpeed's code default for stage 3
-        off = zero.get("offload_optimizer")
-        if off is not None:
-            if not isinstance(off, dict):
-                raise ValueError("zero_optimization.offload_optimizer must be a dict like {\"device\": \"cpu\"}")
-            device = off.get("device", "none")
-            if device not in ("none", "cpu"):
-                raise ValueError(f"zero_optimization.offload_optimizer.device={device!r}: zerotron supports "
-                                 f"'cpu' or 'none' (NVMe offload is not implemented)")
-            kw["offload_optimizer"] = device == "cpu"
+        kw.update(offload_from_deepspeed(zero))
+        for key in ("zero_quantized_weights", "zero_quantized_gradients", "zero_hpz_partition_size",
+                    "zero_quantization_block_size", "zero_quantized_gradients_node_size", "sub_group_size"):
+            if key in zero:
+                value = zero[key]
+                kw[key] = int(value) if isinstance(value, float) and value.is_integer() else value
         for section, precision in (("fp16", "fp16"), ("bf16", "bf16")):
             sec = ds.get(section)
             if isinstance(sec, dict) and sec.get("enabled", False):
@@ -135,3 +206,37 @@ class ZeroConfig:
                 raise ValueError(f"ZeroConfig has no field {key!r}; fields are {sorted(names)}")
         kw.update(overrides)
         return cls(**kw).validate()
+
+
+def offload_from_deepspeed(zero: dict) -> dict:
+    """ZeroConfig fields from DeepSpeed's nested ``offload_optimizer`` / ``offload_param`` dicts.
+
+    ``offload_param`` (stage-3 parameters on CPU/NVMe) is not implemented: any device but "none"
+    is refused here rather than silently training with the parameters on the accelerator."""
+    kw: dict = {}
+    par = zero.get("offload_param")
+    if par is not None:
+        device = par.get("device", "none") if isinstance(par, dict) else par
+        if device not in ("none", None):
+            raise ValueError(f"zero_optimization.offload_param.device={device!r}: parameter offload (ZeRO-Infinity "
+                             f"params on cpu/nvme) is not implemented in zerotron; remove offload_param (use "
+                             f"offload_optimizer with device nvme for the optimizer state)")
+    off = zero.get("offload_optimizer")
+    if off is None:
+        return kw
+    if not isinstance(off, dict):
+        raise ValueError("zero_optimization.offload_optimizer must be a dict like {\"device\": \"cpu\"}")
+    unknown = sorted(set(off) - {"device", "nvme_path", "buffer_count", "pin_memory", "ratio", "fast_init"})
+    if unknown:
+        raise ValueError(f"zero_optimization.offload_optimizer.{unknown[0]}: not supported; use device, nvme_path, "
+                         f"buffer_count (pin_memory/ratio/fast_init are accepted and ignored)")
+    device = off.get("device", "none")
+    if device not in ("none", "cpu", "nvme"):
+        raise ValueError(f"zero_optimization.offload_optimizer.device={device!r}: use 'none', 'cpu' or 'nvme'")
+    kw["offload_optimizer"] = device != "none"
+    kw["offload_optimizer_device"] = device
+    if "nvme_path" in off:
+        kw["offload_optimizer_nvme_path"] = off["nvme_path"]
+    if "buffer_count" in off:
+        kw["offload_optimizer_buffer_count"] = off["buffer_count"]
+    return kw

@@ -17,6 +17,11 @@ Two ways of holding gradients:
 Stages 0-1 reduce only after the last micro-batch; stages 2-3 on every backward (accumulating
 into the partition). With ``overlap_comm`` the collectives are asynchronous (gloo handles, NCCL
 streams) and at most two buckets are in flight while backward continues.
+
+ZeRO++ qgZ (``zero_quantized_gradients``, arXiv 2306.10209 §3.3): the reduce-scatter of stages 1-3
+becomes ``quantized_reduce_scatter`` -- int8 blocks exchanged by all-to-all, dequantized and summed in
+fp32 by their owner, hierarchically (node first, then across nodes) when node groups are given. It
+is synchronous; with ``overlap_comm`` its already-finished handle simply joins the in-flight queue.
 """
 
 from __future__ import annotations
@@ -24,12 +29,14 @@ from __future__ import annotations
 import torch
 
 from zerotron.parallel import collectives as C
+from zerotron.zero.quantized_comm import quantized_reduce_scatter
 
 
 class GradReducer:
     def __init__(self, layout, params: list[torch.nn.Parameter], dp_group, stage: int, flat: bool,
-                 overlap: bool, dtype: torch.dtype, device: torch.device):
+                 overlap: bool, dtype: torch.dtype, device: torch.device, zeropp=None):
         self.layout, self.params, self.dp_group = layout, params, dp_group
+        self.qgz = zeropp if zeropp is not None and zeropp.qgz and stage >= 1 else None
         self.stage, self.flat, self.overlap = stage, flat, overlap
         self.dtype, self.device = dtype, device
         chunks = layout.chunks
@@ -95,7 +102,12 @@ class GradReducer:
             work = C.all_reduce(bucket, self.dp_group, async_op=self.overlap)
         else:
             out = self.shard_bufs[slot][:c.shard]
-            work = C.reduce_scatter(out, bucket, self.dp_group, async_op=self.overlap)
+            if self.qgz is not None:  # qgZ: int8 hierarchical all-to-all, fp32 sums
+                quantized_reduce_scatter(out, bucket, self.dp_group, self.qgz.block,
+                                         inner=self.qgz.qgz_inner, outer=self.qgz.qgz_outer)
+                work = C.Handle(result=out)
+            else:
+                work = C.reduce_scatter(out, bucket, self.dp_group, async_op=self.overlap)
         job = (work, c, out)
         if self.overlap:
             self.inflight.append(job)

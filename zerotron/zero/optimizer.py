@@ -11,10 +11,16 @@ step. Life of a step:
    skipped on every rank), unscale and clip while staging each chunk's shard to fp32, AdamW on the
    fp32 master shard, write the 16-bit shard back, all-gather the updated parameters (stages 1-2;
    stage 3 gathers them lazily at the next forward). Comm volume: 2Ψ for stages 0-2, 3Ψ for 3 (§7).
+
+In fp32 precision without offload the master weights are not a copy: ``self.masters[c]`` is this
+rank's shard of chunk ``c`` inside the parameter storage itself (the flat parameter buffer for
+stages 0-2, the parameter partition for stage 3), so AdamW updates the parameters in place and
+no master->parameter copy happens (K = 8 instead of 12). 16-bit runs keep a separate fp32 master.
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import math
 
@@ -31,6 +37,8 @@ from zerotron.zero.loss_scaler import make_loss_scaler
 from zerotron.zero.offload import OptimizerState
 from zerotron.zero.partition import Layout
 from zerotron.zero.stage3 import ParamGatherer, default_units, unit_params
+from zerotron.zero import hpz  # ZeRO++ qwZ/hpZ/qgZ groups (issue 11)
+from zerotron.zero.nvme_optimizer import NvmeOptimizerState  # ZeRO-Infinity (issue 11)
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
@@ -58,26 +66,36 @@ class ZeroOptimizer:
         self.layout = Layout([p.shape for p in self.params], groups, shards, rank,
                              min(cfg.reduce_bucket_size, cfg.allgather_bucket_size), persistent)
         max_shard = max(c.shard for c in self.layout.chunks)
-        self.state = OptimizerState(self.layout.part_numel, max_shard, self.device, cfg.offload_optimizer)
+        # fp32 on the device: the parameters are the master weights (no 4-byte copy; K = 8, not 12)
+        self.master_is_param = cfg.precision == "fp32" and cfg.optimizer_offload == "none"
+        if cfg.optimizer_offload == "nvme":  # ZeRO-Infinity (issue 11): master + moments in a file
+            self.state = NvmeOptimizerState(self.layout.part_numel, cfg.offload_optimizer_nvme_path, grid.rank,
+                                            cfg.sub_group_size, cfg.offload_optimizer_buffer_count)
+        else:
+            self.state = OptimizerState(self.layout.part_numel, max_shard, self.device, cfg.offload_optimizer,
+                                        own_master=not self.master_is_param)
         self.adam = FlatAdamW(self.state.device)
         self.gather_in = torch.empty(max_shard, dtype=self.dtype, device=self.device) if 1 <= cfg.stage <= 2 else None
         for _, p in model.named_parameters():
             if not p.requires_grad and p.is_floating_point():
                 p.data = p.data.to(self.dtype)
+        self.zeropp = hpz.setup(cfg, grid)  # issue 11: validates sizes vs DP, creates node groups (collective)
         self._init_storage()  # the only collectives of the constructor: broadcast from DP rank 0
         flat = cfg.stage <= 1 and cfg.contiguous_gradients
         self.reducer = GradReducer(self.layout, self.params, dp, cfg.stage, flat, cfg.overlap_comm,
-                                   self.dtype, self.device)
+                                   self.dtype, self.device, zeropp=self.zeropp)
         self.gatherer = None
         if cfg.stage == 3:
             self.gatherer = ParamGatherer(self.layout, self.params, unit_mods, unit_groups, model,
-                                          self.part_param, dp, cfg.stage3_prefetch_bucket_size)
+                                          self.part_param, dp, cfg.stage3_prefetch_bucket_size, zeropp=self.zeropp)
         self.scaler = make_loss_scaler(cfg)
         tp_rank = grid.tp_rank
         no_decay = [len(shape) < 2 for shape in self.layout.shapes]  # params may be released (stage 3)
         self.decay_segments = [self.layout.segments(c, lambda i: not no_decay[i]) for c in self.layout.chunks]
         self.norm_segments = [self.layout.segments(c, lambda i: counts_in_norm(self.params[i], tp_rank))
                               for c in self.layout.chunks]
+        if getattr(self.state, "tiled", False):
+            self.state.attach(self)  # issue 11: commit the initial master to disk, masters read lazily
         self.norm_group = grid.world_group if cfg.stage >= 1 else grid.mp_group
         self._no_sync = False
         self.reducer.sync = self._default_sync()
@@ -139,7 +157,8 @@ class ZeroOptimizer:
                 C.broadcast(buf, dp.ranks[0], dp)
                 lo, hi = lay.own_range(c)
                 own = buf[lo - c.offset:hi - c.offset]
-                self.state.master[c.part_offset:c.part_offset + c.shard].copy_(own)
+                if not self.master_is_param:
+                    self.state.master[c.part_offset:c.part_offset + c.shard].copy_(own)
                 if self.stage < 3:
                     self.flat_param[c.offset:c.offset + c.numel].copy_(buf)
                 else:
@@ -147,6 +166,19 @@ class ZeroOptimizer:
         if self.stage < 3:
             for i, p in enumerate(self.params):
                 p.data = lay.param_view(self.flat_param, i)
+        self.masters = [self._master_view(c) for c in lay.chunks]  # this rank's fp32 master shard per chunk
+        if self.master_is_param:
+            contiguous = self.stage in (0, 3) or len(lay.chunks) == 1
+            self.state.master = (self.flat_param if self.stage == 0 else self.part_param if self.stage == 3
+                                 else self.masters[0] if contiguous else None)
+
+    def _master_view(self, c) -> torch.Tensor:
+        if not self.master_is_param:
+            return self.state.master[c.part_offset:c.part_offset + c.shard]
+        if self.stage == 3:
+            return self.part_param[c.part_offset:c.part_offset + c.shard]
+        lo, hi = self.layout.own_range(c)
+        return self.flat_param[lo:hi]
 
     def _default_sync(self) -> bool:
         return not self._no_sync and self.stage >= 2
@@ -199,10 +231,12 @@ class ZeroOptimizer:
         if not overflow:
             coef = clip_coef(norm, self.clip_grad) / scale
             st.step += 1
-            for c in lay.chunks:
+            if getattr(st, "tiled", False):  # ZeRO-Infinity (issue 11): Adam streamed tile by tile from disk
+                st.step_tiles(self, coef)
+            for c in ([] if getattr(st, "tiled", False) else lay.chunks):
                 lo, hi = c.part_offset, c.part_offset + c.shard
                 grad = st.stage_grad(self.reducer.grad_shard(c), coef)
-                self.adam.update(st.master[lo:hi], grad, st.exp_avg[lo:hi], st.exp_avg_sq[lo:hi], st.step,
+                self.adam.update(self.masters[c.index], grad, st.exp_avg[lo:hi], st.exp_avg_sq[lo:hi], st.step,
                                  self.lr, self.betas, self.eps, self.weight_decay, self.decay_segments[c.index])
             self._publish()
         self.scaler.update(overflow)
@@ -218,12 +252,16 @@ class ZeroOptimizer:
             for c in lay.chunks:
                 lo, hi = c.part_offset, c.part_offset + c.shard
                 if self.stage == 0:
-                    st.write_params(self.flat_param[c.offset:c.offset + c.numel], lo, hi)
+                    if not self.master_is_param:
+                        st.write_params(self.flat_param[c.offset:c.offset + c.numel], lo, hi)
                 elif self.stage < 3:
-                    st.write_params(self.gather_in[:c.shard], lo, hi)
+                    if self.master_is_param:
+                        self.gather_in[:c.shard].copy_(self.masters[c.index])
+                    else:
+                        st.write_params(self.gather_in[:c.shard], lo, hi)
                     C.all_gather(self.flat_param[c.offset:c.offset + c.numel], self.gather_in[:c.shard],
                                  self.grid.dp_group)
-                else:
+                elif not self.master_is_param:
                     st.write_params(self.part_param[lo:hi], lo, hi)
         if self.gatherer is not None:
             self.gatherer.release_all()
@@ -244,7 +282,8 @@ class ZeroOptimizer:
 
     def partition_state(self) -> dict:
         st = self.state
-        return {"master": st.master, "exp_avg": st.exp_avg, "exp_avg_sq": st.exp_avg_sq, "step": st.step,
+        master = st.master if st.master is not None else torch.cat(self.masters)  # a copy only when scattered
+        return {"master": master, "exp_avg": st.exp_avg, "exp_avg_sq": st.exp_avg_sq, "step": st.step,
                 "loss_scaler": self.scaler.state_dict()}
 
     def load_partition_state(self, read_fn, step: int | None = None, loss_scaler: dict | None = None) -> None:
@@ -257,12 +296,20 @@ class ZeroOptimizer:
                     if value.numel() != end - start:
                         raise ValueError(f"load_partition_state: {name}[{start}:{end}] {key} has {value.numel()} "
                                          f"elements, expected {end - start}")
-                    getattr(st, key)[off:off + end - start].copy_(value.reshape(-1))
+                    self._part_slice(key, off, end - start).copy_(value.reshape(-1))
         if step is not None:
             st.step = int(step)
         if loss_scaler is not None:
             self.scaler.load_state_dict(loss_scaler)
         self._publish()
+
+    def _part_slice(self, key: str, off: int, n: int) -> torch.Tensor:
+        """Elements ``[off, off + n)`` of this rank's partition of state ``key`` (never across chunks)."""
+        if key != "master" or self.state.master is not None:
+            return getattr(self.state, key)[off:off + n]
+        starts = [c.part_offset for c in self.layout.chunks]
+        c = self.layout.chunks[bisect.bisect_right(starts, off) - 1]
+        return self.masters[c.index][off - c.part_offset:off - c.part_offset + n]
 
     def full_params(self):
         """Yield ``(name, full fp32 TP-local tensor)`` from the master weights, gathered over DP."""
@@ -270,7 +317,7 @@ class ZeroOptimizer:
         parts: dict[int, torch.Tensor] = {}
         done = [0] * len(self.params)
         for c in lay.chunks:
-            mine = self.state.master[c.part_offset:c.part_offset + c.shard].to(self.device)
+            mine = self.masters[c.index].to(self.device)
             if lay.shards == 1:
                 full = mine
             else:

@@ -16,6 +16,10 @@ prefetched asynchronously up to ``stage3_prefetch_bucket_size`` elements (in rev
 backward). Parameters smaller than ``stage3_param_persistence_threshold`` sit in one *persistent*
 group that stays gathered (their gather would cost more in latency than it saves in memory); they
 are still partitioned for the optimizer and re-gathered once after each step (2Ψ_small).
+
+ZeRO++ (``hpz.py``): with qwZ every gather moves int8 block-quantized shards (``quantized_all_gather``,
+synchronous, so a prefetch of a quantized group completes at issue); with hpZ the forward gather
+fills the rank's secondary slice and the backward gather runs over the node-local group only.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ import torch
 from torch import nn
 
 from zerotron.parallel import collectives as C
+from zerotron.zero.hpz import SecondaryPartition
+from zerotron.zero.quantized_comm import quantized_all_gather
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 
@@ -69,8 +75,15 @@ class ParamGatherer:
     """Gathers, binds, releases and prefetches the partitioned parameters of stage 3."""
 
     def __init__(self, layout, params, units: list[nn.Module], unit_groups: list[list[int]], model: nn.Module,
-                 part_param: torch.Tensor, dp_group, prefetch_numel: int):
+                 part_param: torch.Tensor, dp_group, prefetch_numel: int, zeropp=None):
         self.layout, self.params, self.units = layout, params, units
+        self.qwz_block = zeropp.block if zeropp is not None and zeropp.qwz else None
+        self.secondary = None  # hpZ
+        if zeropp is not None and zeropp.hpz_group is not None:
+            self.secondary = SecondaryPartition(layout, zeropp.hpz_group, dp_group.ranks[layout.rank],
+                                                part_param.dtype, part_param.device)
+        self.backward_phase = False
+        self.pending_fill: set[int] = set()
         self.unit_groups, self.part, self.dp_group = unit_groups, part_param, dp_group
         self.prefetch_numel = prefetch_numel
         n = len(layout.groups)
@@ -101,12 +114,25 @@ class ParamGatherer:
         group = self.layout.groups[g]
         buf = torch.empty(group.numel, dtype=self.part.dtype, device=self.part.device)
         works = []
-        for ci in group.chunks:
-            c = self.layout.chunks[ci]
-            out = buf[c.offset - group.offset:c.offset - group.offset + c.numel]
-            works.append(C.all_gather(out, self.part[c.part_offset:c.part_offset + c.shard], self.dp_group,
-                                      async_op=async_op))
+        sec = self.secondary if not group.persistent else None
+        if sec is not None and self.backward_phase and sec.valid[g]:
+            works = sec.gather(g, buf, async_op)  # hpZ: backward gather inside the node only
+            sec = None
+        else:
+            for ci in group.chunks:
+                c = self.layout.chunks[ci]
+                out = buf[c.offset - group.offset:c.offset - group.offset + c.numel]
+                shard = self.part[c.part_offset:c.part_offset + c.shard]
+                if self.qwz_block is not None:  # qwZ: int8 + per-block scales on the wire
+                    quantized_all_gather(out, shard, self.dp_group, self.qwz_block)
+                else:
+                    works.append(C.all_gather(out, shard, self.dp_group, async_op=async_op))
         self.full[g] = buf
+        if sec is not None:  # hpZ: keep this rank's secondary slice of what the full gather delivers
+            if async_op and works:
+                self.pending_fill.add(g)
+            else:
+                sec.fill(g, buf)
         for p in group.params:
             self.params[p].data = self.layout.param_view(buf, p)
         if async_op:
@@ -115,15 +141,20 @@ class ParamGatherer:
     def ensure(self, g: int) -> None:
         """Make group ``g`` resident (waiting for its prefetch if one is in flight)."""
         if g in self.inflight:
-            for w in self.inflight.pop(g):
-                w.wait()
+            self._complete(g)
         elif g not in self.full:
             self._gather(g, async_op=False)
 
+    def _complete(self, g: int) -> None:
+        for w in self.inflight.pop(g):
+            w.wait()
+        if g in self.pending_fill:
+            self.pending_fill.discard(g)
+            self.secondary.fill(g, self.full[g])
+
     def release(self, g: int) -> None:
         if g in self.inflight:
-            for w in self.inflight.pop(g):
-                w.wait()
+            self._complete(g)
         for p in self.layout.groups[g].params:
             self.params[p].data = self.empty
         self.full.pop(g, None)
@@ -138,7 +169,10 @@ class ParamGatherer:
         self.ready = [0] * len(self.ready)
 
     def refresh_persistent(self) -> None:
-        """After a step: the persistent params are re-gathered from the updated partitions."""
+        """After a step: the persistent params are re-gathered from the updated partitions (and the hpZ
+        secondary copy, derived from the old parameters, is invalid until the next forward gather)."""
+        if self.secondary is not None:
+            self.secondary.invalidate()
         for g in self.layout.groups:
             if g.persistent:
                 self.full.pop(g.index, None)
@@ -161,7 +195,7 @@ class ParamGatherer:
 
     # hooks ----------------------------------------------------------------------------------------
     def _model_pre(self, module, args) -> None:
-        self.cursor = 0
+        self.cursor, self.backward_phase = 0, False
 
     def _model_post(self, module, args, out) -> None:
         self.recording = False
@@ -171,6 +205,7 @@ class ParamGatherer:
     def _unit_pre(self, ui: int) -> None:
         pos = self.cursor
         self.cursor += 1
+        self.backward_phase = False
         self.stack.append(pos)
         if self.recording:
             self.order.append(ui)
@@ -192,6 +227,7 @@ class ParamGatherer:
         return None
 
     def _backward_fetch(self, ui: int, pos: int) -> None:
+        self.backward_phase = True
         for g in self.unit_groups[ui]:
             if not self.bwd_active[g]:
                 self.bwd_active[g], self.ready[g] = True, 0
@@ -204,6 +240,9 @@ class ParamGatherer:
         group = self.layout.groups[g]
         if self.ready[g] >= self.expected[g] and self.refs[g] == 0 and not group.persistent and g in self.full:
             self.release(g)
+
+    def secondary_bytes(self) -> int:
+        return 0 if self.secondary is None else self.secondary.nbytes()
 
     def resident_bytes(self) -> int:
         return sum(b.numel() * b.element_size() for g, b in self.full.items() if self.layout.groups[g].persistent)

@@ -1,0 +1,73 @@
+"""ZeRO-Infinity step-time cost against the disk's measured bandwidth (tiny-to-small GPT, gloo ranks).
+
+    .venv/bin/python scripts/bench_infinity.py --ranks 2 --steps 6 --hidden 256 --layers 4 \
+        [--nvme-path /local_nvme] [--sub-group-size 1000000] [--buffer-count 4]
+
+Runs stage 3 without offload, with CPU offload and with NVMe offload (same model, data, seed) and
+prints the median step time (first step excluded, max over ranks), the disk bytes read/written
+per step per rank, and the time those bytes would take at ``measure_bandwidth``'s sequential
+rates -- the floor the tile pipeline (read-ahead / write-behind) can approach. The read rate may
+come from the page cache (an upper bound on the disk).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tests.harness import spawn  # noqa: E402
+from tests.zero.zeropp_common import train_gpt  # noqa: E402
+from zerotron.zero.disk_offload import measure_bandwidth  # noqa: E402
+
+
+def _run(kw, steps, shape):
+    return train_gpt(kw, steps, shape=shape)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--nvme-path", default=None)
+    ap.add_argument("--sub-group-size", type=int, default=1_000_000)
+    ap.add_argument("--buffer-count", type=int, default=4)
+    ap.add_argument("--probe-mb", type=int, default=256)
+    a = ap.parse_args()
+    path = a.nvme_path or tempfile.mkdtemp(prefix="zerotron_nvme_")
+    bw = measure_bandwidth(path, a.probe_mb)
+    print(f"disk {path}: write {bw['write_GBps']:.2f} GB/s, read {bw['read_GBps']:.2f} GB/s "
+          f"({a.probe_mb} MiB probe, fsync'd write; read may hit the page cache)")
+    shape = dict(num_layers=a.layers, hidden_size=a.hidden, num_heads=4, vocab_size=a.vocab, seq_length=a.seq)
+    nvme = dict(stage=3, offload_optimizer_device="nvme", offload_optimizer_nvme_path=path,
+                sub_group_size=a.sub_group_size, offload_optimizer_buffer_count=a.buffer_count)
+    rows = {}
+    for name, kw in (("stage3", dict(stage=3)), ("stage3+cpu", dict(stage=3, offload_optimizer=True)),
+                     ("stage3+nvme", nvme)):
+        res = spawn(_run, a.ranks, kw, a.steps, shape, timeout=120 + 30 * a.steps)
+        step = statistics.median(max(r["times"][i] for r in res) for i in range(1, a.steps))
+        rows[name] = (step, res[0])
+        mem = res[0]["memory"]
+        print(f"{name:12s} step {step * 1e3:8.1f} ms  model states in memory {mem['total_model_states'] / 2**20:7.2f} MiB"
+              f"  on disk {mem['offloaded_to_disk'] / 2**20:7.2f} MiB")
+    step, r = rows["stage3+nvme"]
+    read = r["disk"]["read"] / a.steps
+    written = r["disk"]["written"] / a.steps
+    floor = read / (bw["read_GBps"] * 2**30) + written / (bw["write_GBps"] * 2**30)
+    cost = step - rows["stage3"][0]
+    print(f"nvme per step per rank: read {read / 2**20:.2f} MiB, written {written / 2**20:.2f} MiB -> "
+          f"{floor * 1e3:.1f} ms at the measured bandwidth (serial); measured offload cost "
+          f"{cost * 1e3:+.1f} ms vs stage 3 ({(cost) / rows['stage3'][0]:+.1%}), "
+          f"{(step - rows['stage3+cpu'][0]) * 1e3:+.1f} ms vs CPU offload")
+
+
+if __name__ == "__main__":
+    main()

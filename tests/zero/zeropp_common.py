@@ -1,0 +1,76 @@
+"""A tiny GPT trained under a given ZeroConfig on the current gloo ranks: shared by the ZeRO++ /
+ZeRO-Infinity tests and by scripts/bench_zeropp.py / bench_infinity.py (which run the full length).
+
+Data: fresh sequences every step from a fixed random bigram (Markov) source, so the loss falls
+towards the source's entropy rate and plateaus there instead of memorising to ~0 -- a relative
+loss gap between two configurations after N steps is then meaningful."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from tests.zero.common import HYPER
+
+GPT_SHAPE = dict(num_layers=2, hidden_size=64, num_heads=4, vocab_size=128, seq_length=32)
+
+
+def markov_batches(vocab: int, n: int, length: int, seed: int, sharpness: float = 3.0):
+    """Yield ``[n, length]`` token batches from one fixed random bigram source (same on every rank)."""
+    g = torch.Generator().manual_seed(seed)
+    trans = torch.softmax(torch.randn(vocab, vocab, generator=g) * sharpness, dim=1)
+    while True:
+        x = torch.empty(n, length, dtype=torch.long)
+        x[:, 0] = torch.randint(0, vocab, (n,), generator=g)
+        for t in range(1, length):
+            x[:, t] = torch.multinomial(trans[x[:, t - 1]], 1, generator=g).squeeze(1)
+        yield x
+
+
+def train_gpt(zero_kw: dict, steps: int, per_rank: int = 4, seed: int = 11,
+              want_params: bool = False, shape: dict | None = None) -> dict:
+    """Train on every rank; returns per-step losses (DP-mean), the last step's comm counters, the
+    memory report, step times and (``want_params``) the full fp32 parameters."""
+    import torch.distributed as dist
+
+    from zerotron.model.config import GPTConfig
+    from zerotron.model.gpt import GPT
+    from zerotron.parallel import Grid, ParallelDims
+    from zerotron.zero import ZeroConfig, ZeroOptimizer
+
+    grid = Grid(ParallelDims())
+    cfg = GPTConfig(**(shape or GPT_SHAPE))
+    model = GPT(cfg, grid, seed=seed)
+    kw = dict(stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=10**6)
+    kw.update(zero_kw)
+    opt = ZeroOptimizer(model, grid, ZeroConfig(**kw), clip_grad=1.0, **HYPER)
+    data = markov_batches(cfg.vocab_size, grid.dp_size * per_rank, cfg.seq_length + 1, seed)
+    sl = slice(grid.dp_rank * per_rank, (grid.dp_rank + 1) * per_rank)
+    losses, times = [], []
+    for step in range(steps):
+        t0 = time.perf_counter()
+        batch = next(data)[sl]
+        loss = model(batch[:, :-1], labels=batch[:, 1:])
+        opt.backward(loss)
+        opt.step()
+        times.append(time.perf_counter() - t0)
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)  # reporting only, outside the counted collectives
+        losses.append(float(mean) / grid.dp_size)
+    out = {"losses": losses, "comm": opt.comm_per_step, "memory": opt.memory_report(), "times": times,
+           "full_numel": opt.layout.full_numel, "part_numel": opt.layout.part_numel, "psi": opt.num_params}
+    if want_params:
+        out["params"] = dict(opt.full_params())
+    if hasattr(opt.state, "store"):
+        out["disk"] = {"read": opt.state.store.bytes_read, "written": opt.state.store.bytes_written}
+    return out
+
+
+def tail_loss(losses: list[float], k: int = 5) -> float:
+    return sum(losses[-k:]) / len(losses[-k:])
+
+
+def comm_bytes(comm: dict, op: str, groups: tuple[str, ...] | None = None) -> int:
+    return sum(v["bytes"] for key, v in comm.items()
+               if key.split("/")[0] == op and (groups is None or key.split("/")[1] in groups))
