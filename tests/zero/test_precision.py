@@ -73,3 +73,54 @@ def check_bf16_loss_falls():
 
 def test_bf16_trains_tiny_model():
     assert all(spawn(check_bf16_loss_falls, 2, timeout=120))
+
+
+def check_fp32_master_is_the_parameter():
+    from zerotron.parallel import Grid, ParallelDims
+    from zerotron.zero import ZeroConfig, ZeroOptimizer, expected_model_state_bytes
+
+    grid = Grid(ParallelDims())
+    nd = grid.dp_size
+    for stage in (0, 1, 2, 3):
+        model = TinyLM()
+        cfg = ZeroConfig(stage=stage, reduce_bucket_size=500, allgather_bucket_size=500,
+                         stage3_param_persistence_threshold=0)
+        opt = ZeroOptimizer(model, grid, cfg, clip_grad=1.0, **HYPER)
+        zero_train(model, opt, batches(2, 1, nd), grid.dp_rank)
+        mem = opt.memory_report()
+        assert mem["master_fp32"] == 0 and opt.state.grad_stage.numel() == 0, (stage, mem)
+        store = opt.part_param if stage == 3 else opt.flat_param
+        assert all(m.untyped_storage().data_ptr() == store.untyped_storage().data_ptr() for m in opt.masters)
+        want = expected_model_state_bytes(opt.num_params, nd, stage, param_bytes=4, k=8)  # K = 8: no master copy
+        assert abs(mem["total_model_states"] - want) <= 0.03 * want, (stage, mem, want)
+        # the checkpoint view of the scattered master (stages 1-2, several chunks) round-trips
+        full = {n: t.clone() for n, t in opt.full_params()}
+        state = {k: v.clone() for k, v in opt.partition_state().items() if k in ("master", "exp_avg", "exp_avg_sq")}
+        index = opt.partition_index()
+        with torch.no_grad():
+            for m in opt.masters:
+                m.zero_()
+        lookup = {(n, s): off for n, s, e, off in index}
+        opt.load_partition_state(lambda name, key, start, end: state[key][lookup[(name, start)]:
+                                                                         lookup[(name, start)] + end - start])
+        assert all(torch.equal(full[n], t) for n, t in opt.full_params()), stage
+    return True
+
+
+def test_fp32_master_weights_are_the_parameters():
+    assert all(spawn(check_fp32_master_is_the_parameter, 2, timeout=120))
+
+
+def test_loss_scale_does_not_cross_precisions():
+    from zerotron.zero.loss_scaler import DynamicLossScaler, LossScaler
+
+    fp16 = DynamicLossScaler(1024.0, window=2, hysteresis=1, min_scale=1.0)
+    fp16.update(overflow=True)
+    bf16 = LossScaler(1.0)
+    bf16.load_state_dict(fp16.state_dict())
+    assert bf16.scale == 1.0  # bf16 resumed from fp16 keeps its constant scale
+    fresh = DynamicLossScaler(1024.0, window=2, hysteresis=1, min_scale=1.0)
+    fresh.load_state_dict(LossScaler(1.0).state_dict())
+    assert fresh.scale == 1024.0  # fp16 resumed from bf16 starts from its initial scale
+    fresh.load_state_dict(fp16.state_dict())
+    assert fresh.scale == 512.0

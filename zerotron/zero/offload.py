@@ -17,8 +17,11 @@ import torch
 class OptimizerState:
     """fp32 master, exp_avg and exp_avg_sq for this rank's partition, plus a gradient staging buffer."""
 
-    def __init__(self, numel: int, max_shard: int, device: torch.device, offload: bool):
+    def __init__(self, numel: int, max_shard: int, device: torch.device, offload: bool, own_master: bool = True):
         self.offload = offload
+        # own_master=False (fp32 runs on the device): the fp32 parameters themselves are the master
+        # weights, so no second copy exists (K = 8); the optimizer sets ``master`` to its storage.
+        self.own_master = own_master
         self.device = torch.device("cpu") if offload else device
         pin = offload and device.type == "cuda"
 
@@ -26,12 +29,21 @@ class OptimizerState:
             t = torch.zeros(n, dtype=torch.float32, device=self.device)
             return t.pin_memory() if pin else t
 
-        self.master, self.exp_avg, self.exp_avg_sq = alloc(numel), alloc(numel), alloc(numel)
-        self.grad_stage = alloc(max_shard)   # fp32 gradient shard of one chunk (D2H target)
+        self.master = alloc(numel) if own_master else None
+        self.exp_avg, self.exp_avg_sq = alloc(numel), alloc(numel)
+        # fp32 gradient shard of one chunk (D2H target); fp32 on-device gradients need none
+        self.grad_stage = alloc(max_shard if own_master else 0)
         self.step = 0
 
     def stage_grad(self, grad_shard: torch.Tensor, coef: float) -> torch.Tensor:
-        """Copy (D2H when offloading) and cast one reduced gradient shard to fp32, scaled by ``coef``."""
+        """Copy (D2H when offloading) and cast one reduced gradient shard to fp32, scaled by ``coef``.
+
+        An fp32 shard already in the state's memory is scaled in place instead (no copy): the reduced
+        gradient is consumed by this step and zeroed right after it."""
+        if grad_shard.dtype == torch.float32 and grad_shard.device == self.device:
+            if coef != 1.0:
+                grad_shard.mul_(coef)
+            return grad_shard
         out = self.grad_stage[:grad_shard.numel()]
         out.copy_(grad_shard)  # blocking: the CPU Adam reads it next
         if coef != 1.0:
@@ -44,7 +56,8 @@ class OptimizerState:
 
     def state_bytes(self) -> tuple[int, int]:
         """(master bytes, moment bytes)."""
-        return self.master.numel() * 4, (self.exp_avg.numel() + self.exp_avg_sq.numel()) * 4
+        master = self.master.numel() * 4 if self.own_master else 0
+        return master, (self.exp_avg.numel() + self.exp_avg_sq.numel()) * 4
 
     def staging_bytes(self) -> int:
         return self.grad_stage.numel() * 4
