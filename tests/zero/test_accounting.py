@@ -7,8 +7,6 @@ Communication (ZeRO §7, counted by zerotron.parallel.comm_stats on the "dp" gro
 micro-batch): stages 0-2 move 2Ψ', stage 3 3Ψ', where Ψ' = Ψ + padding (the fixed term).
 """
 
-import torch
-
 from tests.harness import spawn
 from tests.zero.common import HYPER, batches, zero_train
 from tests.zero.models import TinyLM
