@@ -3,11 +3,12 @@
     .venv/bin/python scripts/bench_infinity.py --ranks 2 --steps 6 --hidden 256 --layers 4 \
         [--nvme-path /local_nvme] [--sub-group-size 1000000] [--buffer-count 4]
 
-Runs stage 3 without offload, with CPU offload and with NVMe offload (same model, data, seed) and
-prints the median step time (first step excluded, max over ranks), the disk bytes read/written
-per step per rank, and the time those bytes would take at ``measure_bandwidth``'s sequential
-rates -- the floor the tile pipeline (read-ahead / write-behind) can approach. The read rate may
-come from the page cache (an upper bound on the disk).
+Runs stage 3 without offload, with CPU offload, with NVMe optimizer offload and with the
+parameters on NVMe too (``offload_param``; same model, data, seed) and prints the median step time
+(first step excluded, max over ranks), the disk bytes read/written per step per rank, and the time
+those bytes would take at ``measure_bandwidth``'s sequential rates -- the floor the read-ahead /
+write-behind pipeline can approach. The read rate may come from the page cache (an upper bound on
+the disk). The parameter configuration's extra cost is printed against the optimizer-only one.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ def main() -> None:
     ap.add_argument("--nvme-path", default=None)
     ap.add_argument("--sub-group-size", type=int, default=1_000_000)
     ap.add_argument("--buffer-count", type=int, default=4)
+    ap.add_argument("--param-buffer-count", type=int, default=5)
     ap.add_argument("--probe-mb", type=int, default=256)
     a = ap.parse_args()
     path = a.nvme_path or tempfile.mkdtemp(prefix="zerotron_nvme_")
@@ -49,14 +51,16 @@ def main() -> None:
     shape = dict(num_layers=a.layers, hidden_size=a.hidden, num_heads=4, vocab_size=a.vocab, seq_length=a.seq)
     nvme = dict(stage=3, offload_optimizer_device="nvme", offload_optimizer_nvme_path=path,
                 sub_group_size=a.sub_group_size, offload_optimizer_buffer_count=a.buffer_count)
+    params = dict(nvme, offload_param_device="nvme", offload_param_nvme_path=path,
+                  offload_param_buffer_count=a.param_buffer_count)
     rows = {}
     for name, kw in (("stage3", dict(stage=3)), ("stage3+cpu", dict(stage=3, offload_optimizer=True)),
-                     ("stage3+nvme", nvme)):
+                     ("stage3+nvme", nvme), ("+nvme params", params)):
         res = spawn(_run, a.ranks, kw, a.steps, shape, timeout=120 + 30 * a.steps)
         step = statistics.median(max(r["times"][i] for r in res) for i in range(1, a.steps))
         rows[name] = (step, res[0])
         mem = res[0]["memory"]
-        print(f"{name:12s} step {step * 1e3:8.1f} ms  model states in memory {mem['total_model_states'] / 2**20:7.2f} MiB"
+        print(f"{name:13s} step {step * 1e3:8.1f} ms  model states in memory {mem['total_model_states'] / 2**20:7.2f} MiB"
               f"  on disk {mem['offloaded_to_disk'] / 2**20:7.2f} MiB")
     step, r = rows["stage3+nvme"]
     read = r["disk"]["read"] / a.steps
@@ -67,6 +71,17 @@ def main() -> None:
           f"{floor * 1e3:.1f} ms at the measured bandwidth (serial); measured offload cost "
           f"{cost * 1e3:+.1f} ms vs stage 3 ({(cost) / rows['stage3'][0]:+.1%}), "
           f"{(step - rows['stage3+cpu'][0]) * 1e3:+.1f} ms vs CPU offload")
+
+    step_p, r = rows["+nvme params"]
+    io = r["param_disk"]
+    read, written = io["read"] / a.steps, io["written"] / a.steps
+    floor = read / (bw["read_GBps"] * 2**30) + written / (bw["write_GBps"] * 2**30)
+    saved = rows["stage3+nvme"][1]["memory"]["total_model_states"] - r["memory"]["total_model_states"]
+    print(f"params on nvme per step per rank: read {read / 2**20:.2f} MiB, written {written / 2**20:.2f} MiB -> "
+          f"{floor * 1e3:.1f} ms at the measured bandwidth (serial); {io['read_ahead_hits']} unit reads served by "
+          f"read-ahead; cost {(step_p - step) * 1e3:+.1f} ms vs optimizer-only NVMe "
+          f"({(step_p - step) / step:+.1%}), {(step_p - rows['stage3'][0]) * 1e3:+.1f} ms vs stage 3; "
+          f"{saved / 2**20:.2f} MiB less model state in memory")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,12 @@
 * the model states in (process) memory drop to params + grads as ``expected_infinity_bytes``
   predicts, master and moments are reported under ``offloaded_to_disk``;
 * a checkpoint round trip (partition_state -> load_partition_state) through the disk state;
-* config: DeepSpeed nested dicts, errors naming the key, ``offload_param`` refused, trainer config.
+* config: DeepSpeed nested dicts, errors naming the key, trainer config;
+* ``offload_param`` on NVMe (the stage-3 parameter partition in a file, ``nvme_params``): 5 steps
+  equal plain stage 3 bit for bit on 2 and 4 ranks (with and without all-gather prefetch, so both the
+  async gather of disk shards and the disk read-ahead run), the partition is reported under
+  ``offloaded_to_disk`` and no longer in ``params``, and a checkpoint saved with params on disk
+  loads into plain stage 3, which then continues identically.
 """
 
 import json
@@ -86,7 +91,12 @@ def test_checkpoint_round_trip_through_disk(tmp_path):
 
 
 @pytest.mark.parametrize("zero,match", [
-    ({"stage": 3, "offload_param": {"device": "nvme"}}, "offload_param.device='nvme'.*not implemented"),
+    ({"stage": 3, "offload_param": {"device": "nvme"}}, "zero.offload_param_nvme_path"),
+    ({"stage": 3, "offload_param": {"device": "cpu"}}, "offload_param.device='cpu'"),
+    ({"stage": 2, "offload_param": {"device": "nvme", "nvme_path": "/x"}}, "zero.offload_param_device"),
+    ({"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/x", "buffer_count": 1}},
+     "zero.offload_param_buffer_count"),
+    ({"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/x", "ratio": 1}}, "offload_param.ratio"),
     ({"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/x"}}, "zero.offload_optimizer_device"),
     ({"stage": 3, "offload_optimizer": {"device": "nvme"}}, "zero.offload_optimizer_nvme_path"),
     ({"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/x", "buffer_count": 1}},
@@ -127,6 +137,116 @@ def test_deepspeed_nested_offload_dict(tmp_path):
         zero_config(run)
     old = parse_config(["--zero-stage", "2", "--offload-optimizer"])  # the boolean spelling still works
     assert zero_config(old.validate(1)).optimizer_offload == "cpu"
-    ds.write_text(json.dumps({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}))
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}))
     with pytest.raises(ValueError, match="offload_param"):
         parse_config(["--deepspeed-config", str(ds)])
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 3, "offload_param": {
+        "device": "nvme", "nvme_path": str(tmp_path), "buffer_count": 3}}}))
+    run = parse_config(["--deepspeed-config", str(ds)])
+    z = run.zero
+    assert (z.offload_param_device, z.offload_param_nvme_path, z.offload_param_buffer_count) == ("nvme", str(tmp_path), 3)
+    run.training.global_batch_size = 32
+    zc = zero_config(run.validate(4))
+    assert (zc.offload_param_device, zc.offload_param_nvme_path, zc.offload_param_buffer_count) == ("nvme", str(tmp_path), 3)
+    run.zero.offload_param_nvme_path = None
+    with pytest.raises(ValueError, match="zero.offload_param_nvme_path"):
+        zero_config(run)
+
+
+# --- offload_param: the stage-3 parameter partition on disk -----------------------------------------
+def _params_on_disk(path, **kw):
+    return dict(_nvme(path), offload_param_device="nvme", offload_param_nvme_path=str(path),
+                offload_param_buffer_count=2, **kw)
+
+
+def check_params_on_disk_equal_stage3(path, prefetch):
+    from zerotron.zero.nvme_optimizer import expected_infinity_bytes
+    from zerotron.zero.nvme_params import expected_param_offload_bytes
+
+    steps = 5
+    base = train_gpt(dict(stage=3, stage3_prefetch_bucket_size=prefetch), steps, want_params=True)
+    disk = train_gpt(_params_on_disk(path, stage3_prefetch_bucket_size=prefetch), steps, want_params=True)
+    for name, value in base["params"].items():
+        assert torch.equal(disk["params"][name], value), name
+    psi, dp, part = disk["psi"], torch.distributed.get_world_size(), disk["part_numel"]
+    mem, ref = disk["memory"], base["memory"]
+    assert mem["params"] == 0 and ref["params"] == 4 * part  # the partition left memory ...
+    moved = expected_param_offload_bytes(psi, dp, param_bytes=4)["memory_saved"]
+    assert abs(ref["params"] - moved) <= 0.02 * moved, (ref, moved)  # ... and it is Ψ/Nd·4 bytes
+    want = expected_infinity_bytes(psi, dp, param_bytes=4, offload_param=True)
+    assert mem["total_model_states"] == mem["grads"]  # only the gradient partition stays
+    assert abs(mem["total_model_states"] - want["device"]) <= 0.02 * want["device"], (mem, want)
+    assert mem["offloaded_to_disk"] == 16 * part  # master + moments (12) and the fp32 parameter file (4)
+    assert abs(mem["offloaded_to_disk"] - want["disk"]) <= 0.02 * want["disk"], (mem, want)
+    io = disk["param_disk"]
+    assert io["written"] == steps * 4 * part  # the updated partition written back once per step
+    assert io["read"] >= steps * 2 * 4 * part  # read before the forward and the backward gathers
+    if prefetch == 1:  # gathers not prefetched: the next unit is read ahead from disk instead
+        assert io["read_ahead_hits"] > 0
+    return mem, want, io
+
+
+@pytest.mark.parametrize("ranks,prefetch", [(2, 10**6), (4, 1)])
+def test_params_on_disk_equal_stage3(tmp_path, ranks, prefetch):
+    for mem, want, io in spawn(check_params_on_disk_equal_stage3, ranks, str(tmp_path), prefetch, timeout=100):
+        print(mem, want, io)
+    assert not any(tmp_path.rglob("*.f32")), "parameter and state files are removed with the optimizer"
+
+
+def check_checkpoint_params_on_disk_to_plain_stage3(path):
+    import torch.distributed as dist
+
+    from zerotron.model.config import GPTConfig
+    from zerotron.model.gpt import GPT
+    from zerotron.parallel import Grid, ParallelDims
+    from zerotron.zero import ZeroConfig, ZeroOptimizer
+    from tests.zero.common import HYPER
+    from tests.zero.zeropp_common import GPT_SHAPE, markov_batches
+
+    grid = Grid(ParallelDims())
+    data = list(zip(range(5), markov_batches(128, 4 * grid.dp_size, 33, seed=3)))
+    sl = slice(grid.dp_rank * 4, grid.dp_rank * 4 + 4)
+
+    def make(kw):
+        model = GPT(GPTConfig(**GPT_SHAPE), grid, seed=11)
+        cfg = ZeroConfig(stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=10**6, **kw)
+        return model, ZeroOptimizer(model, grid, cfg, clip_grad=1.0, **HYPER)
+
+    def train(model, opt, batches):
+        for _, b in batches:
+            opt.backward(model(b[sl][:, :-1], labels=b[sl][:, 1:]))
+            opt.step()
+
+    ref_model, ref = make(dict(stage=3))
+    train(ref_model, ref, data)
+    model, opt = make(_params_on_disk(path))
+    train(model, opt, data[:2])
+    state = opt.partition_state()
+    saved = [None] * grid.dp_size  # every rank's (index, state): the resharding pattern of a checkpoint
+    dist.all_gather_object(saved, (opt.partition_index(), {k: state[k].clone() for k in ("master", "exp_avg", "exp_avg_sq")}))
+    full = {}
+    for index, st in saved:
+        for name, start, end, off in index:
+            for key, t in st.items():
+                buf = full.setdefault((name, key), torch.full((opt.param_shapes[name].numel(),), float("nan")))
+                buf[start:end] = t[off:off + end - start]
+    assert all(not torch.isnan(v).any() for v in full.values())
+    model2, plain = make(dict(stage=3))
+    plain.load_partition_state(lambda name, key, s, e: full[(name, key)][s:e], step=state["step"],
+                               loss_scaler=state["loss_scaler"])
+    train(model2, plain, data[2:])
+    mine = dict(plain.full_params())
+    for name, value in ref.full_params():
+        assert torch.equal(mine[name], value), name
+    # and back: the plain partition loaded into params-on-disk goes through the param file
+    model3, back = make(_params_on_disk(path))
+    back.load_partition_state(lambda name, key, s, e: full[(name, key)][s:e], step=state["step"],
+                              loss_scaler=state["loss_scaler"])
+    train(model3, back, data[2:])
+    for name, value in back.full_params():
+        assert torch.equal(mine[name], value), name
+    return True
+
+
+def test_checkpoint_with_params_on_disk_loads_into_plain_stage3(tmp_path):
+    assert all(spawn(check_checkpoint_params_on_disk_to_plain_stage3, 2, str(tmp_path), timeout=100))

@@ -64,6 +64,10 @@ def train_gpt(zero_kw: dict, steps: int, per_rank: int = 4, seed: int = 11,
         out["params"] = dict(opt.full_params())
     if hasattr(opt.state, "store"):
         out["disk"] = {"read": opt.state.store.bytes_read, "written": opt.state.store.bytes_written}
+    if getattr(opt, "param_disk", None) is not None:  # ZeRO-Infinity parameter offload
+        store = opt.param_disk.store
+        out["param_disk"] = {"read": store.bytes_read, "written": store.bytes_written,
+                             "read_ahead_hits": opt.param_disk.read_ahead_hits}
     return out
 
 

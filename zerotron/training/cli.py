@@ -61,11 +61,16 @@ def _offload_optimizer(v) -> dict:
 
 
 def _offload_param(v) -> dict:
-    device = v.get("device", "none") if isinstance(v, dict) else v
-    if device not in ("none", None):
-        raise ConfigError(f"zero_optimization.offload_param.device={device!r}: parameter offload is not implemented "
-                          f"in zerotron; remove offload_param (offload_optimizer with device nvme is supported)")
-    return {}
+    """DeepSpeed's nested ``offload_param`` dict -> the flat ZeroSection fields (ZeRO-Infinity, issue 11)."""
+    device = (v.get("device", "none") if isinstance(v, dict) else v) or "none"
+    if device not in ("none", "nvme"):
+        raise ConfigError(f"zero_optimization.offload_param.device={device!r}: use 'none' or 'nvme' (parameter "
+                          f"offload to cpu is not implemented in zerotron)")
+    out = {"offload_param_device": device}
+    for src in ("nvme_path", "buffer_count"):
+        if isinstance(v, dict) and src in v:
+            out[f"offload_param_{src}"] = v[src]
+    return out
 
 
 # DeepSpeed keys whose zerotron spelling differs: converter(value) -> {zero-section field: value}

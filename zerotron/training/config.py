@@ -61,6 +61,10 @@ class ZeroSection:
     nvme_path: str | None = None
     buffer_count: int = 4
     sub_group_size: int = 1_000_000_000
+    # ZeRO-Infinity parameter offload: DeepSpeed's offload_param {device, nvme_path, buffer_count} (stage 3)
+    offload_param_device: str = "none"  # none | nvme
+    offload_param_nvme_path: str | None = None
+    offload_param_buffer_count: int = 5
 
 
 @dataclass

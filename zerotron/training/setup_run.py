@@ -128,7 +128,9 @@ def zero_config(cfg: RunConfig):
                       zero_quantization_block_size=z.zero_quantization_block_size,
                       zero_quantized_gradients_node_size=z.zero_quantized_gradients_node_size,
                       offload_optimizer_device=z.offload_optimizer_device, offload_optimizer_nvme_path=z.nvme_path,
-                      offload_optimizer_buffer_count=z.buffer_count, sub_group_size=z.sub_group_size)
+                      offload_optimizer_buffer_count=z.buffer_count, sub_group_size=z.sub_group_size,
+                      offload_param_device=z.offload_param_device, offload_param_nvme_path=z.offload_param_nvme_path,
+                      offload_param_buffer_count=z.offload_param_buffer_count)
     try:
         zcfg.validate(dp_size=cfg.parallel.dp)
     except ValueError as e:  # ZeroConfig says zero.<key>; name the run config's field (issue 10)

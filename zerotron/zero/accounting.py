@@ -49,6 +49,9 @@ def memory_report(opt) -> dict:
     # issue 11: hpZ's secondary parameter partition is held model state; ZeRO-Infinity's disk is not
     secondary = opt.gatherer.secondary_bytes() if opt.gatherer is not None else 0
     disk = opt.state.disk_bytes() if hasattr(opt.state, "disk_bytes") else 0
+    if getattr(opt, "param_disk", None) is not None:  # ZeRO-Infinity: the parameter partition is in a file
+        disk += opt.param_disk.disk_bytes()
+        fixed += opt.param_disk.staging_bytes()
     return {
         key: params,
         "grads": grads,

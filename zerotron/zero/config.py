@@ -10,7 +10,8 @@ int8 block-quantized parameter all-gather), ``zero_hpz_partition_size`` (hpZ: a 
 partition inside a node so the backward all-gather never leaves it) and ``zero_quantized_gradients``
 (qgZ: int8 hierarchical all-to-all reduce-scatter). ZeRO-Infinity (arXiv 2104.07857) keys put the
 optimizer state on NVMe: ``offload_optimizer_device="nvme"`` with its ``nvme_path`` and
-``buffer_count``, the step done in ``sub_group_size`` tiles.
+``buffer_count``, the step done in ``sub_group_size`` tiles; ``offload_param_device="nvme"`` puts the
+stage-3 parameter partition there too (read per unit just before its all-gather).
 """
 
 from __future__ import annotations
@@ -59,6 +60,10 @@ class ZeroConfig:
     offload_optimizer_nvme_path: str | None = None
     offload_optimizer_buffer_count: int = 4
     sub_group_size: int = int(1e9)
+    # ZeRO-Infinity parameter offload (stage 3): the parameter partition in a file (nvme_params)
+    offload_param_device: str = "none"  # "none" | "nvme"
+    offload_param_nvme_path: str | None = None
+    offload_param_buffer_count: int = 5
     initial_loss_scale: float = 2.0 ** 16
     loss_scale_window: int = 1000
     hysteresis: int = 2
@@ -148,6 +153,16 @@ class ZeroConfig:
                 bad("offload_optimizer_nvme_path", "set it to a directory on local NVMe (e.g. /local_nvme)")
             if self.offload_optimizer_buffer_count < 2:
                 bad("offload_optimizer_buffer_count", "need >= 2 (one tile updating, one read ahead)")
+        if self.offload_param_device not in ("none", "nvme"):
+            bad("offload_param_device", "use 'none' or 'nvme' (parameter offload to 'cpu' is not implemented)")
+        if self.offload_param_device == "nvme":
+            if self.stage != 3:
+                bad("offload_param_device", "parameter offload needs stage=3 (only Pos+g+p partitions parameters)")
+            if not self.offload_param_nvme_path:
+                bad("offload_param_nvme_path", "set it to a directory on local NVMe (e.g. /local_nvme)")
+            value = self.offload_param_buffer_count
+            if not isinstance(value, int) or isinstance(value, bool) or value < 2:
+                bad("offload_param_buffer_count", "need an integer >= 2 (one unit read ahead, one written behind)")
 
     @classmethod
     def from_deepspeed(cls, ds: dict, **overrides) -> "ZeroConfig":
@@ -211,16 +226,26 @@ class ZeroConfig:
 def offload_from_deepspeed(zero: dict) -> dict:
     """ZeroConfig fields from DeepSpeed's nested ``offload_optimizer`` / ``offload_param`` dicts.
 
-    ``offload_param`` (stage-3 parameters on CPU/NVMe) is not implemented: any device but "none"
-    is refused here rather than silently training with the parameters on the accelerator."""
+    ``offload_param`` supports device "none" and "nvme" (ZeRO-Infinity, stage 3); "cpu" is refused
+    here rather than silently training with the parameters on the accelerator."""
     kw: dict = {}
     par = zero.get("offload_param")
     if par is not None:
-        device = par.get("device", "none") if isinstance(par, dict) else par
-        if device not in ("none", None):
-            raise ValueError(f"zero_optimization.offload_param.device={device!r}: parameter offload (ZeRO-Infinity "
-                             f"params on cpu/nvme) is not implemented in zerotron; remove offload_param (use "
-                             f"offload_optimizer with device nvme for the optimizer state)")
+        if not isinstance(par, dict):
+            raise ValueError("zero_optimization.offload_param must be a dict like {\"device\": \"nvme\", "
+                             "\"nvme_path\": \"/local_nvme\"}")
+        unknown = sorted(set(par) - {"device", "nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "pin_memory"})
+        if unknown:
+            raise ValueError(f"zero_optimization.offload_param.{unknown[0]}: not supported; use device, nvme_path, "
+                             f"buffer_count (buffer_size/max_in_cpu/pin_memory are accepted and ignored)")
+        device = par.get("device", "none") or "none"
+        if device not in ("none", "nvme"):
+            raise ValueError(f"zero_optimization.offload_param.device={device!r}: use 'none' or 'nvme' (parameter "
+                             f"offload to cpu is not implemented in zerotron)")
+        kw["offload_param_device"] = device
+        for src in ("nvme_path", "buffer_count"):
+            if src in par:
+                kw[f"offload_param_{src}"] = par[src]
     off = zero.get("offload_optimizer")
     if off is None:
         return kw

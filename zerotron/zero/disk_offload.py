@@ -69,8 +69,14 @@ class DiskTensorStore:
         self._slots.acquire()
         return self._pool.submit(self._read, name, start, end)
 
-    def write_behind(self, name: str, start: int, tensor: torch.Tensor) -> Future:
-        """Write ``tensor`` at ``start`` of ``name`` in the background and free its buffer slot after."""
+    def write_behind(self, name: str, start: int, tensor: torch.Tensor, take_slot: bool = False) -> Future:
+        """Write ``tensor`` at ``start`` of ``name`` in the background and free its buffer slot after.
+
+        ``take_slot``: the buffer was not read through ``read_ahead`` (a fresh one), so take a slot for
+        it here -- blocking while ``buffer_count`` buffers are in memory, the write-behind bound."""
+        if take_slot:
+            self._slots.acquire()
+
         def job():
             try:
                 self._write(name, start, tensor)
@@ -81,6 +87,10 @@ class DiskTensorStore:
     def release(self) -> None:
         """Give back a slot taken by ``read_ahead`` whose tile is not written back."""
         self._slots.release()
+
+    def read_range(self, name: str, start: int, end: int) -> torch.Tensor:
+        """``name[start:end]``, synchronously and outside the buffer slots (a buffer used at once)."""
+        return self._read(name, start, end)
 
     def read(self, name: str) -> torch.Tensor:
         """The whole tensor, synchronously (checkpoints, tests)."""

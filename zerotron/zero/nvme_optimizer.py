@@ -14,7 +14,8 @@ tile gives bit-for-bit the values of the in-memory step.
 
 Checkpoints: ``master``/``exp_avg``/``exp_avg_sq`` read the whole partition from disk into a
 cache (writes into it, from ``load_partition_state``, are committed to disk before the next step).
-Only NVMe offload of the optimizer state is implemented; ``offload_param`` is refused by the config.
+With ``offload_param`` on NVMe too (``nvme_params``) this file's master stays the source of truth:
+each updated master tile is also written behind to the parameter file instead of into memory.
 """
 
 from __future__ import annotations
@@ -31,8 +32,12 @@ from zerotron.zero.disk_offload import DiskTensorStore
 KEYS = ("master", "exp_avg", "exp_avg_sq")
 
 
-def expected_infinity_bytes(psi: int, dp: int, param_bytes: int = 2, k: int = 12) -> dict:
-    """Stage 3 + NVMe optimizer offload per rank: what stays in (device) memory and what goes to disk."""
+def expected_infinity_bytes(psi: int, dp: int, param_bytes: int = 2, k: int = 12, offload_param: bool = False) -> dict:
+    """Stage 3 + NVMe optimizer offload per rank: what stays in (device) memory and what goes to disk.
+
+    ``offload_param``: the parameter partition (param_bytes·Ψ/Nd) leaves memory too, into an fp32 file."""
+    if offload_param:
+        return {"device": param_bytes * psi / dp, "disk": (k + 4) * psi / dp}
     return {"device": 2 * param_bytes * psi / dp, "disk": k * psi / dp}
 
 
@@ -130,7 +135,10 @@ class NvmeOptimizerState:
             segs = [(max(s, a) - a, min(e, b) - a) for s, e in self.decay if s < b and e > a]
             opt.adam.update(master, grad, exp_avg, exp_avg_sq, self.step, opt.lr, opt.betas, opt.eps,
                             opt.weight_decay, segs)
-            params[a:b].copy_(master)
+            if opt.param_disk is not None:  # ZeRO-Infinity params on disk: the param file follows the master
+                opt.param_disk.write_behind(a, master)
+            else:
+                params[a:b].copy_(master)
             writes.append(self.store.write_behind("state", 3 * a, buf.view(-1)))  # frees the slot when done
         for w in writes:
             w.result()

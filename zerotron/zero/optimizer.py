@@ -39,6 +39,7 @@ from zerotron.zero.stage3 import ParamGatherer, default_units, unit_params
 from zerotron.zero.state_io import PartitionStateIO
 from zerotron.zero import hpz  # ZeRO++ qwZ/hpZ/qgZ groups (issue 11)
 from zerotron.zero.nvme_optimizer import NvmeOptimizerState  # ZeRO-Infinity (issue 11)
+from zerotron.zero.nvme_params import NvmeParams  # ZeRO-Infinity: stage-3 parameters on disk (issue 11)
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -66,7 +67,9 @@ class ZeroOptimizer(PartitionStateIO):
                              min(cfg.reduce_bucket_size, cfg.allgather_bucket_size), persistent)
         max_shard = max(c.shard for c in self.layout.chunks)
         # fp32 on the device: the parameters are the master weights (no 4-byte copy; K = 8, not 12)
-        self.master_is_param = cfg.precision == "fp32" and cfg.optimizer_offload == "none"
+        # (not when the parameters live on disk: the master must then be a separate, authoritative copy)
+        self.master_is_param = (cfg.precision == "fp32" and cfg.optimizer_offload == "none"
+                                and cfg.offload_param_device == "none")
         if cfg.optimizer_offload == "nvme":  # ZeRO-Infinity (issue 11): master + moments in a file
             self.state = NvmeOptimizerState(self.layout.part_numel, cfg.offload_optimizer_nvme_path, grid.rank,
                                             cfg.sub_group_size, cfg.offload_optimizer_buffer_count)
@@ -80,13 +83,19 @@ class ZeroOptimizer(PartitionStateIO):
                 p.data = p.data.to(self.dtype)
         self.zeropp = hpz.setup(cfg, grid)  # issue 11: validates sizes vs DP, creates node groups (collective)
         self._init_storage()  # the only collectives of the constructor: broadcast from DP rank 0
+        self.param_disk = None
+        if cfg.offload_param_device == "nvme":  # ZeRO-Infinity (issue 11): the partition moves to a file
+            self.param_disk = NvmeParams(self.layout, self.part_param, cfg.offload_param_nvme_path, grid.rank,
+                                         cfg.offload_param_buffer_count, owner=self)
+            self.part_param = torch.empty(0, dtype=self.dtype, device=self.device)
         flat = cfg.stage <= 1 and cfg.contiguous_gradients
         self.reducer = GradReducer(self.layout, self.params, dp, cfg.stage, flat, cfg.overlap_comm,
                                    self.dtype, self.device, zeropp=self.zeropp)
         self.gatherer = None
         if cfg.stage == 3:
             self.gatherer = ParamGatherer(self.layout, self.params, unit_mods, unit_groups, model,
-                                          self.part_param, dp, cfg.stage3_prefetch_bucket_size, zeropp=self.zeropp)
+                                          self.part_param, dp, cfg.stage3_prefetch_bucket_size, zeropp=self.zeropp,
+                                          disk=self.param_disk)
         self.scaler = make_loss_scaler(cfg)
         tp_rank = grid.tp_rank
         no_decay = [len(shape) < 2 for shape in self.layout.shapes]  # params may be released (stage 3)
@@ -260,6 +269,8 @@ class ZeroOptimizer(PartitionStateIO):
                         st.write_params(self.gather_in[:c.shard], lo, hi)
                     C.all_gather(self.flat_param[c.offset:c.offset + c.numel], self.gather_in[:c.shard],
                                  self.grid.dp_group)
+                elif self.param_disk is not None:  # ZeRO-Infinity (issue 11): the shard is written behind
+                    self.param_disk.publish_chunk(st, lo, hi)
                 elif not self.master_is_param:
                     st.write_params(self.part_param[lo:hi], lo, hi)
         if self.gatherer is not None:

@@ -20,6 +20,10 @@ are still partitioned for the optimizer and re-gathered once after each step (2Î
 ZeRO++ (``hpz.py``): with qwZ every gather moves int8 block-quantized shards (``quantized_all_gather``,
 synchronous, so a prefetch of a quantized group completes at issue); with hpZ the forward gather
 fills the rank's secondary slice and the backward gather runs over the node-local group only.
+
+ZeRO-Infinity (``nvme_params``, arXiv 2104.07857): with ``disk`` the partition lives in a file; a
+group's shard is read just before its all-gather (the next unit's read ahead where the prefetch
+budget stops) and dropped once the gather completes.
 """
 
 from __future__ import annotations
@@ -75,8 +79,9 @@ class ParamGatherer:
     """Gathers, binds, releases and prefetches the partitioned parameters of stage 3."""
 
     def __init__(self, layout, params, units: list[nn.Module], unit_groups: list[list[int]], model: nn.Module,
-                 part_param: torch.Tensor, dp_group, prefetch_numel: int, zeropp=None):
+                 part_param: torch.Tensor, dp_group, prefetch_numel: int, zeropp=None, disk=None):
         self.layout, self.params, self.units = layout, params, units
+        self.disk, self.staged = disk, {}  # ZeRO-Infinity (nvme_params): shards read from a file, kept to the gather's end
         self.qwz_block = zeropp.block if zeropp is not None and zeropp.qwz else None
         self.secondary = None  # hpZ
         if zeropp is not None and zeropp.hpz_group is not None:
@@ -113,16 +118,17 @@ class ParamGatherer:
     def _gather(self, g: int, async_op: bool) -> None:
         group = self.layout.groups[g]
         buf = torch.empty(group.numel, dtype=self.part.dtype, device=self.part.device)
-        works = []
+        works, src = [], None
         sec = self.secondary if not group.persistent else None
         if sec is not None and self.backward_phase and sec.valid[g]:
             works = sec.gather(g, buf, async_op)  # hpZ: backward gather inside the node only
             sec = None
         else:
+            src, base = (self.part, 0) if self.disk is None else self.disk.take(g)  # ZeRO-Infinity: from disk
             for ci in group.chunks:
                 c = self.layout.chunks[ci]
                 out = buf[c.offset - group.offset:c.offset - group.offset + c.numel]
-                shard = self.part[c.part_offset:c.part_offset + c.shard]
+                shard = src[c.part_offset - base:c.part_offset - base + c.shard]
                 if self.qwz_block is not None:  # qwZ: int8 + per-block scales on the wire
                     quantized_all_gather(out, shard, self.dp_group, self.qwz_block)
                 else:
@@ -137,6 +143,8 @@ class ParamGatherer:
             self.params[p].data = self.layout.param_view(buf, p)
         if async_op:
             self.inflight[g] = works
+            if src is not None and self.disk is not None:
+                self.staged[g] = src  # the disk shard must outlive the async gather reading it
 
     def ensure(self, g: int) -> None:
         """Make group ``g`` resident (waiting for its prefetch if one is in flight)."""
@@ -148,6 +156,7 @@ class ParamGatherer:
     def _complete(self, g: int) -> None:
         for w in self.inflight.pop(g):
             w.wait()
+        self.staged.pop(g, None)  # ZeRO-Infinity: the shard read from disk is released after the gather
         if g in self.pending_fill:
             self.pending_fill.discard(g)
             self.secondary.fill(g, self.full[g])
@@ -167,6 +176,8 @@ class ParamGatherer:
                 self.release(g)
         self.bwd_active = [False] * len(self.bwd_active)
         self.ready = [0] * len(self.ready)
+        if self.disk is not None:
+            self.disk.drop_pending()  # no gather until the next forward; the step may rewrite the file
 
     def refresh_persistent(self) -> None:
         """After a step: the persistent params are re-gathered from the updated partitions (and the hpZ
@@ -188,6 +199,9 @@ class ParamGatherer:
                     continue
                 numel = self.layout.groups[g].numel
                 if numel > budget:
+                    if self.disk is not None:  # ZeRO-Infinity: read this unit's shards while the current one runs
+                        self.disk.read_ahead([h for h in self.unit_groups[self.order[k]]
+                                              if h not in self.full and not self.layout.groups[h].persistent])
                     return
                 budget -= numel
                 self._gather(g, async_op=True)
