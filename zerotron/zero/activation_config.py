@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from zerotron.zero.config import deepspeed_section
+
 # DeepSpeed keys we read. "profile" is accepted only as false: zerotron times steps, not chunks.
 _DS_KEYS = {"partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
             "number_checkpoints", "synchronize_checkpoint_boundary", "profile"}
@@ -90,12 +92,7 @@ class ActivationCheckpointConfig:
         section = ds.get("activation_checkpointing") if whole else ds
         kw: dict = {}
         if section is not None:
-            if not isinstance(section, dict):
-                raise ValueError("activation_checkpointing must be a dict of DeepSpeed keys")
-            unknown = sorted(set(section) - _DS_KEYS)
-            if unknown:
-                raise ValueError(f"activation_checkpointing.{unknown[0]}: not supported by zerotron; supported "
-                                 f"keys are {sorted(_DS_KEYS)} (remove it or file an issue)")
+            deepspeed_section(section, "activation_checkpointing", _DS_KEYS)
             if section.get("profile", False) is not False:
                 raise ValueError("activation_checkpointing.profile=true: per-chunk profiling is not implemented; "
                                  "remove the key (step times are in the trainer's metrics)")

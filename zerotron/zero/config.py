@@ -31,6 +31,17 @@ _DS_KEYS = {
 }
 
 
+def deepspeed_section(section, name: str, known: set[str]) -> dict:
+    """A DeepSpeed JSON section checked once: a dict whose keys zerotron knows, else a named error."""
+    if not isinstance(section, dict):
+        raise ValueError(f"{name} must be a dict of DeepSpeed keys, got {type(section).__name__}")
+    unknown = sorted(set(section) - known)
+    if unknown:
+        raise ValueError(f"{name}.{unknown[0]}: not supported by zerotron; supported keys are {sorted(known)} "
+                         f"(remove it or file an issue)")
+    return section
+
+
 @dataclass
 class ZeroConfig:
     """What the ZeRO optimizer partitions, in which precision, and with which buffer sizes.
@@ -174,13 +185,7 @@ class ZeroConfig:
         """
         if not isinstance(ds, dict):
             raise ValueError(f"zero_optimization must be a dict, got {type(ds).__name__}")
-        zero = ds.get("zero_optimization", ds)
-        if not isinstance(zero, dict):
-            raise ValueError("zero_optimization must be a dict of DeepSpeed ZeRO keys")
-        unknown = sorted(set(zero) - _DS_KEYS)
-        if unknown:
-            raise ValueError(f"zero_optimization.{unknown[0]}: not supported by zerotron; supported keys are "
-                             f"{sorted(_DS_KEYS)} (remove it or file an issue)")
+        zero = deepspeed_section(ds.get("zero_optimization", ds), "zero_optimization", _DS_KEYS)
         kw: dict = {}
         for key in ("stage", "overlap_comm", "contiguous_gradients"):
             if key in zero:
