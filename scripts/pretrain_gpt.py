@@ -39,6 +39,13 @@ def main(argv: list[str] | None = None) -> int:
     from zerotron.training.trainer import Trainer, TrainingStopped
 
     env = init_distributed()
+    trainer = None
+
+    def close() -> None:  # heartbeat thread first, then the process group
+        if trainer is not None:
+            trainer.grid.close()
+        shutdown()
+
     try:
         trainer = Trainer(cfg, env)
         if env.rank == 0:
@@ -48,13 +55,13 @@ def main(argv: list[str] | None = None) -> int:
         result = trainer.train()
     except (ConfigError, CheckpointError, TrainingStopped) as e:
         print(f"[rank {env.rank}] {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-        shutdown()
+        close()
         return 2
     except CollectiveError as e:  # a peer died or is stuck: say which, exit at once (no group teardown,
         print(f"[rank {env.rank}] {type(e).__name__}: {e}", file=sys.stderr, flush=True)  # it could block)
         return COLLECTIVE_FAILED
     else:
-        shutdown()
+        close()
     if env.rank == 0 and result:
         print(f"[zerotron] done: step {trainer.step}, loss {result.get('loss', float('nan')):.4f}", flush=True)
     return 0

@@ -207,3 +207,25 @@ def test_sigterm_checkpoints_then_stops_on_every_rank(tmp_path):
     wanted = {"step", "loss", "lr", "grad_norm", "loss_scale", "skipped_steps", "tokens_per_s", "samples_per_s",
               "tflops_per_device", "mfu", "peak_rss_bytes", "comm_bytes", "model_state_total_model_states"}
     assert wanted <= out[0][1], wanted - out[0][1]
+
+
+def pipeline_16bit(run_dir, precision):
+    import torch.distributed as dist
+
+    from zerotron.parallel.runtime import init_distributed
+    from zerotron.training.trainer import Trainer
+
+    cfg = make_config(run_dir, "--pp", "2", "--zero-stage", "1", "--precision", precision, "--eval-interval", "2",
+                      "--logging.eval_steps", "1").validate(dist.get_world_size())
+    trainer = Trainer(cfg, init_distributed())
+    losses = [trainer.train_step()["loss"] for _ in range(4)]
+    return losses, trainer.evaluate()["eval_loss"]
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_pipeline_with_16bit_parameters_trains_and_evaluates(precision, reference_losses, tmp_path):
+    # The optimizer casts stage parameters to 16-bit in place; activations sent between stages must follow.
+    out = spawn(pipeline_16bit, 2, tmp_path, precision, timeout=180)
+    for losses, eval_loss in out:
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference_losses[:4]), rtol=2e-2, atol=0)
+        assert eval_loss == out[0][1] and 0 < eval_loss < 10

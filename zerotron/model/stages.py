@@ -103,7 +103,7 @@ def pipeline_step(model: GPT, microbatches: Sequence, optimizer=None, schedule: 
             if t is not None and tuple(t.shape) != (b, seq):
                 raise ValueError(f"pipeline_step: {name} shape {tuple(t.shape)} != (micro_batch_size, seq_length)"
                                  f" = ({b}, {seq}); every micro-batch must have the same shape")
-    device = next(model.parameters()).device
+    first = next(model.parameters())  # not model.dtype: ZeroOptimizer casts parameters to 16-bit in place
     return train_step(model, microbatches, model.grid, (b, seq, model.config.hidden_size), schedule=schedule,
                       optimizer=optimizer, after_backward=lambda: sync_embedding_grads(model),
-                      dtype=model.dtype, device=device)
+                      dtype=first.dtype, device=first.device)

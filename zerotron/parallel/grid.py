@@ -125,6 +125,14 @@ class Grid:
         self.embedding_group: Group | None = groups.get("embedding")
         if self.embedding_group is not None and not (self.is_first_stage or self.is_last_stage):
             self.embedding_group = None
+        if self.pp_group.size > 1:
+            # NCCL requires every member of a group in its first call when that call is a batched
+            # p2p (the pipeline's first exchange involves two stages only): meet once here.
+            dist.barrier(group=self.pp_group.pg)
+
+    def close(self) -> None:
+        """Stop this grid's heartbeat thread (call before ``destroy_process_group``)."""
+        self.health.close()
 
     def split_group(self, kind: str, inner_size: int) -> tuple[Group, Group]:
         """Split every group of ``kind`` (e.g. ``"dp"``) into consecutive blocks of ``inner_size``.

@@ -87,6 +87,8 @@ class Health:
 
     def close(self) -> None:
         self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2 * self.heartbeat_s)
 
     # per collective ------------------------------------------------------------------------------
     def before(self, op: str, group, tensor: torch.Tensor | None) -> None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from zerotron.parallel.collectives import Handle, _launch
+from zerotron.parallel.collectives import Handle, _explain, _launch
 from zerotron.parallel.grid import Group
 
 
@@ -62,14 +62,23 @@ def batch(ops: list[P2POp], group: Group) -> Handle:
         if op.kind not in ("send", "recv"):
             raise ValueError(f"P2POp.kind={op.kind!r}: use 'send' or 'recv'")
         _check_peer(op.peer, group)
-        group.stats.record(op.kind, group.name, op.tensor.numel(), op.tensor.element_size())
         fn = dist.isend if op.kind == "send" else dist.irecv
         torch_ops.append(dist.P2POp(fn, op.tensor, op.peer, group=group.pg))
-    works = dist.batch_isend_irecv(torch_ops)
+    for op in ops:  # count each transfer; a failure below names the dead or stuck peer
+        group.stats.record(op.kind, group.name, op.tensor.numel(), op.tensor.element_size())
+        if group.health is not None:
+            group.health.before(op.kind, group, op.tensor)
+    try:
+        works = dist.batch_isend_irecv(torch_ops)
+    except RuntimeError as e:
+        raise _explain("p2p", group, e) from e
 
     def finish():
-        for w in works:
-            w.wait()
+        try:
+            for w in works:
+                w.wait()
+        except RuntimeError as e:
+            raise _explain("p2p", group, e) from e
         return [op.tensor for op in ops]
 
     return Handle(finish=finish)

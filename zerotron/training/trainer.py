@@ -195,7 +195,8 @@ class Trainer:
             data = [self._batch(self.eval_ds, ix) for ix in self._micro_batches(self.eval_ds, k * t.global_batch_size)]
             if self.grid.pp_size > 1:
                 shape = (t.micro_batch_size, self.mcfg.seq_length, self.mcfg.hidden_size)
-                losses.append(eval_step(self.model, data, self.grid, shape, device=self.env.device))
+                dtype = next(self.model.parameters()).dtype  # 16-bit after the optimizer cast them
+                losses.append(eval_step(self.model, data, self.grid, shape, dtype=dtype, device=self.env.device))
             else:
                 losses.extend(float(self.model(x, labels=y)) for x, y in data)
         self.model.train()
@@ -215,9 +216,30 @@ class Trainer:
         C.all_reduce(flag, self.grid.world_group, op="max")
         return bool(flag.item() > 0)
 
+    def _record(self, out: dict, skipped: int, window: int) -> dict:
+        """One metrics.jsonl object: loss, schedule, throughput, memory, comm bytes per step."""
+        rec = {"step": self.step, "loss": out["loss"], "lr": out["lr"], "grad_norm": out.get("grad_norm"),
+               "loss_scale": out.get("loss_scale"), "skipped_steps": skipped, **self.throughput.read(),
+               **peak_memory(self.env.device),
+               "comm_bytes": {g: b // window for g, b in self.grid.stats.bytes_by_group().items()}}
+        rec.update({f"model_state_{k}": v for k, v in self.opt.memory_report().items()})
+        if self.activations is not None:
+            act = self.activations.step_report()
+            rec.update(saved_activation_device_bytes=act["peak_saved_device_bytes"],
+                       saved_activation_host_bytes=act["peak_saved_host_bytes"],
+                       pa_allgather_bytes=act["pa_allgather_bytes"])
+        self.grid.stats.reset()  # comm_bytes: bytes per step over the last logging window
+        return rec
+
     def train(self) -> dict:
-        cfg, t, lg = self.cfg, self.cfg.training, self.cfg.logging
-        c = cfg.checkpoint
+        """Run to ``train_steps`` (or a SIGTERM); metrics and wandb are closed however it ends."""
+        try:
+            return self._loop()
+        finally:
+            self.logger.close()
+
+    def _loop(self) -> dict:
+        t, lg, c = self.cfg.training, self.cfg.logging, self.cfg.checkpoint
         skipped, last, window = 0, {}, 0
         self.grid.stats.reset()
         while self.step < t.train_steps:
@@ -227,19 +249,8 @@ class Trainer:
             self.logger.progress()
             window += 1
             if self.step % lg.log_interval == 0 or self.step == t.train_steps:
-                rec = {"step": self.step, "loss": out["loss"], "lr": out["lr"], "grad_norm": out.get("grad_norm"),
-                       "loss_scale": out.get("loss_scale"), "skipped_steps": skipped, **self.throughput.read(),
-                       **peak_memory(self.env.device),
-                       "comm_bytes": {g: b // window for g, b in self.grid.stats.bytes_by_group().items()}}
-                rec.update({f"model_state_{k}": v for k, v in self.opt.memory_report().items()})
-                if self.activations is not None:
-                    act = self.activations.step_report()
-                    rec.update(saved_activation_device_bytes=act["peak_saved_device_bytes"],
-                               saved_activation_host_bytes=act["peak_saved_host_bytes"],
-                               pa_allgather_bytes=act["pa_allgather_bytes"])
-                self.logger.log(rec)
-                last, window = rec, 0
-                self.grid.stats.reset()  # comm_bytes: bytes per step over the last logging window
+                last, window = self._record(out, skipped, window), 0
+                self.logger.log(last)
             if self.eval_ds is not None and lg.eval_interval and self.step % lg.eval_interval == 0:
                 ev = self.evaluate()
                 self.logger.log({"step": self.step, **ev})
@@ -251,5 +262,4 @@ class Trainer:
             if stop:
                 self.log(f"[zerotron] SIGTERM: checkpoint written at step {self.step}; exiting")
                 break
-        self.logger.close()
         return last
