@@ -49,7 +49,7 @@ DEEPSPEED_SECTIONS = {"zero_optimization": "zero", "activation_checkpointing": "
 
 
 def _offload_optimizer(v) -> dict:
-    """DeepSpeed's nested ``offload_optimizer`` dict -> the flat ZeroSection fields (issue 11)."""
+    """DeepSpeed's nested ``offload_optimizer`` dict -> the flat ZeroSection fields."""
     if not isinstance(v, dict):
         return {"offload_optimizer": bool(v) and v not in ("none", None)}
     device = v.get("device", "none")
@@ -61,7 +61,7 @@ def _offload_optimizer(v) -> dict:
 
 
 def _offload_param(v) -> dict:
-    """DeepSpeed's nested ``offload_param`` dict -> the flat ZeroSection fields (ZeRO-Infinity, issue 11)."""
+    """DeepSpeed's nested ``offload_param`` dict -> the flat ZeroSection fields (ZeRO-Infinity)."""
     device = (v.get("device", "none") if isinstance(v, dict) else v) or "none"
     if device not in ("none", "nvme"):
         raise ConfigError(f"zero_optimization.offload_param.device={device!r}: use 'none' or 'nvme' (parameter "

@@ -121,7 +121,7 @@ def zero_config(cfg: RunConfig):
                       stage3_param_persistence_threshold=z.stage3_param_persistence_threshold,
                       offload_optimizer=z.offload_optimizer, initial_loss_scale=o.initial_loss_scale,
                       loss_scale_window=o.loss_scale_window, hysteresis=o.hysteresis, min_loss_scale=o.min_loss_scale,
-                      # ZeRO++ / ZeRO-Infinity (issue 11)
+                      # ZeRO++ / ZeRO-Infinity
                       zero_quantized_weights=z.zero_quantized_weights,
                       zero_quantized_gradients=z.zero_quantized_gradients,
                       zero_hpz_partition_size=z.zero_hpz_partition_size,
@@ -133,7 +133,7 @@ def zero_config(cfg: RunConfig):
                       offload_param_buffer_count=z.offload_param_buffer_count)
     try:
         zcfg.validate(dp_size=cfg.parallel.dp)
-    except ValueError as e:  # ZeroConfig says zero.<key>; name the run config's field (issue 10)
+    except ValueError as e:  # ZeroConfig says zero.<key>; name the run config's field
         msg = str(e).replace("zero.precision", "training.precision")
         msg = msg.replace("zero.offload_optimizer_nvme_path", "zero.nvme_path")
         msg = msg.replace("zero.offload_optimizer_buffer_count", "zero.buffer_count")
@@ -143,7 +143,7 @@ def zero_config(cfg: RunConfig):
     return zcfg
 
 
-# --- start-up validation before any process group (issue 10) ----------------------------------------
+# --- start-up validation before any process group ----------------------------------------
 def validate_model(cfg: RunConfig, vocab_size: int | None = None):
     """The model (preset + overrides), its pipeline split, ZeRO and activation-checkpointing settings,
     checked without a process group so every rank rejects a bad config before any collective.

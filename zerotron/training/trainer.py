@@ -126,7 +126,7 @@ class Trainer:
         C.all_reduce(x, self.grid.dp_group, op="sum")
         return float(x.item()) / self.grid.dp_size
 
-    # reliability (issue 10) ------------------------------------------------------------------
+    # reliability ------------------------------------------------------------------
     MAX_SKIPS_AT_MIN_SCALE = 8  # consecutive overflowed (skipped) steps at the loss-scale floor
 
     def _inject_faults(self, step: int) -> None:
@@ -159,7 +159,7 @@ class Trainer:
                            warmup_steps=cfg.optimizer.warmup_steps, total_steps=t.train_steps,
                            decay=cfg.optimizer.decay)
         self.opt.set_lr(lr)
-        self._inject_faults(self.step + 1)  # issue 10 test hook: no-op unless ZEROTRON_FAULT is set
+        self._inject_faults(self.step + 1)  # test hook: no-op unless ZEROTRON_FAULT is set
         batches = self._micro_batches(self.train_ds, self.consumed)
         if self.grid.pp_size > 1:  # the schedule accumulates, syncs tied embeddings, reduces once
             from zerotron.model.stages import pipeline_step
@@ -179,7 +179,7 @@ class Trainer:
         if not math.isfinite(loss):
             raise TrainingStopped(f"loss is {loss} at step {self.step + 1} (consumed samples {self.consumed}); "
                                   f"rerun from the last checkpoint with the same data position to reproduce")
-        self._check_overflow_storm(info, loss)  # issue 10: stop instead of skipping steps forever
+        self._check_overflow_storm(info, loss)  # stop instead of skipping steps forever
         self.step += 1
         self.consumed += t.global_batch_size
         return {"loss": loss, "lr": lr, **info}

@@ -46,7 +46,7 @@ def memory_report(opt) -> dict:
     master, moments = opt.state.state_bytes()
     fixed += opt.state.staging_bytes() + nbytes(opt.gather_in)
     key = "params" if opt.cfg.precision == "fp32" else "params_16bit"
-    # issue 11: hpZ's secondary parameter partition is held model state; ZeRO-Infinity's disk is not
+    # hpZ's secondary parameter partition is held model state; ZeRO-Infinity's disk is not
     secondary = opt.gatherer.secondary_bytes() if opt.gatherer is not None else 0
     disk = opt.state.disk_bytes() if hasattr(opt.state, "disk_bytes") else 0
     if getattr(opt, "param_disk", None) is not None:  # ZeRO-Infinity: the parameter partition is in a file

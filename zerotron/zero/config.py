@@ -60,13 +60,13 @@ class ZeroConfig:
     stage3_prefetch_bucket_size: int = int(5e7)
     stage3_param_persistence_threshold: int = int(1e5)
     offload_optimizer: bool = False
-    # ZeRO++ (issue 11)
+    # ZeRO++
     zero_quantized_weights: bool = False
     zero_quantized_gradients: bool = False
     zero_hpz_partition_size: int = 1
     zero_quantization_block_size: int = 256
     zero_quantized_gradients_node_size: int = 0  # 0: the hpZ size (flat all-to-all when that is 1)
-    # ZeRO-Infinity (issue 11): "none" follows offload_optimizer (True means "cpu")
+    # ZeRO-Infinity: "none" follows offload_optimizer (True means "cpu")
     offload_optimizer_device: str = "none"
     offload_optimizer_nvme_path: str | None = None
     offload_optimizer_buffer_count: int = 4

@@ -37,9 +37,9 @@ from zerotron.zero.offload import OptimizerState
 from zerotron.zero.partition import Layout
 from zerotron.zero.stage3 import ParamGatherer, default_units, unit_params
 from zerotron.zero.state_io import PartitionStateIO
-from zerotron.zero import hpz  # ZeRO++ qwZ/hpZ/qgZ groups (issue 11)
-from zerotron.zero.nvme_optimizer import NvmeOptimizerState  # ZeRO-Infinity (issue 11)
-from zerotron.zero.nvme_params import NvmeParams  # ZeRO-Infinity: stage-3 parameters on disk (issue 11)
+from zerotron.zero import hpz  # ZeRO++ qwZ/hpZ/qgZ groups
+from zerotron.zero.nvme_optimizer import NvmeOptimizerState  # ZeRO-Infinity
+from zerotron.zero.nvme_params import NvmeParams  # ZeRO-Infinity: stage-3 parameters on disk
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -70,7 +70,7 @@ class ZeroOptimizer(PartitionStateIO):
         # (not when the parameters live on disk: the master must then be a separate, authoritative copy)
         self.master_is_param = (cfg.precision == "fp32" and cfg.optimizer_offload == "none"
                                 and cfg.offload_param_device == "none")
-        if cfg.optimizer_offload == "nvme":  # ZeRO-Infinity (issue 11): master + moments in a file
+        if cfg.optimizer_offload == "nvme":  # ZeRO-Infinity: master + moments in a file
             self.state = NvmeOptimizerState(self.layout.part_numel, cfg.offload_optimizer_nvme_path, grid.rank,
                                             cfg.sub_group_size, cfg.offload_optimizer_buffer_count)
         else:
@@ -81,10 +81,10 @@ class ZeroOptimizer(PartitionStateIO):
         for _, p in model.named_parameters():
             if not p.requires_grad and p.is_floating_point():
                 p.data = p.data.to(self.dtype)
-        self.zeropp = hpz.setup(cfg, grid)  # issue 11: validates sizes vs DP, creates node groups (collective)
+        self.zeropp = hpz.setup(cfg, grid)  # validates sizes vs DP, creates node groups (collective)
         self._init_storage()  # the only collectives of the constructor: broadcast from DP rank 0
         self.param_disk = None
-        if cfg.offload_param_device == "nvme":  # ZeRO-Infinity (issue 11): the partition moves to a file
+        if cfg.offload_param_device == "nvme":  # ZeRO-Infinity: the partition moves to a file
             self.param_disk = NvmeParams(self.layout, self.part_param, cfg.offload_param_nvme_path, grid.rank,
                                          cfg.offload_param_buffer_count, owner=self)
             self.part_param = torch.empty(0, dtype=self.dtype, device=self.device)
@@ -103,7 +103,7 @@ class ZeroOptimizer(PartitionStateIO):
         self.norm_segments = [self.layout.segments(c, lambda i: counts_in_norm(self.params[i], tp_rank))
                               for c in self.layout.chunks]
         if getattr(self.state, "tiled", False):
-            self.state.attach(self)  # issue 11: commit the initial master to disk, masters read lazily
+            self.state.attach(self)  # commit the initial master to disk, masters read lazily
         self.norm_group = grid.world_group if cfg.stage >= 1 else grid.mp_group
         self._no_sync = False
         self.reducer.sync = self._default_sync()
@@ -239,7 +239,7 @@ class ZeroOptimizer(PartitionStateIO):
         if not overflow:
             coef = clip_coef(norm, self.clip_grad) / scale
             st.step += 1
-            if getattr(st, "tiled", False):  # ZeRO-Infinity (issue 11): Adam streamed tile by tile from disk
+            if getattr(st, "tiled", False):  # ZeRO-Infinity: Adam streamed tile by tile from disk
                 st.step_tiles(self, coef)
             for c in ([] if getattr(st, "tiled", False) else lay.chunks):
                 lo, hi = c.part_offset, c.part_offset + c.shard
@@ -269,7 +269,7 @@ class ZeroOptimizer(PartitionStateIO):
                         st.write_params(self.gather_in[:c.shard], lo, hi)
                     C.all_gather(self.flat_param[c.offset:c.offset + c.numel], self.gather_in[:c.shard],
                                  self.grid.dp_group)
-                elif self.param_disk is not None:  # ZeRO-Infinity (issue 11): the shard is written behind
+                elif self.param_disk is not None:  # ZeRO-Infinity: the shard is written behind
                     self.param_disk.publish_chunk(st, lo, hi)
                 elif not self.master_is_param:
                     st.write_params(self.part_param[lo:hi], lo, hi)
