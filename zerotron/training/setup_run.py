@@ -110,34 +110,25 @@ def build_grid(cfg: RunConfig) -> Grid:
     return Grid(ParallelDims(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp))
 
 
+# The zero section uses ZeroConfig's names except these; precision and loss scaling live elsewhere.
+_ZERO_RENAMES = {"nvme_path": "offload_optimizer_nvme_path", "buffer_count": "offload_optimizer_buffer_count"}
+_LOSS_SCALE_FIELDS = ("initial_loss_scale", "loss_scale_window", "hysteresis", "min_loss_scale")
+
+
 def zero_config(cfg: RunConfig):
+    """The optimizer's ZeroConfig, derived field by field from the run config (no copy to keep in sync)."""
     from zerotron.zero import ZeroConfig
 
-    z, o = cfg.zero, cfg.optimizer
-    zcfg = ZeroConfig(stage=z.stage, precision=cfg.training.precision, overlap_comm=z.overlap_comm,
-                      contiguous_gradients=z.contiguous_gradients, reduce_bucket_size=z.reduce_bucket_size,
-                      allgather_bucket_size=z.allgather_bucket_size,
-                      stage3_prefetch_bucket_size=z.stage3_prefetch_bucket_size,
-                      stage3_param_persistence_threshold=z.stage3_param_persistence_threshold,
-                      offload_optimizer=z.offload_optimizer, initial_loss_scale=o.initial_loss_scale,
-                      loss_scale_window=o.loss_scale_window, hysteresis=o.hysteresis, min_loss_scale=o.min_loss_scale,
-                      # ZeRO++ / ZeRO-Infinity
-                      zero_quantized_weights=z.zero_quantized_weights,
-                      zero_quantized_gradients=z.zero_quantized_gradients,
-                      zero_hpz_partition_size=z.zero_hpz_partition_size,
-                      zero_quantization_block_size=z.zero_quantization_block_size,
-                      zero_quantized_gradients_node_size=z.zero_quantized_gradients_node_size,
-                      offload_optimizer_device=z.offload_optimizer_device, offload_optimizer_nvme_path=z.nvme_path,
-                      offload_optimizer_buffer_count=z.buffer_count, sub_group_size=z.sub_group_size,
-                      offload_param_device=z.offload_param_device, offload_param_nvme_path=z.offload_param_nvme_path,
-                      offload_param_buffer_count=z.offload_param_buffer_count)
+    kw = {_ZERO_RENAMES.get(k, k): v for k, v in dataclasses.asdict(cfg.zero).items()}
+    kw.update({k: getattr(cfg.optimizer, k) for k in _LOSS_SCALE_FIELDS}, precision=cfg.training.precision)
+    zcfg = ZeroConfig(**kw)
     try:
         zcfg.validate(dp_size=cfg.parallel.dp)
     except ValueError as e:  # ZeroConfig says zero.<key>; name the run config's field
         msg = str(e).replace("zero.precision", "training.precision")
-        msg = msg.replace("zero.offload_optimizer_nvme_path", "zero.nvme_path")
-        msg = msg.replace("zero.offload_optimizer_buffer_count", "zero.buffer_count")
-        for key in ("initial_loss_scale", "loss_scale_window", "hysteresis", "min_loss_scale"):
+        for ours, theirs in _ZERO_RENAMES.items():
+            msg = msg.replace(f"zero.{theirs}", f"zero.{ours}")
+        for key in _LOSS_SCALE_FIELDS:
             msg = msg.replace(f"zero.{key}", f"optimizer.{key}")
         raise ConfigError(msg) from None
     return zcfg
