@@ -31,6 +31,11 @@ _DS_KEYS = {
 }
 
 
+def _is_int(value, at_least: int) -> bool:
+    """A real int (bool is not one, whatever Python says) no smaller than ``at_least``."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= at_least
+
+
 def deepspeed_section(section, name: str, known: set[str]) -> dict:
     """A DeepSpeed JSON section checked once: a dict whose keys zerotron knows, else a named error."""
     if not isinstance(section, dict):
@@ -107,10 +112,10 @@ class ZeroConfig:
                 bad(key, "must be true or false")
         for key in ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size"):
             value = getattr(self, key)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not _is_int(value, at_least=1):
                 bad(key, "must be a positive number of elements, e.g. 500000000")
         value = self.stage3_param_persistence_threshold
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        if not _is_int(value, at_least=0):
             bad("stage3_param_persistence_threshold", "must be a number of elements >= 0 (0 partitions everything)")
         if self.offload_optimizer and self.stage == 0:
             bad("offload_optimizer", "CPU offload (ZeRO-Offload) needs stage 1, 2 or 3; set stage >= 1 or turn it off")
@@ -121,7 +126,7 @@ class ZeroConfig:
             bad("min_loss_scale", "must be > 0 and <= initial_loss_scale")
         for key in ("loss_scale_window", "hysteresis"):
             value = getattr(self, key)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not _is_int(value, at_least=1):
                 bad(key, "must be a positive integer")
         return self
 
@@ -132,10 +137,10 @@ class ZeroConfig:
         for key in ("zero_hpz_partition_size", "zero_quantization_block_size", "offload_optimizer_buffer_count",
                     "sub_group_size"):
             value = getattr(self, key)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not _is_int(value, at_least=1):
                 bad(key, "must be a positive integer")
         value = self.zero_quantized_gradients_node_size
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        if not _is_int(value, at_least=0):
             bad("zero_quantized_gradients_node_size", "must be >= 0 (0: use zero_hpz_partition_size)")
         if self.zero_quantized_weights and self.stage != 3:
             bad("zero_quantized_weights", "qwZ quantizes the stage-3 parameter all-gather; set stage=3 or turn it off")
@@ -172,7 +177,7 @@ class ZeroConfig:
             if not self.offload_param_nvme_path:
                 bad("offload_param_nvme_path", "set it to a directory on local NVMe (e.g. /local_nvme)")
             value = self.offload_param_buffer_count
-            if not isinstance(value, int) or isinstance(value, bool) or value < 2:
+            if not _is_int(value, at_least=2):
                 bad("offload_param_buffer_count", "need an integer >= 2 (one unit read ahead, one written behind)")
 
     @classmethod
