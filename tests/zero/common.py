@@ -56,7 +56,7 @@ def zero_train(model, opt, data, dp_rank: int, per_rank: int = 2, inject=None):
             if inject is not None:
                 loss = inject(step, i, loss)
             opt.backward(loss / len(mbs), last_microbatch=(i == len(mbs) - 1))
-            total += float(loss) / len(mbs)
+            total += float(loss.detach()) / len(mbs)
         infos.append(opt.step())
         losses.append(total)
     return infos, losses

@@ -45,7 +45,8 @@ class TinyLM(nn.Module):
         for block in self.blocks:
             h = block(h)
         logits = self.head(self.ln_f(h))
-        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+        logits = logits.flatten(0, 1)
+        return F.cross_entropy(logits if logits.dtype == torch.float64 else logits.float(), labels.flatten())
 
 
 class _CopyToTP(torch.autograd.Function):

@@ -70,8 +70,9 @@ class GPT(nn.Module):
                  seed_rng: bool = True):
         super().__init__()
         config.validate(grid.tp_size)
-        if dtype not in (torch.float32, torch.float16, torch.bfloat16):
-            raise ValueError(f"dtype={dtype}: use torch.float32, torch.float16 or torch.bfloat16")
+        if dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+            raise ValueError(f"dtype={dtype}: use torch.float32, torch.float16 or torch.bfloat16 "
+                             f"(torch.float64 for parity tests)")
         layer_ids = list(range(config.num_layers)) if layer_ids is None else list(layer_ids)
         bad = [i for i in layer_ids if not 0 <= i < config.num_layers]
         if bad or len(set(layer_ids)) != len(layer_ids):

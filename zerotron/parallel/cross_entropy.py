@@ -25,12 +25,13 @@ from zerotron.parallel.grid import Group
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, group, vocab_start, vocab_size, ignore_index):
-        x = logits.float()  # the softmax is always computed in fp32
+        # the softmax is computed in fp32 at least (fp64 logits stay fp64: the parity tests' tier)
+        x = logits if logits.dtype == torch.float64 else logits.float()
         per_rank = x.shape[-1]
         n_padded = vocab_start + per_rank - vocab_size
         if n_padded > 0:
             x = x.clone() if x is logits else x
-            x[..., max(per_rank - n_padded, 0):] = torch.finfo(torch.float32).min
+            x[..., max(per_rank - n_padded, 0):] = torch.finfo(x.dtype).min
         row_max = x.amax(dim=-1)
         C.all_reduce(row_max, group, op="max")
         x = x - row_max.unsqueeze(-1)  # new tensor; the caller's logits are untouched
@@ -58,7 +59,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         grad = softmax  # saved buffer is ours alone; reuse it
         hit = (~not_mine).to(grad.dtype)
         grad.scatter_add_(-1, local_target.unsqueeze(-1), -hit.unsqueeze(-1))
-        scale = grad_loss.float().masked_fill(ignored, 0.0).unsqueeze(-1)
+        scale = grad_loss.to(grad.dtype).masked_fill(ignored, 0.0).unsqueeze(-1)
         grad.mul_(scale)
         return grad.to(ctx.logits_dtype), None, None, None, None, None
 

@@ -59,7 +59,8 @@ class _Stage:
         self.shape, self.dtype, self.device = tuple(shape), dtype, device
         self.first, self.last = grid.is_first_stage, grid.is_last_stage
         self.m = len(microbatches)
-        self.loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+        self.loss_sum = torch.zeros((), dtype=torch.float64 if dtype == torch.float64 else torch.float32,
+                                    device=device)
         self.compute_s = 0.0
         self._fwd = self._bwd = 0  # next micro-batch index to run forward / backward
 
@@ -92,7 +93,7 @@ class _Stage:
         x = ids if self.first else received.requires_grad_(True)
         out = self.stage(x, labels) if self.last else self.stage(x)
         if self.last:
-            self.loss_sum += out.detach().float()
+            self.loss_sum += out.detach().to(self.loss_sum.dtype)
         self.compute_s += time.perf_counter() - start
         return x, out
 

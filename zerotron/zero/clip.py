@@ -30,14 +30,14 @@ def counts_in_norm(param, tp_rank: int) -> bool:
     return True
 
 
-def local_sq_norm(shards_and_segments, device: torch.device) -> torch.Tensor:
-    """Sum of squares (fp32, on ``device``) over ``[(grad_shard, [(a, b), ...]), ...]``."""
-    total = torch.zeros((), dtype=torch.float32, device=device)
+def local_sq_norm(shards_and_segments, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Sum of squares (in the master ``dtype``, on ``device``) over ``[(grad_shard, [(a, b), ...]), ...]``."""
+    total = torch.zeros((), dtype=dtype, device=device)
     for shard, segments in shards_and_segments:
         views = [shard[a:b] for a, b in segments]
         if views:
-            norms = torch._foreach_norm(views, 2, dtype=torch.float32)
-            total = total + torch.stack([n.float() for n in norms]).pow(2).sum()
+            norms = torch._foreach_norm(views, 2, dtype=dtype)
+            total = total + torch.stack(norms).to(dtype).pow(2).sum()
     return total
 
 

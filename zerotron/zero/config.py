@@ -18,7 +18,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-PRECISIONS = ("fp32", "fp16", "bf16")
+# fp64 runs parameters, masters, moments and reductions in float64: the reference tier of the
+# parity tests (float64 against float64 leaves no round-off to hide a bug behind); 2x fp32 memory.
+PRECISIONS = ("fp32", "fp16", "bf16", "fp64")
 
 # DeepSpeed keys we understand; anything else in a zero_optimization dict is an error, not a no-op.
 _DS_KEYS = {
@@ -169,6 +171,12 @@ class ZeroConfig:
                 bad("offload_optimizer_nvme_path", "set it to a directory on local NVMe (e.g. /local_nvme)")
             if self.offload_optimizer_buffer_count < 2:
                 bad("offload_optimizer_buffer_count", "need >= 2 (one tile updating, one read ahead)")
+        if self.precision == "fp64":
+            for key in ("zero_quantized_weights", "zero_quantized_gradients"):
+                if getattr(self, key):
+                    bad(key, "int8 quantization has fp32 scales; use precision fp32/fp16/bf16 with it")
+            if "nvme" in (self.offload_optimizer_device, self.offload_param_device):
+                bad("precision", "the NVMe files hold fp32; use precision fp32/fp16/bf16 with NVMe offload")
         if self.offload_param_device not in ("none", "nvme"):
             bad("offload_param_device", "use 'none' or 'nvme' (parameter offload to 'cpu' is not implemented)")
         if self.offload_param_device == "nvme":

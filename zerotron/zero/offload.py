@@ -17,7 +17,8 @@ import torch
 class OptimizerState:
     """fp32 master, exp_avg and exp_avg_sq for this rank's partition, plus a gradient staging buffer."""
 
-    def __init__(self, numel: int, max_shard: int, device: torch.device, offload: bool, own_master: bool = True):
+    def __init__(self, numel: int, max_shard: int, device: torch.device, offload: bool, own_master: bool = True,
+                 dtype: torch.dtype = torch.float32):
         self.offload = offload
         # own_master=False (fp32 runs on the device): the fp32 parameters themselves are the master
         # weights, so no second copy exists (K = 8); the optimizer sets ``master`` to its storage.
@@ -26,7 +27,7 @@ class OptimizerState:
         pin = offload and device.type == "cuda"
 
         def alloc(n):
-            t = torch.zeros(n, dtype=torch.float32, device=self.device)
+            t = torch.zeros(n, dtype=dtype, device=self.device)
             return t.pin_memory() if pin else t
 
         self.master = alloc(numel) if own_master else None
@@ -40,7 +41,7 @@ class OptimizerState:
 
         An fp32 shard already in the state's memory is scaled in place instead (no copy): the reduced
         gradient is consumed by this step and zeroed right after it."""
-        if grad_shard.dtype == torch.float32 and grad_shard.device == self.device:
+        if grad_shard.dtype == self.exp_avg.dtype and grad_shard.device == self.device:
             if coef != 1.0:
                 grad_shard.mul_(coef)
             return grad_shard
@@ -56,8 +57,9 @@ class OptimizerState:
 
     def state_bytes(self) -> tuple[int, int]:
         """(master bytes, moment bytes)."""
-        master = self.master.numel() * 4 if self.own_master else 0
-        return master, (self.exp_avg.numel() + self.exp_avg_sq.numel()) * 4
+        size = self.exp_avg.element_size()
+        master = self.master.numel() * size if self.own_master else 0
+        return master, (self.exp_avg.numel() + self.exp_avg_sq.numel()) * size
 
     def staging_bytes(self) -> int:
-        return self.grad_stage.numel() * 4
+        return self.grad_stage.numel() * self.grad_stage.element_size()

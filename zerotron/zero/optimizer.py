@@ -41,7 +41,7 @@ from zerotron.zero import hpz  # ZeRO++ qwZ/hpZ/qgZ groups
 from zerotron.zero.nvme_optimizer import NvmeOptimizerState  # ZeRO-Infinity
 from zerotron.zero.nvme_params import NvmeParams  # ZeRO-Infinity: stage-3 parameters on disk
 
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "fp64": torch.float64}
 
 
 class ZeroOptimizer(PartitionStateIO):
@@ -59,6 +59,7 @@ class ZeroOptimizer(PartitionStateIO):
         self.params = [p for _, p in named]
         self.num_params = sum(p.numel() for p in self.params)
         self.dtype = DTYPES[cfg.precision]
+        self.master_dtype = torch.float64 if cfg.precision == "fp64" else torch.float32
         self.device = self.params[0].device
         dp = grid.dp_group
         shards, rank = (dp.size, dp.rank_of(grid.rank)) if cfg.stage >= 1 else (1, 0)
@@ -68,14 +69,14 @@ class ZeroOptimizer(PartitionStateIO):
         max_shard = max(c.shard for c in self.layout.chunks)
         # fp32 on the device: the parameters are the master weights (no 4-byte copy; K = 8, not 12)
         # (not when the parameters live on disk: the master must then be a separate, authoritative copy)
-        self.master_is_param = (cfg.precision == "fp32" and cfg.optimizer_offload == "none"
+        self.master_is_param = (cfg.precision in ("fp32", "fp64") and cfg.optimizer_offload == "none"
                                 and cfg.offload_param_device == "none")
         if cfg.optimizer_offload == "nvme":  # ZeRO-Infinity: master + moments in a file
             self.state = NvmeOptimizerState(self.layout.part_numel, cfg.offload_optimizer_nvme_path, grid.rank,
                                             cfg.sub_group_size, cfg.offload_optimizer_buffer_count)
         else:
             self.state = OptimizerState(self.layout.part_numel, max_shard, self.device, cfg.offload_optimizer,
-                                        own_master=not self.master_is_param)
+                                        own_master=not self.master_is_param, dtype=self.master_dtype)
         self.adam = FlatAdamW(self.state.device)
         self.gather_in = torch.empty(max_shard, dtype=self.dtype, device=self.device) if 1 <= cfg.stage <= 2 else None
         for _, p in model.named_parameters():
@@ -156,7 +157,7 @@ class ZeroOptimizer(PartitionStateIO):
         else:
             self.flat_param = None
             self.part_param = torch.zeros(lay.part_numel, dtype=self.dtype, device=self.device)
-        tmp = torch.empty(max(c.numel for c in lay.chunks), dtype=torch.float32, device=self.device)
+        tmp = torch.empty(max(c.numel for c in lay.chunks), dtype=self.master_dtype, device=self.device)
         with torch.no_grad():
             for c in lay.chunks:
                 buf = tmp[:c.numel].zero_()
@@ -233,7 +234,7 @@ class ZeroOptimizer(PartitionStateIO):
         self.reducer.wait()
         lay, st, scale = self.layout, self.state, self.scaler.scale
         sq = local_sq_norm([(self.reducer.grad_shard(c), self.norm_segments[c.index]) for c in lay.chunks],
-                           self.device)
+                           self.device, self.master_dtype)
         norm = global_norm(sq, self.norm_group) / scale
         overflow = not math.isfinite(norm)
         if not overflow:

@@ -68,10 +68,10 @@ class PartitionStateIO:
             if lay.shards == 1:
                 full = mine
             else:
-                full = torch.empty(c.numel, dtype=torch.float32, device=self.device)
+                full = torch.empty(c.numel, dtype=mine.dtype, device=self.device)
                 C.all_gather(full, mine, dp)
             for pc in c.pieces:
-                buf = parts.setdefault(pc.param, torch.empty(lay.numels[pc.param], dtype=torch.float32, device=self.device))
+                buf = parts.setdefault(pc.param, torch.empty(lay.numels[pc.param], dtype=mine.dtype, device=self.device))
                 buf[pc.start:pc.end].copy_(full[pc.offset:pc.offset + pc.end - pc.start])
                 done[pc.param] += 1
                 if done[pc.param] == len(lay.param_chunks[pc.param]):
