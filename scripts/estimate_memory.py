@@ -1,4 +1,4 @@
-"""Per-device memory of ZeRO training, from the memory model (zerotron.zero.memory_model).
+"""Per-device memory of ZeRO training, from the memory model (zerotron.estimate.memory_model).
 
     python scripts/estimate_memory.py                       # paper Tables 1 and 2, C1-C5 max model
     python scripts/estimate_memory.py --preset zero-100b --tp 16 --gpus 400 --batch 32 --config-name C4
@@ -17,13 +17,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from zerotron.model import GPTConfig, get_preset  # noqa: E402
-from zerotron.zero.memory_model import C_CONFIGS, Setup, estimate, max_model  # noqa: E402
-from zerotron.zero.memory_tables import c_config_max_models, table1, table1_text, table2, table2_text  # noqa: E402
+from zerotron.model import GPTConfig, get_preset
+from zerotron.estimate.memory_model import C_CONFIGS, Setup, estimate, max_model
+from zerotron.estimate.paper_tables import c_config_max_models, table1, table1_text, table2, table2_text
 
 GB = 1e9
 

@@ -8,4 +8,4 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.cuda.is_available())'
-exec timeout 480 python3 scripts/gpu_check.py "$@"
+exec timeout 480 python3 scripts/checks/gpu_check.py "$@"

@@ -19,10 +19,9 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from zerotron.data import Tokenizer, iter_texts, load_source  # noqa: E402
-from zerotron.data.preprocess import tokenize_to_file  # noqa: E402
+from zerotron.data import Tokenizer, iter_texts, load_source
+from zerotron.data.preprocess import tokenize_to_file
 
 
 def main(argv=None) -> int:

@@ -1,5 +1,5 @@
 """Run the ZeRO paper's C1–C5 ablations (Table 3, §10.5) on the hardware at hand and check them
-against the memory model (``zerotron.zero.memory_model``).
+against the memory model (``zerotron.estimate.memory_model``).
 
     python scripts/run_ablations.py                 # ~3-5 min on a 2-core CPU
     python scripts/run_ablations.py --quick         # the test's run (~40 s)
@@ -22,30 +22,23 @@ a markdown table and wandb (offline by default), and figures to PNG (matplotlib,
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import pickle
-import sys
-import tempfile
 import time
-import traceback
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as tmp
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from zerotron.model import GPT, GPTConfig, flops_per_iteration  # noqa: E402
-from zerotron.training.cli import apply_mapping  # noqa: E402
-from zerotron.training.config import RunConfig  # noqa: E402
-from zerotron.zero.accounting import expected_model_state_bytes  # noqa: E402
-from zerotron.zero.memory_model import Setup, estimate, max_layers  # noqa: E402
+from zerotron.model import GPT, GPTConfig, flops_per_iteration
+from zerotron.testing.launch import spawn
+from zerotron.training.cli import apply_mapping
+from zerotron.training.config import RunConfig
+from zerotron.zero.accounting import expected_model_state_bytes
+from zerotron.estimate.memory_model import Setup, estimate, max_layers
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ablation_report import ratio, results_table, write_outputs  # noqa: E402
+from zerotron.estimate.ablation_report import ratio, results_table, write_outputs
 
 NAMES = ["baseline", "C1", "C2", "C3", "C4", "C5", "stage3"]
 
@@ -149,48 +142,9 @@ def dp_worker(a) -> dict:
     return {stage: train_and_measure(grid, a, names[stage], a.layers, 1) for stage in (0, 1, 2, 3)}
 
 
-def _entry(rank, world, store, conn, fn, a):
-    try:
-        import torch.distributed as dist
-        torch.set_num_threads(1)
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), ZEROTRON_DEVICE="cpu")
-        dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=120))
-        conn.send_bytes(pickle.dumps(("ok", fn(a))))
-        dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001 - the parent must hear of every failure
-        conn.send_bytes(pickle.dumps(("error", f"rank {rank}: {traceback.format_exc()}")))
-    finally:
-        os._exit(0)
-
-
 def launch(fn, world: int, a, timeout: float = 900.0) -> list:
-    """Fork ``world`` gloo ranks running ``fn(a)``; return their results or raise naming the failure."""
-    ctx = tmp.get_context("fork")
-    store = os.path.join(tempfile.mkdtemp(prefix="zerotron_abl_"), "store")
-    pipes = [ctx.Pipe(duplex=False) for _ in range(world)]
-    procs = [ctx.Process(target=_entry, args=(r, world, store, pipes[r][1], fn, a), daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
-    results, deadline = {}, time.monotonic() + timeout
-    try:
-        while len(results) < world:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{fn.__name__}: ranks {sorted(set(range(world)) - set(results))} timed out")
-            for r, (recv, _) in enumerate(pipes):
-                if r not in results and recv.poll(0.05):
-                    status, value = pickle.loads(recv.recv_bytes())
-                    if status != "ok":
-                        raise RuntimeError(value)
-                    results[r] = value
-                elif r not in results and not procs[r].is_alive() and not recv.poll(0.05):
-                    raise RuntimeError(f"{fn.__name__}: rank {r} died (exit code {procs[r].exitcode})")
-        return [results[r] for r in range(world)]
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join(timeout=5)
+    """``world`` gloo ranks running ``fn(a)``; their results, or an error naming the failed rank."""
+    return spawn(fn, world, a, timeout=timeout, collective_timeout=120.0, store_dir=str(Path(a.out)))
 
 
 # parent side -----------------------------------------------------------------------------------------

@@ -17,9 +17,8 @@ import itertools
 import sys
 import time
 
-sys.path.insert(0, __import__("os").path.join(__import__("os").path.dirname(__file__), ".."))
 
-from zerotron.data import iter_texts, load_source, train_tokenizer  # noqa: E402
+from zerotron.data import iter_texts, load_source, train_tokenizer
 
 
 def main(argv=None) -> int:

@@ -7,7 +7,7 @@ import copy
 import torch
 
 VOCAB, SEQ = 32, 8
-HYPER = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+from zerotron.testing.zero_runs import HYPER  # noqa: E402 - the same hyper-parameters as the ZeRO++ runs
 
 
 def batches(steps: int, micro: int, dp: int, per_rank: int = 2, seed: int = 7):

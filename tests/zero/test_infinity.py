@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests.harness import spawn
-from tests.zero.zeropp_common import train_gpt
+from zerotron.testing.zero_runs import train_gpt
 
 
 def _nvme(path, **kw):
@@ -57,7 +57,7 @@ def check_checkpoint_round_trip(path):
     from zerotron.model.gpt import GPT
     from zerotron.parallel import Grid, ParallelDims
     from zerotron.zero import ZeroConfig, ZeroOptimizer
-    from tests.zero.zeropp_common import GPT_SHAPE
+    from zerotron.testing.zero_runs import GPT_SHAPE
 
     grid = Grid(ParallelDims())
     outs = []
@@ -201,7 +201,7 @@ def check_checkpoint_params_on_disk_to_plain_stage3(path):
     from zerotron.parallel import Grid, ParallelDims
     from zerotron.zero import ZeroConfig, ZeroOptimizer
     from tests.zero.common import HYPER
-    from tests.zero.zeropp_common import GPT_SHAPE, markov_batches
+    from zerotron.testing.zero_runs import GPT_SHAPE, markov_batches
 
     grid = Grid(ParallelDims())
     data = list(zip(range(5), markov_batches(128, 4 * grid.dp_size, 33, seed=3)))

@@ -7,14 +7,14 @@ exactness or loss against the unquantized stage.
 * qgZ (4 ranks, node size 2, hierarchical): gradient reduce bytes <= 0.3x fp32; loss within 2% of
   stage 2.
 qgZ runs the issue's 200 steps; qwZ runs QWZ_STEPS = 100 to stay under 60 s on a 2-core machine
-(its quantize/dequantize per gather is slower on CPU): ``scripts/bench_zeropp.py --steps 200`` runs
+(its quantize/dequantize per gather is slower on CPU): ``scripts/bench/zeropp.py --steps 200`` runs
 the full length for both.
 """
 
 import pytest
 
 from tests.harness import spawn
-from tests.zero.zeropp_common import comm_bytes, tail_loss, train_gpt
+from zerotron.testing.zero_runs import comm_bytes, tail_loss, train_gpt
 
 QWZ_STEPS, QGZ_STEPS = 100, 200
 

@@ -1,5 +1,5 @@
 """A tiny GPT trained under a given ZeroConfig on the current gloo ranks: shared by the ZeRO++ /
-ZeRO-Infinity tests and by scripts/bench_zeropp.py / bench_infinity.py (which run the full length).
+ZeRO-Infinity tests and by the ZeRO++ / Infinity benchmarks (which run the full length).
 
 Data: fresh sequences every step from a fixed random bigram (Markov) source, so the loss falls
 towards the source's entropy rate and plateaus there instead of memorising to ~0 -- a relative
@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from tests.zero.common import HYPER
+HYPER = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
 GPT_SHAPE = dict(num_layers=2, hidden_size=64, num_heads=4, vocab_size=128, seq_length=32)
 

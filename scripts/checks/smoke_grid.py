@@ -1,6 +1,6 @@
 """Smoke check of the process-group grid: every rank prints its coordinates and groups.
 
-    torchrun --standalone --nproc_per_node 4 scripts/smoke_grid.py --tp 2
+    torchrun --standalone --nproc_per_node 4 scripts/checks/smoke_grid.py --tp 2
 """
 
 import argparse

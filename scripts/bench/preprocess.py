@@ -9,7 +9,7 @@ every 0.2 s, summed over processes -- an upper bound, since forked workers share
   1. zerotron: ``preprocess_data.py --streaming --workers N`` -> .bin/.idx
   2. peer:     ``load_dataset("json")`` + ``Dataset.map(batched encode, num_proc=N)``
 
-    python scripts/bench_preprocess.py [--size-mb 100] [--workers 2] [--keep]
+    python scripts/bench/preprocess.py [--size-mb 100] [--workers 2] [--keep]
 """
 
 from __future__ import annotations
@@ -26,11 +26,10 @@ import time
 import numpy as np
 import psutil
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, ROOT)
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
-from zerotron.data import build_default_corpus  # noqa: E402
-from zerotron.data.default_corpus import harvest_stdlib_texts  # noqa: E402
+from zerotron.data import build_default_corpus
+from zerotron.data.default_corpus import harvest_stdlib_texts
 
 PEER = r"""
 import json, sys, time

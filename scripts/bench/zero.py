@@ -1,6 +1,6 @@
 """Benchmark zerotron ZeRO stages 0-3 against their peers on the same model and the same gloo ranks.
 
-    DS_ACCELERATOR=cpu .venv/bin/python scripts/bench_zero.py --ranks 2 --layers 4 --hidden 256 \
+    DS_ACCELERATOR=cpu .venv/bin/python scripts/bench/zero.py --ranks 2 --layers 4 --hidden 256 \
         --vocab 8192 --seq 128 --micro-batch 4 --micro 2 --steps 6 --rounds 2 [--precision bf16]
 
 Peers (goal: zerotron at or below each in time and memory): stage 0 <-> torch DDP, stages 1/2 <->
@@ -29,13 +29,12 @@ import os
 import resource
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
-import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from zerotron.testing.launch import spawn
+
 
 
 def build_model(args, grid):
@@ -106,9 +105,8 @@ def ds_state_bytes(engine) -> int:
     return total
 
 
-def worker(rank, world, store_path, args, kind, queue):
-    import datetime
-
+def worker(args, kind):
+    """One rank of one configuration: (median step s, peak RSS, model-state bytes, final loss)."""
     import logging
     import warnings
 
@@ -116,12 +114,7 @@ def worker(rank, world, store_path, args, kind, queue):
 
     warnings.filterwarnings("ignore")
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
-
-    torch.set_num_threads(max(1, args.threads))
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), ZEROTRON_DEVICE="cpu")
-    store = dist.FileStore(store_path, world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=600))
+    rank = dist.get_rank()
     from zerotron.parallel import Grid, ParallelDims
 
     grid = Grid(ParallelDims())
@@ -189,7 +182,7 @@ def worker(rank, world, store_path, args, kind, queue):
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
 
-            mesh = init_device_mesh("cpu", (world,))
+            mesh = init_device_mesh("cpu", (dist.get_world_size(),))
             kw = {}
             if args.precision != "fp32":
                 from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -227,34 +220,14 @@ def worker(rank, world, store_path, args, kind, queue):
         loss = step(probe=k == args.steps - 1)
         times.append(time.perf_counter() - t0)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    queue.put((rank, statistics.median(times[1:] or times), rss, max(measured), loss))
-    dist.destroy_process_group()
+    return statistics.median(times[1:] or times), rss, max(measured), loss
 
 
 def run(kind, args, ranks):
-    import queue as queue_mod
-
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=worker, args=(r, ranks, os.path.join(tmp, "store"), args, kind, queue))
-                 for r in range(ranks)]
-        for p in procs:
-            p.start()
-        out, deadline = [], time.monotonic() + 1800
-        while len(out) < ranks:  # a rank that dies fails the run instead of hanging it
-            try:
-                out.append(queue.get(timeout=5))
-            except queue_mod.Empty:
-                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-                if dead or time.monotonic() > deadline:
-                    for p in procs:
-                        p.kill()
-                    raise RuntimeError(f"{kind}: a rank failed (exit codes {dead}) or timed out")
-        for p in procs:
-            p.join()
-    out.sort()
-    return {"time": max(o[1] for o in out), "rss": max(o[2] for o in out), "states": out[0][3], "loss": out[0][4]}
+    """``kind`` in freshly spawned ranks, so the peak RSS is that configuration's own."""
+    out = spawn(worker, ranks, args, kind, start_method="spawn", threads=max(1, args.threads),
+                collective_timeout=600.0, timeout=1800.0)
+    return {"time": max(o[0] for o in out), "rss": max(o[1] for o in out), "states": out[0][2], "loss": out[0][3]}
 
 
 # zerotron stage -> the peers it must match or beat (time and memory)

@@ -1,7 +1,7 @@
 """One-GPU check: a ~1.3B GPT in bf16 with ZeRO stages 0-3, activation checkpointing and Pa+cpu.
 
     bash scripts/gpu_check.sh            # on the lent GPU machine; installs nothing
-    python scripts/gpu_check.py --tiny   # the same code path on CPU with a tiny model (smoke test)
+    python scripts/checks/gpu_check.py --tiny   # the same code path on CPU with a tiny model (smoke test)
 
 Prints, per configuration: step time, TFLOP/s per device, MFU, peak allocated/reserved memory
 and model-state bytes; then the measured host<->device bandwidth of pinned copies (what Pa+cpu
@@ -13,19 +13,16 @@ from __future__ import annotations
 
 import argparse
 import gc
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from zerotron.model import GPTConfig  # noqa: E402
-from zerotron.model.flops import flops_per_iteration, peak_tflops  # noqa: E402
-from zerotron.model.gpt import GPT  # noqa: E402
-from zerotron.parallel import Grid, ParallelDims, init_distributed, shutdown  # noqa: E402
-from zerotron.zero import ActivationCheckpointConfig, ZeroConfig, ZeroOptimizer, apply_activation_checkpointing  # noqa: E402
+from zerotron.model import GPTConfig
+from zerotron.model.flops import flops_per_iteration, peak_tflops
+from zerotron.model.gpt import GPT
+from zerotron.parallel import Grid, ParallelDims, init_distributed, shutdown
+from zerotron.zero import ActivationCheckpointConfig, ZeroConfig, ZeroOptimizer, apply_activation_checkpointing
 
 CONFIGS = [  # (name, zero stage, activation checkpointing, Pa+cpu)
     ("stage0", 0, False, False),

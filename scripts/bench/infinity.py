@@ -1,6 +1,6 @@
 """ZeRO-Infinity step-time cost against the disk's measured bandwidth (tiny-to-small GPT, gloo ranks).
 
-    .venv/bin/python scripts/bench_infinity.py --ranks 2 --steps 6 --hidden 256 --layers 4 \
+    .venv/bin/python scripts/bench/infinity.py --ranks 2 --steps 6 --hidden 256 --layers 4 \
         [--nvme-path /local_nvme] [--sub-group-size 1000000] [--buffer-count 4]
 
 Runs stage 3 without offload, with CPU offload, with NVMe optimizer offload and with the
@@ -14,16 +14,12 @@ the disk). The parameter configuration's extra cost is printed against the optim
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from tests.harness import spawn  # noqa: E402
-from tests.zero.zeropp_common import train_gpt  # noqa: E402
-from zerotron.zero.disk_offload import measure_bandwidth  # noqa: E402
+from zerotron.testing.launch import spawn
+from zerotron.testing.zero_runs import train_gpt
+from zerotron.zero.disk_offload import measure_bandwidth
 
 
 def _run(kw, steps, shape):

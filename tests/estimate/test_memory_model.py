@@ -1,4 +1,4 @@
-"""The memory model (zerotron.zero.memory_model) against the ZeRO paper and against our own runs.
+"""The memory model (zerotron.estimate.memory_model) against the ZeRO paper and against our own runs.
 
 * Table 1 (§5.4) and Table 2's theoretical columns (§7) as printed by the estimator equal the
   paper's values digit for digit (the values below are copied from the paper).
@@ -16,9 +16,9 @@ import pytest
 
 from tests.harness import spawn
 from zerotron.model import get_preset
-from zerotron.zero.memory_model import (Setup, checkpoint_bytes, estimate, fixed_buffer_bytes, max_layers,
+from zerotron.estimate.memory_model import (Setup, checkpoint_bytes, estimate, fixed_buffer_bytes, max_layers,
                                         model_state_bytes, params_per_rank)
-from zerotron.zero.memory_tables import c_config_max_models, table1_text, table2_text
+from zerotron.estimate.paper_tables import c_config_max_models, table1_text, table2_text
 
 ROOT = Path(__file__).resolve().parents[2]
 PAPER_TABLE1 = """\

@@ -1,6 +1,6 @@
 """ZeRO++ against its unquantized peers on gloo ranks, tiny GPT, the issue's full length.
 
-    .venv/bin/python scripts/bench_zeropp.py --ranks 4 --steps 200 [--node 2] [--block 256]
+    .venv/bin/python scripts/bench/zeropp.py --ranks 4 --steps 200 [--node 2] [--block 256]
 
 Prints per pair: bytes of the collective ZeRO++ replaces (qwZ: stage-3 all-gather over "dp";
 qgZ: stage-2 reduce-scatter vs the quantized all-to-alls; hpZ: cross-node "dp" gather bytes) and
@@ -10,13 +10,9 @@ the relative gap of the mean loss over the last 5 steps. The tests run shorter (
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from tests.harness import spawn  # noqa: E402
-from tests.zero.zeropp_common import comm_bytes, tail_loss, train_gpt  # noqa: E402
+from zerotron.testing.launch import spawn
+from zerotron.testing.zero_runs import comm_bytes, tail_loss, train_gpt
 
 
 def _run(configs, steps):

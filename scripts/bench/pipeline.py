@@ -1,6 +1,6 @@
 """Measured pipeline bubble per stage against theory, (pp-1)/(m+pp-1) (GPipe §2.2, Megatron-LM §2.2).
 
-    python scripts/bench_pipeline.py --pp 4 --micro 4 8 16
+    python scripts/bench/pipeline.py --pp 4 --micro 4 8 16
 
 Forks ``pp`` gloo ranks on CPU. Each stage is a stack of layers whose compute is an artificial
 cost -- a sleep of ``--forward-ms`` per layer forward and twice that backward -- so the numbers
@@ -13,10 +13,9 @@ both schedules (1F1B has the same bubble as AFAB; it saves activation memory, no
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
-import os
-import tempfile
 import time
+
+from zerotron.testing.launch import spawn
 
 HIDDEN, SEQ, BATCH, VOCAB = 8, 4, 2, 16
 
@@ -56,12 +55,9 @@ def make_stage(grid, layers: int, forward_s: float):
     return Stage()
 
 
-def worker(rank: int, args, store_path: str, queue) -> None:
+def worker(args) -> list:
     import torch
-    import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, args.pp), rank=rank, world_size=args.pp)
     from zerotron.parallel import Grid, ParallelDims
     from zerotron.parallel import collectives as C
     from zerotron.parallel.pipeline import train_step
@@ -83,8 +79,7 @@ def worker(rank: int, args, store_path: str, queue) -> None:
                     idle.append(1 - out.compute_s / out.wall_s)
                     wall.append(out.wall_s)
             rows.append((schedule, m, sum(idle) / len(idle), sum(wall) / len(wall)))
-    queue.put((rank, rows))
-    dist.destroy_process_group()
+    return rows
 
 
 def main() -> None:
@@ -97,15 +92,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.pp < 2 or min(args.micro) < 1:
         parser.error("--pp must be >= 2 and every --micro >= 1")
-    ctx = mp.get_context("fork")
-    store_path = os.path.join(tempfile.mkdtemp(prefix="zerotron_bench_"), "store")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, args, store_path, queue)) for r in range(args.pp)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=600) for _ in procs)
-    for p in procs:
-        p.join()
+    results = dict(enumerate(spawn(worker, args.pp, args, timeout=600)))
     per_mb = args.layers_per_stage * 3 * args.forward_ms  # forward + backward of one micro-batch, ms
     print(f"pp={args.pp}, {args.layers_per_stage} layers/stage, {args.forward_ms} ms fwd + "
           f"{2 * args.forward_ms} ms bwd per layer (artificial cost), {args.steps} timed steps")

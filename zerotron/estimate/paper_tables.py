@@ -21,7 +21,7 @@ import dataclasses
 from decimal import ROUND_HALF_UP, Decimal
 
 from zerotron.model.presets import get_preset
-from zerotron.zero.memory_model import C_CONFIGS, Setup, estimate, max_model, model_state_bytes
+from zerotron.estimate.memory_model import C_CONFIGS, Setup, estimate, max_model, model_state_bytes
 
 GB = 1e9
 TABLE1_MODELS = {"7.5B": 7.5e9, "128B": 128e9, "1T": 1e12}

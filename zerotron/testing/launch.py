@@ -1,0 +1,133 @@
+"""Run a function on N gloo ranks on CPU, fast, and never hang: the one launcher of the tests,
+the benchmarks and the ablation runner.
+
+Workers are *forked* by default (no torch re-import: start-up dominates on a small machine;
+``start_method="spawn"`` for callers whose parent already started threads, e.g. DeepSpeed), call
+``torch.set_num_threads(threads)``, join a gloo group through a ``FileStore`` and run
+``fn(*args)``. Each worker reports its return value or its traceback through a pipe. The parent
+waits until every rank has answered, one rank has failed (the others are then killed, since they
+may sit in a collective waiting for it), or the deadline passes -- in which case every worker is
+killed and the ranks that never answered are named.
+
+Reference computations belong inside ``fn`` (run on every rank), not in the parent: the parent
+must not start OpenMP threads before forking.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import tempfile
+import time
+import traceback
+from typing import Any, Callable
+
+DEFAULT_TIMEOUT_S = 120.0
+
+
+class RankFailure(RuntimeError):
+    """One or more ranks raised, died or timed out."""
+
+
+def _worker(rank: int, world_size: int, store_path: str, conn, collective_timeout: float, threads: int,
+            fn: Callable, args: tuple, kwargs: dict) -> None:
+    try:
+        import datetime
+
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(threads)
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                          ZEROTRON_DEVICE="cpu")
+        store = dist.FileStore(store_path, world_size)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=collective_timeout))
+        result = fn(*args, **kwargs)
+        try:
+            payload = pickle.dumps(("ok", result))
+        except Exception:  # unpicklable result: report its repr
+            payload = pickle.dumps(("ok", repr(result)))
+        conn.send_bytes(payload)
+        # Leave together: a rank that exits while a slower peer is still connecting its gloo mesh
+        # makes that peer's init_process_group fail ("connectFullMesh ... closed by peer").
+        try:
+            dist.barrier()
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - the result is already reported
+            pass
+    except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
+        conn.send_bytes(pickle.dumps(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")))
+    finally:
+        conn.close()
+        os._exit(0)  # skip pytest's atexit hooks inherited through fork
+
+
+def spawn(fn: Callable, world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT_S,
+          collective_timeout: float = 30.0, may_die: tuple[int, ...] = (), start_method: str = "fork",
+          threads: int = 1, store_dir: str | None = None, **kwargs: Any) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return the per-rank results.
+
+    Raises ``RankFailure`` naming the failed rank(s), with their tracebacks, if any rank raises,
+    dies, or does not finish within ``timeout`` seconds. Ranks in ``may_die`` (fault drills) may
+    exit without a result; theirs is then ``None``. The rendezvous file lives in a fresh folder
+    under ``store_dir`` (the system temp dir when None) and is removed afterwards.
+    """
+    ctx = mp.get_context(start_method)
+    if store_dir is not None:
+        os.makedirs(store_dir, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix="zerotron_store_", dir=store_dir)
+    store_path = os.path.join(tmp, "store")
+    procs, conns = [], []
+    for rank in range(world_size):
+        parent_end, child_end = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=_worker, args=(rank, world_size, store_path, child_end,
+                                              collective_timeout, threads, fn, args, kwargs), daemon=True)
+        p.start()
+        child_end.close()
+        procs.append(p)
+        conns.append(parent_end)
+    results: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) + len(errors) < world_size and not errors:
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(world_size)) - set(results) - set(errors))
+                raise RankFailure(f"timed out after {timeout:.0f}s; rank(s) {missing} never finished "
+                                  f"(a hang: mismatched or missing collective?)")
+            for rank, conn in enumerate(conns):
+                if rank in results or rank in errors:
+                    continue
+                if conn.poll(0.01):
+                    try:
+                        status, value = pickle.loads(conn.recv_bytes())
+                    except EOFError:
+                        status, value = "error", f"rank {rank} exited (code {procs[rank].exitcode}) without a result"
+                        if rank in may_die:
+                            status, value = "ok", None
+                    (results if status == "ok" else errors)[rank] = value
+                elif not procs[rank].is_alive() and not conn.poll(0.05):
+                    if rank in may_die:
+                        results[rank] = None
+                    else:
+                        errors[rank] = f"rank {rank} died with exit code {procs[rank].exitcode}"
+        if errors:
+            text = "\n".join(f"--- rank {r} failed ---\n{msg}" for r, msg in sorted(errors.items()))
+            raise RankFailure(f"{len(errors)} rank(s) failed: {sorted(errors)}\n{text}")
+        return [results[r] for r in range(world_size)]
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join(timeout=5)
+        for c in conns:
+            c.close()
+        try:
+            for name in os.listdir(tmp):
+                os.unlink(os.path.join(tmp, name))
+            os.rmdir(tmp)
+        except OSError:
+            pass
