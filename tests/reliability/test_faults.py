@@ -28,12 +28,12 @@ def test_dead_rank_is_named_and_the_survivor_exits_3(tmp_path):
 
 def test_stuck_rank_is_named_within_the_timeout(tmp_path):
     argv = TINY + ["--train-steps", "6", "--run-dir", str(tmp_path)]
-    res = run(argv, fault="stall@step=3@rank=1", env={"ZEROTRON_FAULT_STALL_S": "14"}, may_die=(1,),
+    res = run(argv, fault="stall@step=3@rank=1", env={"ZEROTRON_FAULT_STALL_S": "30"}, may_die=(1,),
               collective_timeout=5)
     code, _, err, seconds = res[0]
     assert code == 3, err
     assert "rank 1 is alive but stuck behind" in err, err
-    assert seconds < 14  # named before the stuck rank woke up
+    assert seconds < 30  # named before the stuck rank woke up (start-up under load included)
 
 
 def _final_loss(run_dir: Path) -> float:
