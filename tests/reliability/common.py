@@ -18,6 +18,11 @@ TINY = ["--config", "configs/tiny.yaml", "--tp", "1", "--micro-batch-size", "2",
         "--optimizer.warmup_steps", "2", "--save", "none"]
 
 
+def tiny(cache: str) -> list[str]:
+    """``TINY`` with its data cache (corpus, sample indices) in ``cache``, not in the checkout."""
+    return TINY + ["--data.cache_dir", cache]
+
+
 def _main(argv: list[str], env: dict[str, str]) -> tuple[int, str, str, float]:
     os.environ.update(env)
     out, err = io.StringIO(), io.StringIO()

@@ -10,7 +10,7 @@ import shutil
 import numpy as np
 import pytest
 
-from tests.reliability.common import TINY, run
+from tests.reliability.common import run, tiny
 from zerotron.data import IndexedTokenWriter, train_tokenizer
 from zerotron.training.cli import parse_config
 from zerotron.training.setup_run import preflight
@@ -29,7 +29,8 @@ def corpus(tmp_path_factory):
 
 
 def _argv(root, prefix="train", extra=()):
-    return TINY + ["--train-steps", "2", "--run-dir", str(root / "run"), "--data.data_path", str(root / prefix),
+    return tiny(str(root / "cache")) + ["--train-steps", "2", "--run-dir", str(root / "run"),
+                                        "--data.data_path", str(root / prefix),
                    "--data.tokenizer", str(root / "tok.model"), *extra]
 
 

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.reliability.common import TINY, run
+from tests.reliability.common import run, tiny
 
 
-def test_dead_rank_is_named_and_the_survivor_exits_3(tmp_path):
-    argv = TINY + ["--train-steps", "6", "--run-dir", str(tmp_path)]
+def test_dead_rank_is_named_and_the_survivor_exits_3(zerotron_cache, tmp_path):
+    argv = tiny(zerotron_cache) + ["--train-steps", "6", "--run-dir", str(tmp_path)]
     res = run(argv, fault="kill@step=3@rank=1", may_die=(1,), collective_timeout=20)
     assert res[1] is None
     code, _, err, seconds = res[0]
@@ -26,8 +26,8 @@ def test_dead_rank_is_named_and_the_survivor_exits_3(tmp_path):
     assert seconds < 20
 
 
-def test_stuck_rank_is_named_within_the_timeout(tmp_path):
-    argv = TINY + ["--train-steps", "6", "--run-dir", str(tmp_path)]
+def test_stuck_rank_is_named_within_the_timeout(zerotron_cache, tmp_path):
+    argv = tiny(zerotron_cache) + ["--train-steps", "6", "--run-dir", str(tmp_path)]
     res = run(argv, fault="stall@step=3@rank=1", env={"ZEROTRON_FAULT_STALL_S": "30"}, may_die=(1,),
               collective_timeout=5)
     code, _, err, seconds = res[0]
@@ -42,9 +42,9 @@ def _final_loss(run_dir: Path) -> float:
 
 
 @pytest.mark.parametrize("fault", ["kill_after_shard@step=4@rank=1", "kill_before_commit@step=4@rank=0"])
-def test_crash_mid_checkpoint_loses_nothing(tmp_path, fault):
+def test_crash_mid_checkpoint_loses_nothing(zerotron_cache, tmp_path, fault):
     save = tmp_path / "ck"
-    argv = TINY + ["--train-steps", "6", "--save", str(save), "--save-interval", "2"]
+    argv = tiny(zerotron_cache) + ["--train-steps", "6", "--save", str(save), "--save-interval", "2"]
     dead = int(fault[-1])
     res = run(argv + ["--run-dir", str(tmp_path / "a")], fault=fault, may_die=(dead,))
     survivor = res[1 - dead]
@@ -60,13 +60,13 @@ def test_crash_mid_checkpoint_loses_nothing(tmp_path, fault):
     assert "loaded" in out and "(step 2," in out, out
     assert (save / "step_00000006" / "metadata.json").is_file() and not (save / "step_00000004.tmp").exists()
 
-    clean = run(TINY + ["--train-steps", "6", "--run-dir", str(tmp_path / "c")])
+    clean = run(tiny(zerotron_cache) + ["--train-steps", "6", "--run-dir", str(tmp_path / "c")])
     assert [r[0] for r in clean] == [0, 0]
     assert _final_loss(tmp_path / "b") == pytest.approx(_final_loss(tmp_path / "c"), rel=1e-6)
 
 
-def test_fp16_overflow_storm_stops_with_step_scale_and_fix(tmp_path):
-    argv = TINY + ["--train-steps", "20", "--run-dir", str(tmp_path), "--precision", "fp16",
+def test_fp16_overflow_storm_stops_with_step_scale_and_fix(zerotron_cache, tmp_path):
+    argv = tiny(zerotron_cache) + ["--train-steps", "20", "--run-dir", str(tmp_path), "--precision", "fp16",
                    "--optimizer.initial_loss_scale", "4294967296", "--optimizer.min_loss_scale", "4294967296",
                    "--optimizer.hysteresis", "1"]
     res = run(argv)
@@ -78,8 +78,8 @@ def test_fp16_overflow_storm_stops_with_step_scale_and_fix(tmp_path):
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
-def test_nan_loss_stops_with_step_and_data_position(tmp_path, precision):
-    argv = TINY + ["--train-steps", "6", "--run-dir", str(tmp_path), "--precision", precision]
+def test_nan_loss_stops_with_step_and_data_position(zerotron_cache, tmp_path, precision):
+    argv = tiny(zerotron_cache) + ["--train-steps", "6", "--run-dir", str(tmp_path), "--precision", precision]
     res = run(argv, fault="nan@step=3")
     for code, _, err, _ in res:
         assert code == 2, err

@@ -1,12 +1,12 @@
 """Distributed checkpoints that resume exactly and load into any other TP / PP / DP / ZeRO layout.
 
-Each rank writes one shard: its flat fp32 partitions of the ZeRO optimizer (master weights,
-Adam moments) and its RNG states. The shard's index says, for every parameter slice it holds,
-``(name, tp_rank, start, end, offset)``: elements ``[start, end)`` of that TP rank's flattened
-parameter live at ``offset`` of the shard's flat tensors. ``metadata.json`` records the layout,
-every parameter's global shape and TP split dimension, the data position, loss scaler and
-checksums. Parameter names are canonical (global layer numbers), so a pipeline stage split does
-not change them.
+Each rank writes one shard: its flat fp32 (fp64 in precision fp64) partitions of the ZeRO
+optimizer (master weights, Adam moments) and its RNG states. The shard's index says, for every
+parameter slice it holds, ``(name, tp_rank, start, end, offset)``: elements ``[start, end)`` of
+that TP rank's flattened parameter live at ``offset`` of the shard's flat tensors.
+``metadata.json`` records the layout, every parameter's global shape and TP split dimension, the
+data position, loss scaler and checksums. Parameter names are canonical (global layer numbers),
+so a pipeline stage split does not change them.
 
 Loading into another layout assembles one full parameter at a time from the slices that hold it
 (memory bounded by the largest tensor), cuts out the new rank's TP slice, and hands the ZeRO
@@ -112,8 +112,8 @@ def check_compatible(meta: dict, model_config: dict, names: dict[str, str]) -> N
 class _Assembler:
     """Builds this rank's TP-local slice of one parameter from the old layout's shards, one at a time."""
 
-    def __init__(self, meta: dict, reader: ShardReader, grid):
-        self.meta, self.reader, self.grid = meta, reader, grid
+    def __init__(self, meta: dict, reader: ShardReader, grid, dtype: torch.dtype = torch.float32):
+        self.meta, self.reader, self.grid, self.dtype = meta, reader, grid, dtype
         self.old_tp = meta["layout"]["tp"]
         self.sources: dict[str, list] = {}
         for filename, entry in meta["files"].items():
@@ -132,12 +132,12 @@ class _Assembler:
             if dim is not None:
                 local_shape[dim] //= self.old_tp
             numel = int(torch.tensor(local_shape).prod()) if local_shape else 1
-            flat = torch.empty(numel, dtype=torch.float32)
+            flat = torch.empty(numel, dtype=self.dtype)
             covered = torch.zeros(numel, dtype=torch.bool)
             for filename, tp_rank, start, end, offset in self.sources.get(canon, []):
                 if dim is not None and tp_rank != r:
                     continue
-                flat[start:end] = self.reader.read(filename, key, offset, offset + end - start).float()
+                flat[start:end] = self.reader.read(filename, key, offset, offset + end - start).to(self.dtype)
                 covered[start:end] = True
             if not bool(covered.all()):
                 raise CheckpointError(f"checkpoint is incomplete: {canon} ({key}) of TP rank {r} is not fully "
@@ -181,7 +181,8 @@ def load_checkpoint(load: str, model, opt, grid, *, model_config: dict,
     names = canonical_names(model)
     check_compatible(meta, model_config, names)
     reader = ShardReader(path, meta["files"])
-    assembler = _Assembler(meta, reader, grid)
+    # the optimizer's master dtype: a float64 run reshards its float64 state without rounding it
+    assembler = _Assembler(meta, reader, grid, getattr(opt, "master_dtype", torch.float32))
     params = dict(model.named_parameters())
     shapes = getattr(opt, "param_shapes", None) or {}
 

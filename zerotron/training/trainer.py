@@ -18,7 +18,7 @@ from zerotron.training import faults
 from zerotron.training.config import RunConfig
 from zerotron.training.metrics import MetricsLogger, Throughput, peak_memory
 from zerotron.training.schedule import learning_rate
-from zerotron.training.setup_run import DTYPES, build_grid, model_config, prepare_data, zero_config
+from zerotron.training.setup_run import DTYPES, build_grid, model_config, model_dtype, prepare_data, zero_config
 
 
 class TrainingStopped(RuntimeError):
@@ -39,10 +39,11 @@ class Trainer:
         self.data = prepare_data(cfg, grid)
         self.mcfg = model_config(cfg, self.data.vocab_size)
         t = cfg.training
+        dtype = model_dtype(t.precision)
         if grid.pp_size > 1:  # this rank's pipeline stage: same weights as the whole model would have
-            self.model = build_stage(self.mcfg, grid, dtype=torch.float32, device=env.device, seed=t.seed)
+            self.model = build_stage(self.mcfg, grid, dtype=dtype, device=env.device, seed=t.seed)
         else:
-            self.model = GPT(self.mcfg, grid, dtype=torch.float32, device=env.device, seed=t.seed)
+            self.model = GPT(self.mcfg, grid, dtype=dtype, device=env.device, seed=t.seed)
         ac = ActivationCheckpointConfig(**dataclasses.asdict(cfg.activation_checkpointing))
         in_flight = microbatches_in_flight(cfg.parallel.pipeline_schedule, grid.pp_size, grid.pp_rank,
                                            cfg.num_microbatches)
@@ -165,7 +166,7 @@ class Trainer:
             from zerotron.model.stages import pipeline_step
 
             data = [self._batch(self.train_ds, indices) for indices in batches]
-            loss = pipeline_step(self.model, data, self.opt, schedule=cfg.parallel.pipeline_schedule).loss
+            loss = float(pipeline_step(self.model, data, self.opt, schedule=cfg.parallel.pipeline_schedule).loss)
             info = self.opt.step()
         else:
             total = 0.0
