@@ -1,7 +1,7 @@
-"""The trainer tests' data cache: the built-in corpus and its sample indices, outside the checkout.
+"""The trainer and reliability tests' data cache: the built-in corpus and its sample indices,
+outside the checkout.
 
-Built once per session (about 5 s) under pytest's base temp directory, at the same path the
-reliability tests' fixture uses, so a session builds the corpus once; built in a forked process,
+Built once per session (about 5 s) under pytest's base temp directory; built in a forked process,
 because the pytest process must not start threads before the tests fork their ranks. Each test
 still gets its own run and checkpoint directories (``tmp_path``).
 """
