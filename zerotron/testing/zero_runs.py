@@ -32,11 +32,10 @@ def train_gpt(zero_kw: dict, steps: int, per_rank: int = 4, seed: int = 11,
               want_params: bool = False, shape: dict | None = None) -> dict:
     """Train on every rank; returns per-step losses (DP-mean), the last step's comm counters, the
     memory report, step times and (``want_params``) the full fp32 parameters."""
-    import torch.distributed as dist
-
     from zerotron.model.config import GPTConfig
     from zerotron.model.gpt import GPT
     from zerotron.parallel import Grid, ParallelDims
+    from zerotron.parallel import collectives as C
     from zerotron.zero import ZeroConfig, ZeroOptimizer
 
     grid = Grid(ParallelDims())
@@ -55,10 +54,10 @@ def train_gpt(zero_kw: dict, steps: int, per_rank: int = 4, seed: int = 11,
         opt.backward(loss)
         opt.step()
         times.append(time.perf_counter() - t0)
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)  # reporting only, outside the counted collectives
-        losses.append(float(mean) / grid.dp_size)
-    out = {"losses": losses, "comm": opt.comm_per_step, "memory": opt.memory_report(), "times": times,
+        losses.append(loss.detach())
+    comm = opt.comm_per_step  # the last step's own traffic: taken before the reporting all-reduce
+    losses = (C.all_reduce(torch.stack(losses), grid.dp_group) / grid.dp_size).tolist()
+    out = {"losses": losses, "comm": comm, "memory": opt.memory_report(), "times": times,
            "full_numel": opt.layout.full_numel, "part_numel": opt.layout.part_numel, "psi": opt.num_params}
     if want_params:
         out["params"] = dict(opt.full_params())
