@@ -31,14 +31,14 @@ import torch.distributed as dist
 
 from tests.harness import spawn
 from tests.parity import FP64_TP_PP, assert_fp32, assert_fp64
+from tests.zero.common import HYPER
 from zerotron.model import GPT, GPTConfig
 from zerotron.model.stages import build_stage, pipeline_step, split_layers
 from zerotron.parallel import Grid, ParallelDims
 from zerotron.parallel.pipeline import microbatches_in_flight
+from zerotron.zero.optimizer import DTYPES
 
-HYPER = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 SEED, STEPS, MICRO = 7, 3, 2  # MICRO: sequences per micro-batch per DP rank
-DTYPES = {"fp64": torch.float64, "fp32": torch.float32}
 
 
 def make_cfg(num_layers):

@@ -7,7 +7,7 @@ import copy
 import torch
 
 VOCAB, SEQ = 32, 8
-from zerotron.testing.zero_runs import HYPER  # noqa: E402 - the same hyper-parameters as the ZeRO++ runs
+from zerotron.testing.zero_runs import HYPER  # the same hyper-parameters as the ZeRO++ runs
 
 
 def batches(steps: int, micro: int, dp: int, per_rank: int = 2, seed: int = 7):

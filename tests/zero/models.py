@@ -46,7 +46,7 @@ class TinyLM(nn.Module):
             h = block(h)
         logits = self.head(self.ln_f(h))
         logits = logits.flatten(0, 1)
-        return F.cross_entropy(logits if logits.dtype == torch.float64 else logits.float(), labels.flatten())
+        return F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), labels.flatten())
 
 
 class _CopyToTP(torch.autograd.Function):

@@ -22,9 +22,9 @@ import torch
 from tests.harness import spawn
 from tests.parity import FP64_TP_PP, assert_fp32, assert_fp64
 from tests.zero.common import HYPER
+from zerotron.zero.optimizer import DTYPES
 
 STEPS, MICRO = 4, 2
-DTYPES = {"fp64": torch.float64, "fp32": torch.float32}
 
 
 def reference(cfg, data, precision):

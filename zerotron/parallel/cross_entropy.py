@@ -26,7 +26,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, group, vocab_start, vocab_size, ignore_index):
         # the softmax is computed in fp32 at least (fp64 logits stay fp64: the parity tests' tier)
-        x = logits if logits.dtype == torch.float64 else logits.float()
+        x = logits.to(torch.promote_types(logits.dtype, torch.float32))
         per_rank = x.shape[-1]
         n_padded = vocab_start + per_rank - vocab_size
         if n_padded > 0:

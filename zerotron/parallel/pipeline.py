@@ -59,8 +59,7 @@ class _Stage:
         self.shape, self.dtype, self.device = tuple(shape), dtype, device
         self.first, self.last = grid.is_first_stage, grid.is_last_stage
         self.m = len(microbatches)
-        self.loss_sum = torch.zeros((), dtype=torch.float64 if dtype == torch.float64 else torch.float32,
-                                    device=device)
+        self.loss_sum = torch.zeros((), dtype=torch.promote_types(dtype, torch.float32), device=device)
         self.compute_s = 0.0
         self._fwd = self._bwd = 0  # next micro-batch index to run forward / backward
 

@@ -182,7 +182,7 @@ def load_checkpoint(load: str, model, opt, grid, *, model_config: dict,
     check_compatible(meta, model_config, names)
     reader = ShardReader(path, meta["files"])
     # the optimizer's master dtype: a float64 run reshards its float64 state without rounding it
-    assembler = _Assembler(meta, reader, grid, getattr(opt, "master_dtype", torch.float32))
+    assembler = _Assembler(meta, reader, grid, opt.master_dtype)
     params = dict(model.named_parameters())
     shapes = getattr(opt, "param_shapes", None) or {}
 

@@ -12,8 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-
-PRECISIONS = ("fp32", "fp16", "bf16", "fp64")
+from zerotron.zero.config import PRECISIONS
 
 
 class ConfigError(ValueError):

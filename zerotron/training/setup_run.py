@@ -16,14 +16,13 @@ import torch
 from zerotron.parallel import Grid, ParallelDims
 from zerotron.parallel import collectives as C
 from zerotron.training.config import ConfigError, RunConfig
-
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "fp64": torch.float64}
+from zerotron.zero.optimizer import DTYPES
 
 
 def model_dtype(precision: str) -> torch.dtype:
-    """The dtype the model is built in: float64 for fp64; else float32, which the ZeRO optimizer
-    keeps as the master weights and casts the parameters of a 16-bit run from."""
-    return torch.float64 if precision == "fp64" else torch.float32
+    """The dtype the model is built in: the master weights' (float64 for fp64, else float32), from
+    which the ZeRO optimizer casts the parameters of a 16-bit run."""
+    return torch.promote_types(DTYPES[precision], torch.float32)
 
 
 @dataclass

@@ -45,7 +45,7 @@ def memory_report(opt) -> dict:
     grads, fixed = opt.reducer.buffer_bytes()
     master, moments = opt.state.state_bytes()
     fixed += opt.state.staging_bytes() + nbytes(opt.gather_in)
-    key = "params" if opt.cfg.precision in ("fp32", "fp64") else "params_16bit"
+    key = "params" if opt.dtype == opt.master_dtype else "params_16bit"
     # hpZ's secondary parameter partition is held model state; ZeRO-Infinity's disk is not
     secondary = opt.gatherer.secondary_bytes() if opt.gatherer is not None else 0
     disk = opt.state.disk_bytes() if hasattr(opt.state, "disk_bytes") else 0

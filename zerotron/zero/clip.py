@@ -37,7 +37,7 @@ def local_sq_norm(shards_and_segments, device: torch.device, dtype: torch.dtype 
         views = [shard[a:b] for a, b in segments]
         if views:
             norms = torch._foreach_norm(views, 2, dtype=dtype)
-            total = total + torch.stack(norms).to(dtype).pow(2).sum()
+            total = total + torch.stack(norms).pow(2).sum()
     return total
 
 

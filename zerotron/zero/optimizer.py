@@ -59,7 +59,7 @@ class ZeroOptimizer(PartitionStateIO):
         self.params = [p for _, p in named]
         self.num_params = sum(p.numel() for p in self.params)
         self.dtype = DTYPES[cfg.precision]
-        self.master_dtype = torch.float64 if cfg.precision == "fp64" else torch.float32
+        self.master_dtype = torch.promote_types(self.dtype, torch.float32)  # 16-bit runs keep fp32 masters
         self.device = self.params[0].device
         dp = grid.dp_group
         shards, rank = (dp.size, dp.rank_of(grid.rank)) if cfg.stage >= 1 else (1, 0)
@@ -69,7 +69,7 @@ class ZeroOptimizer(PartitionStateIO):
         max_shard = max(c.shard for c in self.layout.chunks)
         # fp32 on the device: the parameters are the master weights (no 4-byte copy; K = 8, not 12)
         # (not when the parameters live on disk: the master must then be a separate, authoritative copy)
-        self.master_is_param = (cfg.precision in ("fp32", "fp64") and cfg.optimizer_offload == "none"
+        self.master_is_param = (self.dtype == self.master_dtype and cfg.optimizer_offload == "none"
                                 and cfg.offload_param_device == "none")
         if cfg.optimizer_offload == "nvme":  # ZeRO-Infinity: master + moments in a file
             self.state = NvmeOptimizerState(self.layout.part_numel, cfg.offload_optimizer_nvme_path, grid.rank,
