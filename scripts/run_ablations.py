@@ -31,7 +31,7 @@ import torch
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-from zerotron.model import GPT, GPTConfig, flops_per_iteration
+from zerotron.model import GPTConfig, flops_per_iteration
 from zerotron.testing.launch import spawn
 from zerotron.training.cli import apply_mapping
 from zerotron.training.config import RunConfig
@@ -43,8 +43,8 @@ from zerotron.estimate.ablation_report import ratio, results_table, write_output
 NAMES = ["baseline", "C1", "C2", "C3", "C4", "C5", "stage3"]
 
 
-def ablation_settings(name: str) -> dict:
-    """zero.stage and activation_checkpointing keys of a configuration (C-configs from their YAML)."""
+def ablation_config(name: str) -> RunConfig:
+    """The run config of a configuration: C1-C5 from their YAML, baseline and stage3 spelled here."""
     cfg = RunConfig()
     if name.startswith("C"):
         path = ROOT / "configs" / "zero100b" / "ablations" / f"{name.lower()}.yaml"
@@ -54,6 +54,12 @@ def ablation_settings(name: str) -> dict:
         ac = cfg.activation_checkpointing
         ac.checkpoint_activations = ac.contiguous_memory_optimization = True
         ac.partition_activations = name == "stage3"
+    return cfg
+
+
+def ablation_settings(name: str) -> dict:
+    """zero.stage and the ZeRO-R switches of a configuration, for the memory model and the tables."""
+    cfg = ablation_config(name)
     ac = cfg.activation_checkpointing
     return {"stage": cfg.zero.stage, "pa": ac.partition_activations, "cpu": ac.cpu_checkpointing,
             "md": ac.contiguous_memory_optimization}
@@ -74,17 +80,20 @@ def setup_of(a, name: str, layers: int, tp: int, dp: int) -> Setup:
 # worker side ---------------------------------------------------------------------------------------
 def train_and_measure(grid, a, name: str, layers: int, steps: int) -> dict:
     """Build GPT + ZeroOptimizer + checkpointing from the library, train ``steps`` steps, measure."""
+    from zerotron.parallel import ParallelDims
     from zerotron.parallel import collectives as C
-    from zerotron.zero import ActivationCheckpointConfig, ZeroConfig, ZeroOptimizer, apply_activation_checkpointing
+    from zerotron.training.parallelize import parallelize_gpt
 
-    s = ablation_settings(name)
-    model = GPT(model_cfg(a, layers), grid, seed=1234)
-    zc = ZeroConfig(stage=s["stage"], precision=a.precision, reduce_bucket_size=a.bucket, allgather_bucket_size=a.bucket,
-                    stage3_param_persistence_threshold=0).validate()
-    opt = ZeroOptimizer(model, grid, zc, lr=1e-4, clip_grad=1.0)
-    handle = apply_activation_checkpointing(model, grid, ActivationCheckpointConfig(
-        True, partition_activations=s["pa"] and grid.tp_size > 1, cpu_checkpointing=s["cpu"],
-        contiguous_memory_optimization=s["md"]))
+    cfg = ablation_config(name)
+    cfg.parallel = ParallelDims(tp=grid.tp_size)
+    z, ac, t, o = cfg.zero, cfg.activation_checkpointing, cfg.training, cfg.optimizer
+    z.reduce_bucket_size = z.allgather_bucket_size = a.bucket
+    z.stage3_param_persistence_threshold = 0
+    ac.partition_activations = ac.partition_activations and grid.tp_size > 1  # Pa needs MP ranks (§6.1)
+    t.precision, t.seed, t.micro_batch_size, t.global_batch_size = a.precision, 1234, a.batch, a.batch * grid.dp_size
+    o.lr, o.beta2, o.weight_decay, o.clip_grad = 1e-4, 0.999, 0.0, 1.0
+    plan = parallelize_gpt(cfg.validate(grid.world_size), model_cfg(a, layers), grid)
+    model, opt, handle = plan.model, plan.optimizer, plan.activations
     gen = torch.Generator().manual_seed(1000 * grid.dp_rank + layers)
     times, act = [], {}
     for _ in range(steps):

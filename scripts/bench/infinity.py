@@ -19,7 +19,7 @@ import tempfile
 
 from zerotron.testing.launch import spawn
 from zerotron.testing.zero_runs import train_gpt
-from zerotron.zero.disk_offload import measure_bandwidth
+from zerotron.zero.infinity.disk_store import measure_bandwidth
 
 
 def _run(kw, steps, shape):

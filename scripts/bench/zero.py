@@ -37,16 +37,26 @@ from zerotron.testing.launch import spawn
 
 
 
-def build_model(args, grid):
-    """Pluggable: zerotron's GPT (default) or a self-contained stand-in with the same interface."""
-    if args.model == "gpt":
-        from zerotron.model.config import GPTConfig
-        from zerotron.model.gpt import GPT
+def model_config(args):
+    from zerotron.model.config import GPTConfig
 
-        cfg = GPTConfig(num_layers=args.layers, hidden_size=args.hidden, num_heads=max(1, args.hidden // 64),
-                        vocab_size=args.vocab, seq_length=args.seq)
-        return GPT(cfg, grid, seed=1)
-    raise ValueError(f"--model={args.model!r}: use 'gpt'")
+    return GPTConfig(num_layers=args.layers, hidden_size=args.hidden, num_heads=max(1, args.hidden // 64),
+                     vocab_size=args.vocab, seq_length=args.seq)
+
+
+def build_zerotron(args, grid, zero):
+    """zerotron's model and optimizer the way a run builds them: ``parallelize_gpt`` on a RunConfig."""
+    from zerotron.training.config import RunConfig
+    from zerotron.training.parallelize import parallelize_gpt
+
+    run = RunConfig()
+    run.zero, run.training.precision, run.training.seed = zero, args.precision, 1
+    run.training.micro_batch_size = args.micro_batch
+    run.training.global_batch_size = args.micro_batch * args.micro * grid.dp_size
+    run.optimizer.lr, run.optimizer.beta1, run.optimizer.beta2, run.optimizer.eps = 1e-3, 0.9, 0.95, 1e-8
+    run.optimizer.weight_decay, run.optimizer.clip_grad = 0.1, 1.0
+    plan = parallelize_gpt(run.validate(grid.world_size), model_config(args), grid)
+    return plan.model, plan.optimizer
 
 
 def tensor_bytes(tensors) -> int:
@@ -118,19 +128,22 @@ def worker(args, kind):
     from zerotron.parallel import Grid, ParallelDims
 
     grid = Grid(ParallelDims())
-    model = build_model(args, grid)
-    hyper = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    hyper = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)  # the peers'; build_zerotron's too
+    if not kind.startswith("zerotron"):  # the peers get the same GPT, same seed, as parallelize_gpt builds
+        from zerotron.model.gpt import GPT
+
+        model = GPT(model_config(args), grid, seed=1)
     measured: list[int] = []
     g = torch.Generator().manual_seed(100 + rank)
     data = [torch.randint(0, args.vocab, (args.micro_batch, args.seq + 1), generator=g) for _ in range(args.micro)]
     if kind.startswith("zerotron"):
-        from zerotron.zero import ZeroConfig, ZeroOptimizer
+        from zerotron.zero import ZeroConfig
 
         stage = int(kind.split("+")[0][-1])  # "zerotron-1+ov": that stage with overlap_comm (A/B runs)
         zcfg = ZeroConfig(stage=stage, reduce_bucket_size=args.bucket, allgather_bucket_size=args.bucket,
                           stage3_prefetch_bucket_size=args.bucket, overlap_comm=args.overlap or kind.endswith("+ov"),
-                          stage3_param_persistence_threshold=args.persist, precision=args.precision)
-        opt = ZeroOptimizer(model, grid, zcfg, clip_grad=1.0, **hyper)
+                          stage3_param_persistence_threshold=args.persist)
+        model, opt = build_zerotron(args, grid, zcfg)
 
         def step(probe=False):
             for i, b in enumerate(data):
@@ -241,7 +254,6 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--micro", type=int, default=2, help="micro-batches per step")
     ap.add_argument("--micro-batch", type=int, default=4)
-    ap.add_argument("--model", default="gpt")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--vocab", type=int, default=8192)

@@ -17,12 +17,11 @@ import time
 
 import torch
 
-
 from zerotron.model import GPTConfig
 from zerotron.model.flops import flops_per_iteration, peak_tflops
-from zerotron.model.gpt import GPT
 from zerotron.parallel import Grid, ParallelDims, init_distributed, shutdown
-from zerotron.zero import ActivationCheckpointConfig, ZeroConfig, ZeroOptimizer, apply_activation_checkpointing
+from zerotron.training.config import RunConfig
+from zerotron.training.parallelize import parallelize_gpt
 
 CONFIGS = [  # (name, zero stage, activation checkpointing, Pa+cpu)
     ("stage0", 0, False, False),
@@ -52,13 +51,17 @@ def bandwidth(device: torch.device, mbytes: int) -> dict[str, float]:
 
 
 def run(name, stage, ckpt, offload, cfg, grid, device, args) -> dict:
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = GPT(cfg, grid, dtype=dtype, device=device, seed=1, layout_independent_init=False)
-    apply_activation_checkpointing(model, grid, ActivationCheckpointConfig(
-        checkpoint_activations=ckpt, cpu_checkpointing=offload))
-    precision = "bf16" if dtype == torch.bfloat16 else "fp32"
-    opt = ZeroOptimizer(model, grid, ZeroConfig(stage=stage, precision=precision).validate(), lr=1e-4,
-                        betas=(0.9, 0.95), weight_decay=0.1, clip_grad=1.0)
+    run_cfg = RunConfig()
+    run_cfg.zero.stage = stage
+    run_cfg.activation_checkpointing.checkpoint_activations = ckpt
+    run_cfg.activation_checkpointing.cpu_checkpointing = offload
+    t, o = run_cfg.training, run_cfg.optimizer
+    t.precision, t.seed = ("bf16" if device.type == "cuda" else "fp32"), 1
+    t.micro_batch_size, t.global_batch_size = args.micro_batch, args.micro_batch * grid.dp_size
+    o.lr, o.beta1, o.beta2, o.weight_decay, o.clip_grad = 1e-4, 0.9, 0.95, 0.1, 1.0
+    plan = parallelize_gpt(run_cfg.validate(grid.world_size), cfg, grid, device=device,
+                           layout_independent_init=False)
+    model, opt = plan.model, plan.optimizer
     ids = torch.randint(0, cfg.vocab_size, (args.micro_batch, cfg.seq_length), device=device)
     times = []
     if device.type == "cuda":

@@ -85,9 +85,9 @@ def _measure(layers: int):
     out = {}
     for stage in (0, 1, 2, 3):
         model = GPT(cfg, grid)
-        opt = ZeroOptimizer(model, grid, ZeroConfig(stage=stage, precision="fp16", reduce_bucket_size=4096,
-                                                    allgather_bucket_size=4096,
-                                                    stage3_param_persistence_threshold=0).validate())
+        opt = ZeroOptimizer(model, grid, ZeroConfig(stage=stage, reduce_bucket_size=4096, allgather_bucket_size=4096,
+                                                    stage3_param_persistence_threshold=0).validate(),
+                            precision="fp16")
         ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(grid.dp_rank))
         opt.backward(model(ids, ids))
         opt.step()

@@ -19,7 +19,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from zerotron.model import GPT, GPTConfig, flops_per_iteration, get_preset, peak_tflops, throughput
 from zerotron.parallel import Grid, ParallelDims
-from zerotron.zero import ActivationCheckpointConfig, apply_activation_checkpointing
+from zerotron.activation import ActivationCheckpointConfig, apply_activation_checkpointing
 
 
 def counted_flops(cfg: GPTConfig, batch: int, recompute: bool) -> int:

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from tests.parity import FP64_TP_PP, assert_bitwise, assert_fp32, assert_fp64
 from zerotron.model import GPT, GPTConfig, get_preset
 from zerotron.parallel import Grid, ParallelDims
+from zerotron.parallel.shard_info import shard_info
 
 
 @pytest.fixture(scope="module")
@@ -56,9 +57,10 @@ def test_param_metadata_and_init_statistics(grid):
     cfg = small(num_layers=2, hidden_size=64)
     model = GPT(cfg, grid, seed=3)
     for name, p in model.named_parameters():
-        assert hasattr(p, "tp_split_dim"), name
+        info = shard_info(p, name)  # raises if a parameter was made without one
+        assert info.global_shape == tuple(p.shape) and not info.embedding_copy, name  # tp=1: local is global
         if "ln" in name:
-            assert p.tp_split_dim is None
+            assert info.tp_split_dim is None
             assert torch.all(p == (1.0 if name.endswith("weight") else 0.0)), name
         elif p.ndim == 1:
             assert not p.any(), name
@@ -104,7 +106,9 @@ def test_pipeline_pieces_equal_the_whole_model(grid):
     whole = GPT(cfg, grid, seed=9)
     first = GPT(cfg, grid, seed=9, post_process=False, layer_ids=[0, 1])
     last = GPT(cfg, grid, seed=9, pre_process=False, layer_ids=[2, 3])
-    assert last.word_embedding_copy.is_embedding_copy and last.word_embedding_copy.tp_split_dim == 0
+    copy_info = shard_info(last.word_embedding_copy)
+    assert copy_info.embedding_copy and copy_info.tp_split_dim == 0
+    assert not shard_info(first.embedding.word.weight).embedding_copy
     assert_bitwise(last.word_embedding_copy.detach(), whole.embedding.word.weight.detach(), "embedding copy")
     assert torch.equal(first.blocks[1].mlp.fc1.weight, whole.blocks[1].mlp.fc1.weight)
     assert torch.equal(last.blocks[0].attn.qkv.weight, whole.blocks[2].attn.qkv.weight)

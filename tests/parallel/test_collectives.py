@@ -96,6 +96,11 @@ def check_collectives(dtype_name):
     sent = n * (1 + (rank % 2 == 0))
     assert s.get("send", "world").elements == sent and s.get("send", "world").bytes == sent * esize
     assert s.get("recv", "world").elements == n * (1 + (rank % 2 == 1))
+    mark = s.snapshot()
+    C.broadcast(b, src=0, group=world)
+    window = s.since(mark)  # only what ran after the mark; the running totals are untouched
+    assert window.snapshot() == {"broadcast/world": {"calls": 1, "elements": n, "bytes": n * esize}}
+    assert s.get("broadcast", "world").calls == 2
     s.reset()
     assert s.snapshot() == {}
     return True

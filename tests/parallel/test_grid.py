@@ -76,8 +76,8 @@ def try_bad_grid(tp, pp, dp):
 
 
 @pytest.mark.parametrize("tp,pp,dp,needle", [
-    (3, 1, None, "tp*pp=3*1=3"),
-    (2, 4, None, "tp*pp=2*4=8"),
+    (3, 1, None, "parallel.tp*parallel.pp=3*1=3"),
+    (2, 4, None, "parallel.tp*parallel.pp=2*4=8"),
     (2, 1, 3, "dp=2"),
     (0, 1, None, "parallel.tp=0"),
     (1, -2, None, "parallel.pp=-2"),

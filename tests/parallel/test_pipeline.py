@@ -36,6 +36,7 @@ from zerotron.model import GPT, GPTConfig
 from zerotron.model.stages import build_stage, pipeline_step, split_layers
 from zerotron.parallel import Grid, ParallelDims
 from zerotron.parallel.pipeline import microbatches_in_flight
+from zerotron.parallel.shard_info import shard_info
 from zerotron.zero.optimizer import DTYPES
 
 SEED, STEPS, MICRO = 7, 3, 2  # MICRO: sequences per micro-batch per DP rank
@@ -98,8 +99,8 @@ def train_pipeline(cfg, grid, data, schedule, zero_stage=0, layers=None, clip=1.
     model.blocks[-1].ln2.weight.register_post_accumulate_grad_hook(lambda _: events.append("B"))
     calls = [0]
     if recompute == "zerotron":  # ZeRO-R checkpointing with Pa and MD buffers sized for the schedule
-        from zerotron.zero.activation_checkpoint import apply_activation_checkpointing
-        from zerotron.zero.activation_config import ActivationCheckpointConfig
+        from zerotron.activation.checkpoint import apply_activation_checkpointing
+        from zerotron.activation.config import ActivationCheckpointConfig
         ac = ActivationCheckpointConfig(checkpoint_activations=True, partition_activations=True,
                                         contiguous_memory_optimization=True)
         in_flight = microbatches_in_flight(schedule, grid.pp_size, grid.pp_rank, len(data[0]))
@@ -116,17 +117,18 @@ def train_pipeline(cfg, grid, data, schedule, zero_stage=0, layers=None, clip=1.
                                  {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0}],
                                 foreach=False, **HYPER)
     else:
-        opt = ZeroOptimizer(model, grid, ZeroConfig(stage=zero_stage, precision=precision), clip_grad=clip, **HYPER)
+        opt = ZeroOptimizer(model, grid, ZeroConfig(stage=zero_stage), clip_grad=clip, precision=precision,
+                                **HYPER)
     sl = slice(grid.dp_rank * MICRO, (grid.dp_rank + 1) * MICRO)
     losses, states, grads = [], [], None
     for mbs in data:
-        grid.stats.reset()
+        mark = grid.stats.snapshot()
         out = pipeline_step(model, [(x[sl], y[sl]) for x, y in mbs], None if zero_stage is None else opt,
                             schedule=schedule)
         m = len(mbs)
         assert events == expected_order(schedule, grid, m), (schedule, events)
         events.clear()
-        sends = grid.stats.get("send", "pp").calls
+        sends = grid.stats.since(mark).get("send", "pp").calls
         assert sends == m * ((not grid.is_last_stage) + (not grid.is_first_stage)), sends
         if grads is None and zero_stage in (0, None):  # the whole reduced gradient is in .grad
             grads = {model.global_name(n): p.grad.detach().clone() for n, p in model.named_parameters()}
@@ -152,7 +154,8 @@ def expected_order(schedule, grid, m):
 def local(model, grid, state, name, p):
     """This rank's slice of the full reference tensor of parameter ``name``."""
     full = state[model.global_name(name)]
-    return full if p.tp_split_dim is None else full.chunk(grid.tp_size, dim=p.tp_split_dim)[grid.tp_rank]
+    dim = shard_info(p, name).tp_split_dim
+    return full if dim is None else full.chunk(grid.tp_size, dim=dim)[grid.tp_rank]
 
 
 def compare_fp64(model, grid, run, truth, what):

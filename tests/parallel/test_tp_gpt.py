@@ -30,6 +30,7 @@ from tests.harness import spawn
 from tests.parity import FP64_TP_PP, assert_bitwise, assert_fp32, assert_fp64
 from zerotron.model import GPT, GPTConfig
 from zerotron.parallel import Grid, ParallelDims
+from zerotron.parallel.shard_info import shard_info
 
 
 class RefBlock(nn.Module):
@@ -120,7 +121,7 @@ def ref_tensors(ref, cfg, tp, attr):
     return out
 
 
-# Sharding plan written independently of the code under test (not read from tp_split_dim).
+# Sharding plan written independently of the code under test (not read from its ShardInfo).
 SPLIT = {"embedding.word.weight": 0, "attn.qkv.weight": 0, "attn.qkv.bias": 0, "mlp.fc1.weight": 0,
          "mlp.fc1.bias": 0, "attn.proj.weight": 1, "mlp.fc2.weight": 1}
 
@@ -147,7 +148,7 @@ def run_tp(cfg, grid, dtype, weights, ids, labels):
     model = GPT(cfg, grid, dtype=dtype, seed=7)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            assert p.tp_split_dim == split_of(name), name  # the metadata checkpoints/ZeRO rely on
+            assert shard_info(p, name).tp_split_dim == split_of(name), name  # what checkpoints/ZeRO rely on
             p.copy_(shard(weights[name], split_of(name), tp, rank))
         local = model(ids)
         gathered = [torch.empty_like(local) for _ in range(tp)]
@@ -155,11 +156,11 @@ def run_tp(cfg, grid, dtype, weights, ids, labels):
         logits = torch.cat(gathered, dim=-1)
     assert (logits[..., cfg.vocab_size:] < -1e30).all()  # padding never wins
 
-    grid.stats.reset()
+    mark = grid.stats.snapshot()
     loss = model(ids, labels)
-    fwd = copy.copy(grid.stats.get("all_reduce", "tp"))  # get() returns the live counter
+    fwd = grid.stats.since(mark).get("all_reduce", "tp")
     loss.backward()
-    bwd = copy.copy(grid.stats.get("all_reduce", "tp"))
+    bwd = grid.stats.since(mark).get("all_reduce", "tp")
     out = {"logits": logits[..., : cfg.vocab_size], "loss": loss.detach()}
     out.update((name, p.grad) for name, p in model.named_parameters())
     return out, fwd, bwd, model
@@ -194,12 +195,12 @@ def check_tp_equals_reference(tp):
 
     # One block alone: exactly 2 TP all-reduces forward and 2 backward.
     x = torch.randn(2, cfg.seq_length, cfg.hidden_size, requires_grad=True)
-    grid.stats.reset()
+    mark = grid.stats.snapshot()
     y = model.blocks[0](x)
-    assert grid.stats.get("all_reduce", "tp").calls == 2
+    assert grid.stats.since(mark).get("all_reduce", "tp").calls == 2
     y.sum().backward()
-    assert grid.stats.get("all_reduce", "tp").calls == 4
-    assert grid.stats.total(op="all_gather").calls == 0  # no logits gathered anywhere in the model
+    assert grid.stats.since(mark).get("all_reduce", "tp").calls == 4
+    assert grid.stats.since(mark).total(op="all_gather").calls == 0  # no logits gathered anywhere in the model
     return True
 
 
@@ -246,12 +247,13 @@ def check_dropout_and_layouts():
     t2 = GPT(cfg_no_attn, grid2, seed=21)
     t1 = GPT(cfg_no_attn, grid1, seed=21)
     for (name, p2), (_, p1) in zip(t2.named_parameters(), t1.named_parameters()):
-        if p2.tp_split_dim is None:
+        dim = shard_info(p2, name).tp_split_dim
+        if dim is None:
             assert_bitwise(p2.detach(), p1.detach(), name)
             continue
         parts = [torch.empty_like(p2) for _ in range(2)]
         dist.all_gather(parts, p2.detach().contiguous(), group=grid2.tp_group.pg)
-        full = torch.cat(parts, dim=p2.tp_split_dim)
+        full = torch.cat(parts, dim=dim)
         if name == "embedding.word.weight":  # padding depends on tp; it is zero, the real rows match
             assert not full[cfg.vocab_size:].any() and not p1[cfg.vocab_size:].any()
             full, p1 = full[: cfg.vocab_size], p1[: cfg.vocab_size]

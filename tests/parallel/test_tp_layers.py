@@ -26,6 +26,7 @@ from tests.parity import FP64_TP_PP, assert_bitwise, assert_fp32, assert_fp64
 from zerotron.parallel import Grid, ParallelDims
 from zerotron.parallel.cross_entropy import vocab_parallel_cross_entropy
 from zerotron.parallel.rng import TPRNG
+from zerotron.parallel.shard_info import shard_info
 from zerotron.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from zerotron.parallel.tp_mappings import (
     copy_to_tp_region, gather_from_tp_region, reduce_from_tp_region, scatter_to_tp_region)
@@ -76,15 +77,15 @@ def check_cross_entropy(tp, vocab):
             what = f"tp={tp} vocab={vocab} {kind} logits {dtype}"
             mine = full.to(dtype).chunk(tp, dim=-1)[rank]
             local = mine.clone().requires_grad_(True)
-            grid.stats.reset()
+            mark = grid.stats.snapshot()
             loss = vocab_parallel_cross_entropy(local, target, grid.tp_group, rank * per_rank, vocab)
-            ar = grid.stats.get("all_reduce", "tp")
+            ar = grid.stats.since(mark).get("all_reduce", "tp")
             assert (ar.calls, ar.elements) == (3, 3 * 2 * 15), ar  # max, target logit, Σexp: b×s each
-            assert grid.stats.total(op="all_gather").calls == 0
+            assert grid.stats.since(mark).total(op="all_gather").calls == 0
             assert loss.dtype == dtype, what  # float64 stays float64, fp32 and below give fp32
             compare(loss.detach(), truth[0], torch32[0], f"{what}: loss")
             (loss * weights.to(dtype)).sum().backward()
-            assert grid.stats.get("all_reduce", "tp").calls == 3  # backward is local
+            assert grid.stats.since(mark).get("all_reduce", "tp").calls == 3  # backward is local
             compare(gather(local.grad, -1, grid.tp_group), truth[1], torch32[1], f"{what}: grad")
             assert not local.grad[..., padding].any(), what  # padding: probability and gradient exactly 0
             assert_bitwise(local.detach(), mine, f"{what}: caller's logits untouched")
@@ -130,7 +131,7 @@ def check_linears(grid, g):
         row = RowParallelLinear(ffn, h, grid, dtype=dtype)
         col_g = ColumnParallelLinear(h, ffn, grid, gather_output=True, dtype=dtype)
         row_s = RowParallelLinear(ffn, h, grid, input_is_parallel=False, dtype=dtype)
-        splits = (col.weight.tp_split_dim, col.bias.tp_split_dim, row.weight.tp_split_dim, row.bias.tp_split_dim)
+        splits = tuple(shard_info(p).tp_split_dim for p in (col.weight, col.bias, row.weight, row.bias))
         assert splits == (0, 0, 1, None)
         with torch.no_grad():
             for c, r in ((col, row), (col_g, row_s)):

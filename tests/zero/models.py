@@ -6,6 +6,10 @@ of blocks with LayerNorm (ndim < 2: no weight decay) and biases, and a mean cros
 ``TPTinyLM`` splits each block's MLP Megatron-style over ``grid.tp_group`` (column-parallel fc1,
 row-parallel fc2, the f/g operators written with zerotron.parallel.collectives) and is built by
 slicing a ``TinyLM``, so the single-process reference is the unsplit model.
+
+Both give every parameter a ``ShardInfo`` (``zerotron.parallel.shard_info``), which the ZeRO
+optimizer's gradient norm and checkpoints require: ``TinyLM`` is all TP-replicated, ``TPTinyLM``
+marks its MLP slices as split.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from zerotron.parallel import collectives as C
+from zerotron.parallel.shard_info import ShardInfo, mark_replicated, set_shard_info
 
 
 class Block(nn.Module):
@@ -39,6 +44,7 @@ class TinyLM(nn.Module):
         self.head = nn.Linear(d, vocab, bias=False)
         if tie:
             self.head.weight = self.embed.weight
+        mark_replicated(self)
 
     def forward(self, x, labels):
         h = self.embed(x) + self.pos[: x.shape[1]]
@@ -79,13 +85,14 @@ class TPBlock(nn.Module):
         super().__init__()
         tp, r = grid.tp_size, grid.tp_rank
         self.group = grid.tp_group
-        self.ln = full.ln  # replicated: tp_split_dim stays unset
+        self.ln = full.ln  # replicated
         n = full.fc1.out_features // tp
         self.w1 = nn.Parameter(full.fc1.weight.detach()[r * n:(r + 1) * n].clone())
         self.b1 = nn.Parameter(full.fc1.bias.detach()[r * n:(r + 1) * n].clone())
         self.w2 = nn.Parameter(full.fc2.weight.detach()[:, r * n:(r + 1) * n].clone())
         self.b2 = nn.Parameter(full.fc2.bias.detach().clone())  # replicated, added after g
-        self.w1.tp_split_dim, self.b1.tp_split_dim, self.w2.tp_split_dim = 0, 0, 1
+        for p, dim in ((self.w1, 0), (self.b1, 0), (self.w2, 1)):
+            set_shard_info(p, ShardInfo.from_local(p.shape, dim, tp))
 
     def forward(self, x):
         h = _CopyToTP.apply(self.ln(x), self.group)
@@ -100,6 +107,7 @@ class TPTinyLM(nn.Module):
         full = copy.deepcopy(full)
         self.embed, self.pos, self.ln_f, self.head = full.embed, full.pos, full.ln_f, full.head
         self.blocks = nn.ModuleList(TPBlock(b, grid) for b in full.blocks)
+        mark_replicated(self)  # deepcopy drops ShardInfo: everything but the MLP slices is replicated
 
     forward = TinyLM.forward
 

@@ -17,9 +17,9 @@ BUCKET = 4096
 def _opt(model, grid, stage, **extra):
     from zerotron.zero import ZeroConfig, ZeroOptimizer
 
-    cfg = ZeroConfig(stage=stage, precision="bf16", reduce_bucket_size=BUCKET, allgather_bucket_size=BUCKET,
+    cfg = ZeroConfig(stage=stage, reduce_bucket_size=BUCKET, allgather_bucket_size=BUCKET,
                      stage3_param_persistence_threshold=0, **extra)
-    return ZeroOptimizer(model, grid, cfg, clip_grad=1.0, **HYPER)
+    return ZeroOptimizer(model, grid, cfg, clip_grad=1.0, precision="bf16", **HYPER)
 
 
 def check_memory_and_comm():

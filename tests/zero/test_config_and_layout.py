@@ -6,17 +6,31 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zerotron.zero import DynamicLossScaler, ZeroConfig
+from zerotron.zero.config import precision_from_deepspeed
+from zerotron.zero.loss_scaler import make_loss_scaler
 from zerotron.zero.partition import Layout
 
 
 @pytest.mark.parametrize("key,value", [
-    ("stage", 4), ("precision", "fp8"), ("reduce_bucket_size", 0), ("allgather_bucket_size", -5),
-    ("stage3_param_persistence_threshold", -1), ("overlap_comm", "yes"), ("hysteresis", 0),
-    ("min_loss_scale", 0.0), ("loss_scale_window", 1.5),
+    ("stage", 4), ("reduce_bucket_size", 0), ("allgather_bucket_size", -5),
+    ("stage3_param_persistence_threshold", -1), ("overlap_comm", "yes"),
 ])
 def test_validation_names_the_key(key, value):
     with pytest.raises(ValueError, match=f"zero.{key}="):
         ZeroConfig(**{key: value}).validate()
+
+
+@pytest.mark.parametrize("key,value", [("hysteresis", 0), ("min_loss_scale", 0.0), ("loss_scale_window", 1.5)])
+def test_loss_scaling_validation_names_the_key(key, value):
+    with pytest.raises(ValueError, match=f"{key}="):
+        make_loss_scaler("fp16", **{key: value})
+
+
+def test_precision_is_checked_against_the_config():
+    with pytest.raises(ValueError, match="precision='fp8'"):
+        ZeroConfig().validate(precision="fp8")
+    with pytest.raises(ValueError, match="zero.zero_quantized_weights=True"):
+        ZeroConfig(stage=3, zero_quantized_weights=True).validate(precision="fp64")
 
 
 def test_offload_needs_a_partitioned_stage():
@@ -32,12 +46,16 @@ def test_from_deepspeed_maps_keys():
           "fp16": {"enabled": True, "initial_scale_power": 12, "loss_scale_window": 500, "hysteresis": 3,
                    "min_loss_scale": 2}}
     cfg = ZeroConfig.from_deepspeed(ds)
-    assert (cfg.stage, cfg.precision, cfg.overlap_comm, cfg.offload_optimizer) == (3, "fp16", True, True)
+    assert (cfg.stage, cfg.overlap_comm, cfg.offload_optimizer) == (3, True, True)
     assert (cfg.reduce_bucket_size, cfg.allgather_bucket_size, cfg.stage3_prefetch_bucket_size) == (50_000_000, 200_000_000, 10_000_000)
     assert cfg.stage3_param_persistence_threshold == 10_000
-    assert (cfg.initial_loss_scale, cfg.loss_scale_window, cfg.hysteresis, cfg.min_loss_scale) == (4096.0, 500, 3, 2)
+    assert precision_from_deepspeed(ds) == {"precision": "fp16", "initial_loss_scale": 4096.0,
+                                            "loss_scale_window": 500, "hysteresis": 3, "min_loss_scale": 2}
     assert ZeroConfig.from_deepspeed({"stage": 1}).overlap_comm is False
-    assert ZeroConfig.from_deepspeed({"stage": 2, "overlap_comm": True}, precision="bf16").precision == "bf16"
+    assert ZeroConfig.from_deepspeed({"stage": 2}, overlap_comm=True).overlap_comm is True
+    assert precision_from_deepspeed({"bf16": {"enabled": True}, "fp16": {"enabled": False}}) == {"precision": "bf16"}
+    with pytest.raises(ValueError, match="enable one of them"):
+        precision_from_deepspeed({"bf16": {"enabled": True}, "fp16": {"enabled": True}})
 
 
 @pytest.mark.parametrize("ds,match", [

@@ -5,7 +5,7 @@ import threading
 import pytest
 import torch
 
-from zerotron.zero.disk_offload import DiskTensorStore, measure_bandwidth
+from zerotron.zero.infinity.disk_store import DiskTensorStore, measure_bandwidth
 
 
 def test_tiles_read_ahead_and_write_behind_round_trip(tmp_path):

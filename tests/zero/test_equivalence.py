@@ -33,10 +33,10 @@ VARIANTS = [
 ]
 
 
-def make_cfg(stage, precision="fp32", **extra):
+def make_cfg(stage, **extra):
     from zerotron.zero import ZeroConfig
 
-    kw = dict(stage=stage, precision=precision, reduce_bucket_size=300, allgather_bucket_size=300,
+    kw = dict(stage=stage, reduce_bucket_size=300, allgather_bucket_size=300,
               stage3_param_persistence_threshold=20, stage3_prefetch_bucket_size=2000)
     kw.update(extra)
     return ZeroConfig(**kw)
@@ -50,7 +50,7 @@ def run_variants(grid, tp, variants, precision, data):
     for stage, extra in variants:
         model = TinyLM().to(dtype)
         model = model if tp == 1 else TPTinyLM(model, grid)
-        opt = ZeroOptimizer(model, grid, make_cfg(stage, precision, **extra), clip_grad=1.0, **HYPER)
+        opt = ZeroOptimizer(model, grid, make_cfg(stage, **extra), clip_grad=1.0, precision=precision, **HYPER)
         infos, _ = zero_train(model, opt, data, grid.dp_rank)
         assert not any(i["skipped"] for i in infos)
         final = dict(opt.full_params())

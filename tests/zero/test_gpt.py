@@ -22,6 +22,7 @@ import torch
 from tests.harness import spawn
 from tests.parity import FP64_TP_PP, assert_fp32, assert_fp64
 from tests.zero.common import HYPER
+from zerotron.parallel.shard_info import shard_info
 from zerotron.zero.optimizer import DTYPES
 
 STEPS, MICRO = 4, 2
@@ -64,9 +65,9 @@ def train(cfg, grid, data, stage, precision):
     from zerotron.zero import ZeroConfig, ZeroOptimizer
 
     model = GPT(cfg, grid, seed=11, dtype=DTYPES[precision])
-    zcfg = ZeroConfig(stage=stage, precision=precision, reduce_bucket_size=2000, allgather_bucket_size=2000,
+    zcfg = ZeroConfig(stage=stage, reduce_bucket_size=2000, allgather_bucket_size=2000,
                       stage3_param_persistence_threshold=64, stage3_prefetch_bucket_size=10_000)
-    opt = ZeroOptimizer(model, grid, zcfg, clip_grad=1.0, **HYPER)
+    opt = ZeroOptimizer(model, grid, zcfg, clip_grad=1.0, precision=precision, **HYPER)
     losses, grads = [], None
     for mbs in data:
         total = 0.0
@@ -93,7 +94,8 @@ def check_gpt_stages_equal_reference():
     (truth, truth_grads), (_, torch32_grads) = reference(cfg, data, "fp64"), reference(cfg, data[:1], "fp32")
 
     def local(full, p):
-        return full if p.tp_split_dim is None else full.chunk(grid.tp_size, dim=p.tp_split_dim)[grid.tp_rank]
+        dim = shard_info(p).tp_split_dim
+        return full if dim is None else full.chunk(grid.tp_size, dim=dim)[grid.tp_rank]
 
     for stage in (0, 1, 2, 3):
         model, final, losses, _ = train(cfg, grid, data, stage, "fp64")

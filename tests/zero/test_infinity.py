@@ -28,7 +28,7 @@ def _nvme(path, **kw):
 
 
 def check_nvme_equals_stage3(path):
-    from zerotron.zero.nvme_optimizer import expected_infinity_bytes
+    from zerotron.zero.infinity.disk_optimizer_state import expected_infinity_bytes
 
     base = train_gpt(dict(stage=3), 5, want_params=True)
     disk = train_gpt(_nvme(path), 5, want_params=True)
@@ -113,7 +113,6 @@ def test_config_errors_name_the_key(zero, match):
 
 def test_deepspeed_nested_offload_dict(tmp_path):
     from zerotron.training.cli import parse_config
-    from zerotron.training.setup_run import zero_config
     from zerotron.zero import ZeroConfig
 
     zero = {"stage": 3, "sub_group_size": 1e6, "zero_hpz_partition_size": 2, "zero_quantized_weights": True,
@@ -126,17 +125,17 @@ def test_deepspeed_nested_offload_dict(tmp_path):
     ds.write_text(json.dumps({"zero_optimization": zero}))
     run = parse_config(["--deepspeed-config", str(ds)])
     z = run.zero
-    assert (z.offload_optimizer, z.offload_optimizer_device, z.nvme_path, z.buffer_count) == (True, "nvme", str(tmp_path), 5)
+    assert (z.offload_optimizer, z.offload_optimizer_device, z.offload_optimizer_nvme_path,
+            z.offload_optimizer_buffer_count) == (True, "nvme", str(tmp_path), 5)
     assert (z.sub_group_size, z.zero_hpz_partition_size, z.zero_quantized_weights) == (1_000_000, 2, True)
     run.training.global_batch_size = 32
-    run.validate(4)
-    zc = zero_config(run)
+    zc = run.validate(4).zero
     assert zc.optimizer_offload == "nvme" and zc.zero_hpz_partition_size == 2
     run.zero.zero_hpz_partition_size = 3
     with pytest.raises(ValueError, match="zero.zero_hpz_partition_size=3"):
-        zero_config(run)
+        run.validate(4)
     old = parse_config(["--zero-stage", "2", "--offload-optimizer"])  # the boolean spelling still works
-    assert zero_config(old.validate(1)).optimizer_offload == "cpu"
+    assert old.validate(1).zero.optimizer_offload == "cpu"
     ds.write_text(json.dumps({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}))
     with pytest.raises(ValueError, match="offload_param"):
         parse_config(["--deepspeed-config", str(ds)])
@@ -146,11 +145,11 @@ def test_deepspeed_nested_offload_dict(tmp_path):
     z = run.zero
     assert (z.offload_param_device, z.offload_param_nvme_path, z.offload_param_buffer_count) == ("nvme", str(tmp_path), 3)
     run.training.global_batch_size = 32
-    zc = zero_config(run.validate(4))
+    zc = run.validate(4).zero
     assert (zc.offload_param_device, zc.offload_param_nvme_path, zc.offload_param_buffer_count) == ("nvme", str(tmp_path), 3)
     run.zero.offload_param_nvme_path = None
     with pytest.raises(ValueError, match="zero.offload_param_nvme_path"):
-        zero_config(run)
+        run.validate(4)
 
 
 # --- offload_param: the stage-3 parameter partition on disk -----------------------------------------
@@ -160,8 +159,8 @@ def _params_on_disk(path, **kw):
 
 
 def check_params_on_disk_equal_stage3(path, prefetch):
-    from zerotron.zero.nvme_optimizer import expected_infinity_bytes
-    from zerotron.zero.nvme_params import expected_param_offload_bytes
+    from zerotron.zero.infinity.disk_optimizer_state import expected_infinity_bytes
+    from zerotron.zero.infinity.disk_params import expected_param_offload_bytes
 
     steps = 5
     base = train_gpt(dict(stage=3, stage3_prefetch_bucket_size=prefetch), steps, want_params=True)

@@ -51,7 +51,7 @@ def _no_sync_train(grid, stage, precision, data):
 
     sl = slice(grid.dp_rank * 2, grid.dp_rank * 2 + 2)
     model = TinyLM().to(torch.float64 if precision == "fp64" else torch.float32)
-    opt = ZeroOptimizer(model, grid, make_cfg(stage, precision), clip_grad=1.0, **HYPER)
+    opt = ZeroOptimizer(model, grid, make_cfg(stage), clip_grad=1.0, precision=precision, **HYPER)
     pieces = None
     for mbs in data:
         with opt.no_sync():
@@ -86,7 +86,7 @@ def check_pipeline_mode_and_resharding(tmp):
 
     # save after 2 steps with stage 1 ...
     model = TinyLM().double()
-    opt = ZeroOptimizer(model, grid, make_cfg(1, "fp64"), clip_grad=1.0, **HYPER)
+    opt = ZeroOptimizer(model, grid, make_cfg(1), clip_grad=1.0, precision="fp64", **HYPER)
     zero_train(model, opt, data[:2], rank)
     state = opt.partition_state()
     torch.save({"index": opt.partition_index(), "state": {k: state[k] for k in ("master", "exp_avg", "exp_avg_sq")},
@@ -101,8 +101,8 @@ def check_pipeline_mode_and_resharding(tmp):
                 buf = full.setdefault((name, key), torch.full((truth[name].numel(),), float("nan"), dtype=t.dtype))
                 buf[start:end] = t[off:off + end - start]
     model = TinyLM().double()
-    opt = ZeroOptimizer(model, grid, make_cfg(3, "fp64", reduce_bucket_size=500, allgather_bucket_size=700),
-                        clip_grad=1.0, **HYPER)
+    opt = ZeroOptimizer(model, grid, make_cfg(3, reduce_bucket_size=500, allgather_bucket_size=700),
+                        clip_grad=1.0, precision="fp64", **HYPER)
     opt.load_partition_state(lambda name, key, start, end: full[(name, key)][start:end],
                              step=saved[0]["step"], loss_scaler=saved[0]["scaler"])
     assert all(not torch.isnan(v).any() for v in full.values())

@@ -17,6 +17,7 @@ def check_fp16_overflow_skips_everywhere():
 
     from zerotron.parallel import Grid, ParallelDims
     from zerotron.zero import ZeroConfig, ZeroOptimizer
+    from zerotron.zero.loss_scaler import make_loss_scaler
 
     grid = Grid(ParallelDims())
     rank = dist.get_rank()
@@ -27,10 +28,11 @@ def check_fp16_overflow_skips_everywhere():
 
     for stage in (0, 1, 2, 3):
         model = TinyLM()
-        cfg = ZeroConfig(stage=stage, precision="fp16", initial_loss_scale=2.0 ** 10, loss_scale_window=2,
-                         hysteresis=1, min_loss_scale=1.0, reduce_bucket_size=500, allgather_bucket_size=500,
+        cfg = ZeroConfig(stage=stage, reduce_bucket_size=500, allgather_bucket_size=500,
                          stage3_param_persistence_threshold=0)
-        opt = ZeroOptimizer(model, grid, cfg, clip_grad=1.0, **HYPER)
+        scaler = make_loss_scaler("fp16", initial_loss_scale=2.0 ** 10, loss_scale_window=2, hysteresis=1,
+                                  min_loss_scale=1.0)
+        opt = ZeroOptimizer(model, grid, cfg, clip_grad=1.0, precision="fp16", loss_scaler=scaler, **HYPER)
         assert all(p.dtype == torch.float16 for p in model.parameters() if p.numel())
         before = {}
         infos = []
@@ -62,7 +64,7 @@ def check_bf16_loss_falls():
     data = batches(1, 1, grid.dp_size) * 12  # the same batch: the loss must fall
     for stage in (2, 3):
         model = TinyLM()
-        opt = ZeroOptimizer(model, grid, ZeroConfig(stage=stage, precision="bf16"), clip_grad=1.0, **HYPER)
+        opt = ZeroOptimizer(model, grid, ZeroConfig(stage=stage), clip_grad=1.0, precision="bf16", **HYPER)
         assert all(p.dtype == torch.bfloat16 for p in model.parameters() if p.numel())
         assert opt.state.master.dtype == torch.float32 and opt.state.exp_avg.dtype == torch.float32
         infos, losses = zero_train(model, opt, data, grid.dp_rank)

@@ -6,8 +6,8 @@ import torch
 from tests.harness import spawn
 from zerotron.parallel import Grid, ParallelDims
 from zerotron.parallel import collectives as C
-from zerotron.zero.quantize import dequantize, quantize, wire_bytes
-from zerotron.zero.quantized_comm import quantized_all_gather, quantized_reduce_scatter
+from zerotron.zero.zeropp.quantize import dequantize, quantize, wire_bytes
+from zerotron.zero.zeropp.quantized_comm import quantized_all_gather, quantized_reduce_scatter
 
 WORLD, N, BLOCK = 8, 4096, 256
 

@@ -21,13 +21,13 @@ s the sequence, h the hidden size, L the layers:
 * **fixed buffers** (CB, §6.2): zerotron's reduce buckets, the DP shard buffers, the fp32
   staging shard, the all-gather input and (with Pa) the one-checkpoint all-gather target. They
   depend on the bucket size, not on the model (``fixed_buffer_bytes`` mirrors
-  ``zero/grad_reduce.py``, ``zero/offload.py`` and ``zero/optimizer.py``).
+  ``zero/grad_reduce.py``, ``zero/optimizer_state.py`` and ``zero/optimizer.py``).
 * **fragmentation margin** (§3.2, §6.3): the paper reports OOM with over 30% of memory free
   when long- and short-lived tensors interleave; MD (contiguous checkpoints and gradients)
   removes most of it. The default margin is therefore 10% of the device with MD, 30% without.
 
 On a CPU run the interpreter dominates RSS, so the figures compared there are the *accounted*
-bytes: model states + device checkpoints + fixed buffers (``accounted_bytes``).
+bytes: model states + device checkpoints + fixed buffers (``estimate(...)["accounted"]``).
 """
 
 from __future__ import annotations
@@ -184,11 +184,6 @@ def estimate(setup: Setup) -> dict:
         "accounted": states + ckpt["device"] + fixed + pa_gather,
         "total": used / (1 - setup.margin),
     }
-
-
-def accounted_bytes(setup: Setup) -> float:
-    """What a CPU run can measure exactly: model states + device checkpoints + fixed buffers."""
-    return estimate(setup)["accounted"]
 
 
 def fits(setup: Setup, device_bytes: float, accounted_only: bool = False) -> bool:

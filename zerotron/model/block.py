@@ -26,6 +26,7 @@ from torch import nn
 from zerotron.model.config import GPTConfig
 from zerotron.parallel.grid import Grid
 from zerotron.parallel.rng import TPRNG
+from zerotron.parallel.shard_info import ShardInfo, set_shard_info
 from zerotron.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 try:  # NVIDIA apex's fused kernel, only when it is importable (never pip-installed: see DEVELOPERS.md)
@@ -42,7 +43,7 @@ def make_layernorm(hidden: int, eps: float, dtype, device) -> nn.Module:
     else:
         ln = nn.LayerNorm(hidden, eps=eps, dtype=dtype, device=device)
     for p in ln.parameters():
-        p.tp_split_dim = None
+        set_shard_info(p, ShardInfo(None, tuple(p.shape)))
     return ln
 
 

@@ -1,7 +1,7 @@
 """Model FLOPs per iteration and the peak a device could reach, for TFLOP/s and MFU reporting.
 
-Formulas from Narayanan et al. 2021 ([N21] §5.1, Appendix) as restated in
-``shared/reference/zero_paper.md`` §5 (B batch, s sequence, l layers, h hidden, V vocab):
+Formulas from Narayanan et al. 2021 (arXiv 2104.04473, §5.1 and Appendix; B batch, s sequence,
+l layers, h hidden, V vocab):
 
 * a layer's forward costs 24·B·s·h² + 4·B·s²·h; backward twice that; the logit GEMM 2·B·s·h·V
   forward (6·B·s·h·V with backward, never recomputed);

@@ -39,7 +39,7 @@ class Embedding(nn.Module):
         self.max_positions = cfg.max_positions
         self.word = VocabParallelEmbedding(cfg.padded_vocab_size(grid.tp_size), cfg.hidden_size, grid,
                                            dtype=dtype, device=device)
-        self.position = tp_param((cfg.max_positions, cfg.hidden_size), None, dtype, device)
+        self.position = tp_param((cfg.max_positions, cfg.hidden_size), None, grid.tp_size, dtype, device)
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -58,16 +58,15 @@ class GPT(nn.Module):
 
     ``pre_process`` / ``post_process`` / ``layer_ids`` select the pieces a pipeline stage holds
     (default: the whole model). A post-process stage without the embedding keeps its own copy of
-    the word embedding (``is_embedding_copy = True``), initialised identically; keeping the two
-    copies equal during training (all-reducing their gradients over ``grid.embedding_group``) is
-    the pipeline's job. ``seed`` drives initialisation and, unless ``seed_rng=False``, seeds
-    ``self.rng`` (Megatron's two dropout streams, which also resets torch's default generator).
+    the word embedding (its ``ShardInfo.embedding_copy`` set), initialised identically; keeping the
+    two copies equal during training (all-reducing their gradients over ``grid.embedding_group``)
+    is the pipeline's job. ``seed`` drives initialisation and seeds ``self.rng`` (Megatron's two
+    dropout streams, which also resets torch's default generator).
     """
 
     def __init__(self, config: GPTConfig, grid: Grid, dtype: torch.dtype = torch.float32, device=None,
                  seed: int = 1234, pre_process: bool = True, post_process: bool = True,
-                 layer_ids: list[int] | None = None, layout_independent_init: bool = True,
-                 seed_rng: bool = True):
+                 layer_ids: list[int] | None = None, layout_independent_init: bool = True):
         super().__init__()
         config.validate(grid.tp_size)
         if dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
@@ -84,21 +83,19 @@ class GPT(nn.Module):
         self.padded_vocab_size = config.padded_vocab_size(grid.tp_size)
         self.vocab_start = grid.tp_rank * (self.padded_vocab_size // grid.tp_size)
         self.rng = TPRNG()
-        if seed_rng:
-            self.rng.seed(seed, grid)
+        self.rng.seed(seed, grid)
 
         self.embedding = Embedding(config, grid, dtype, device) if pre_process else None
         self.blocks = nn.ModuleList(TransformerBlock(config, grid, self.rng, i, dtype, device) for i in layer_ids)
         # Replaces the plain block loop when set (activation checkpointing, ZeRO-R Pa/Pa+cpu/MD:
-        # zerotron.zero.activation_checkpoint.apply_activation_checkpointing); called as runner(blocks, x).
+        # zerotron.activation.checkpoint.apply_activation_checkpointing); called as runner(blocks, x).
         self.block_runner = None
         self.final_ln = (make_layernorm(config.hidden_size, config.layernorm_eps, dtype, device)
                          if post_process else None)
         self.word_embedding_copy = None
         if post_process and not pre_process:
-            self.word_embedding_copy = tp_param(
-                (self.padded_vocab_size // grid.tp_size, config.hidden_size), 0, dtype, device)
-            self.word_embedding_copy.is_embedding_copy = True
+            self.word_embedding_copy = tp_param((self.padded_vocab_size // grid.tp_size, config.hidden_size), 0,
+                                                grid.tp_size, dtype, device, embedding_copy=True)
         self.init_weights(seed, layout_independent_init)
 
     # initialisation ----------------------------------------------------------------------------

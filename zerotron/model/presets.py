@@ -1,7 +1,7 @@
 """Named model shapes: ``tiny`` for CPU tests and the demo, and every model of the ZeRO and
 Megatron-LM papers, each with the model-parallel degree (``paper_mp``) the paper ran it at.
 
-Sources (restated in ``shared/reference/zero_paper.md``):
+Sources:
 
 * ``zero-*``: ZeRO-100B rows of [Z] Appendix Table 5 (Figure 2, ZeRO vs Megatron). The 40B and
   60B rows use hidden 6144 from Table 5, not the 4096 printed in Table 4 (12·l·h² only reaches

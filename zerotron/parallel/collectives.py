@@ -50,9 +50,6 @@ class Handle:
             self._done = True
         return self._result
 
-    def is_completed(self) -> bool:
-        return self._done or (self._work is None or self._work.is_completed())
-
 
 def _explain(op: str, group: Group | None, exc: RuntimeError) -> RuntimeError:
     """Turn a backend error (peer died, timeout) into one that names the responsible rank."""

@@ -33,7 +33,10 @@ class OpCount:
 
 
 class CommStats:
-    """Accumulates counts per ``(op, group_name)``; read with ``snapshot()``, clear with ``reset()``."""
+    """Accumulates counts per ``(op, group_name)``; read a window with ``since(snapshot())``.
+
+    The grid's counters are shared by the optimizer, the trainer and the tests, so they are
+    only ever differenced; ``reset()`` is for a ``CommStats`` its caller owns alone."""
 
     def __init__(self) -> None:
         self._counts: dict[tuple[str, str], OpCount] = defaultdict(OpCount)
@@ -68,6 +71,18 @@ class CommStats:
         for (_, g), c in self._counts.items():
             out[g] += c.bytes
         return dict(out)
+
+    def since(self, mark: dict[str, dict[str, int]]) -> "CommStats":
+        """The counts recorded after ``mark`` (an earlier ``snapshot()``). Readers measure their own
+        window this way, so no reader clears counters another one is differencing."""
+        out = CommStats()
+        for key, now in self.snapshot().items():
+            before = mark.get(key, {})
+            delta = {k: v - before.get(k, 0) for k, v in now.items()}
+            if delta["calls"]:
+                op, group_name = key.split("/", 1)
+                out._counts[(op, group_name)] = OpCount(**delta)
+        return out
 
     def reset(self) -> None:
         self._counts.clear()

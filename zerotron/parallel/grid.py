@@ -15,6 +15,7 @@ group globals.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
@@ -23,13 +24,17 @@ from zerotron.parallel.comm_stats import CommStats
 from zerotron.parallel.health import Health
 
 
-@dataclass(frozen=True)
+@dataclass
 class ParallelDims:
-    """Sizes of the three parallel axes; ``dp=None`` (or -1) means "whatever the world leaves"."""
+    """Sizes of the three parallel axes; ``dp=None`` (or -1) means "whatever the world leaves".
+
+    ``pipeline_schedule`` ("1f1b" or "afab", see ``parallel.pipeline``) travels with the sizes: it
+    is part of the same plan (it sets how many micro-batches a stage holds), not of the grid."""
 
     tp: int = 1
     pp: int = 1
     dp: int | None = None
+    pipeline_schedule: str = "1f1b"
 
     def resolve(self, world_size: int) -> "ParallelDims":
         """Validate the sizes against ``world_size`` and fill in ``dp``; raises before any collective."""
@@ -41,20 +46,15 @@ class ParallelDims:
             raise ValueError(f"world_size={world_size}: must be >= 1")
         mp = self.tp * self.pp
         if world_size % mp:
-            raise ValueError(
-                f"world_size={world_size} is not divisible by tp*pp={self.tp}*{self.pp}={mp}; "
-                f"choose tp and pp whose product divides the number of processes"
-            )
+            raise ValueError(f"parallel.tp*parallel.pp={self.tp}*{self.pp}={mp} does not divide the {world_size} "
+                             f"processes; pick tp and pp whose product divides the world size")
         dp = world_size // mp
         if self.dp not in (None, -1):
             if not isinstance(self.dp, int) or self.dp < 1:
                 raise ValueError(f"parallel.dp={self.dp!r}: must be a positive integer or -1 (infer)")
             if self.dp != dp:
-                raise ValueError(
-                    f"tp*pp*dp={self.tp}*{self.pp}*{self.dp}={mp * self.dp} != world_size={world_size}; "
-                    f"set dp={dp} or leave it unset to infer it"
-                )
-        return ParallelDims(self.tp, self.pp, dp)
+                raise ValueError(f"parallel.dp={self.dp} but world_size/(tp*pp)={dp}; set dp={dp} or leave it unset")
+        return dataclasses.replace(self, dp=dp)
 
 
 def layout(dims: ParallelDims) -> dict[str, list[tuple[int, ...]]]:

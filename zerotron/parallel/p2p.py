@@ -1,8 +1,8 @@
 """Point-to-point transfers between pipeline stages, counted like the collectives.
 
-``send``/``recv`` block; ``isend``/``irecv`` return a ``Handle``; ``batch`` posts several sends
-and receives at once (``torch.distributed.batch_isend_irecv``) so a stage can exchange with both
-neighbours without ordering deadlocks -- the pattern the 1F1B schedule needs.
+``send``/``recv`` block; ``batch`` posts several sends and receives at once
+(``torch.distributed.batch_isend_irecv``) so a stage can exchange with both neighbours without
+ordering deadlocks -- the pattern the 1F1B schedule needs.
 """
 
 from __future__ import annotations
@@ -30,18 +30,6 @@ def recv(tensor: torch.Tensor, src: int, group: Group) -> torch.Tensor:
     _check_peer(src, group)
     _launch("recv", group, tensor, tensor.numel(), lambda: dist.recv(tensor, src=src, group=group.pg))
     return tensor
-
-
-def isend(tensor: torch.Tensor, dst: int, group: Group) -> Handle:
-    _check_peer(dst, group)
-    work = _launch("send", group, tensor, tensor.numel(), lambda: dist.isend(tensor.contiguous(), dst=dst, group=group.pg))
-    return Handle(work, result=tensor, op="send", group=group)
-
-
-def irecv(tensor: torch.Tensor, src: int, group: Group) -> Handle:
-    _check_peer(src, group)
-    work = _launch("recv", group, tensor, tensor.numel(), lambda: dist.irecv(tensor, src=src, group=group.pg))
-    return Handle(work, result=tensor, op="recv", group=group)
 
 
 @dataclass

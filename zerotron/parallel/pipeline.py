@@ -197,14 +197,6 @@ def microbatches_in_flight(schedule: str, pp_size: int, pp_rank: int, num_microb
     return num_microbatches if schedule == "afab" else min(pp_size - pp_rank, num_microbatches)
 
 
-def train_step_1f1b(stage, microbatches, grid, shape, **kw) -> StepOutput:
-    return train_step(stage, microbatches, grid, shape, schedule="1f1b", **kw)
-
-
-def train_step_afab(stage, microbatches, grid, shape, **kw) -> StepOutput:
-    return train_step(stage, microbatches, grid, shape, schedule="afab", **kw)
-
-
 @torch.no_grad()
 def eval_step(stage: nn.Module, microbatches: Sequence, grid: Grid, shape: Sequence[int], *,
               dtype=torch.float32, device=None) -> float:

@@ -33,17 +33,24 @@ def train_gpt(zero_kw: dict, steps: int, per_rank: int = 4, seed: int = 11,
     """Train on every rank; returns per-step losses (DP-mean), the last step's comm counters, the
     memory report, step times and (``want_params``) the full fp32 parameters."""
     from zerotron.model.config import GPTConfig
-    from zerotron.model.gpt import GPT
     from zerotron.parallel import Grid, ParallelDims
     from zerotron.parallel import collectives as C
-    from zerotron.zero import ZeroConfig, ZeroOptimizer
+    from zerotron.training.config import RunConfig
+    from zerotron.training.parallelize import parallelize_gpt
+    from zerotron.zero import ZeroConfig, accounting
 
     grid = Grid(ParallelDims())
     cfg = GPTConfig(**(shape or GPT_SHAPE))
-    model = GPT(cfg, grid, seed=seed)
-    kw = dict(stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=10**6)
-    kw.update(zero_kw)
-    opt = ZeroOptimizer(model, grid, ZeroConfig(**kw), clip_grad=1.0, **HYPER)
+    run = RunConfig()
+    run.zero = ZeroConfig(**{"stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 10**6,
+                             **zero_kw})
+    t = run.training
+    t.seed, t.micro_batch_size, t.global_batch_size = seed, per_rank, per_rank * grid.dp_size
+    o = run.optimizer
+    o.lr, (o.beta1, o.beta2), o.eps, o.weight_decay, o.clip_grad = (HYPER["lr"], HYPER["betas"], HYPER["eps"],
+                                                                     HYPER["weight_decay"], 1.0)
+    plan = parallelize_gpt(run.validate(grid.world_size), cfg, grid)
+    model, opt = plan.model, plan.optimizer
     data = markov_batches(cfg.vocab_size, grid.dp_size * per_rank, cfg.seq_length + 1, seed)
     sl = slice(grid.dp_rank * per_rank, (grid.dp_rank + 1) * per_rank)
     losses, times = [], []
@@ -61,12 +68,7 @@ def train_gpt(zero_kw: dict, steps: int, per_rank: int = 4, seed: int = 11,
            "full_numel": opt.layout.full_numel, "part_numel": opt.layout.part_numel, "psi": opt.num_params}
     if want_params:
         out["params"] = dict(opt.full_params())
-    if hasattr(opt.state, "store"):
-        out["disk"] = {"read": opt.state.store.bytes_read, "written": opt.state.store.bytes_written}
-    if getattr(opt, "param_disk", None) is not None:  # ZeRO-Infinity parameter offload
-        store = opt.param_disk.store
-        out["param_disk"] = {"read": store.bytes_read, "written": store.bytes_written,
-                             "read_ahead_hits": opt.param_disk.read_ahead_hits}
+    out.update(accounting.io_report(opt))  # ZeRO-Infinity: disk traffic of the state and the parameters
     return out
 
 

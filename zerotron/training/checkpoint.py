@@ -24,6 +24,7 @@ from typing import Any, Callable
 import torch
 
 from zerotron.parallel import collectives as C
+from zerotron.parallel.shard_info import shard_info
 from zerotron.training import faults
 from zerotron.training.checkpoint_io import (FORMAT_VERSION, CheckpointError, ShardReader, atomic_write_json,
                                              prune, read_metadata, resolve_load_path, step_dir, write_shard)
@@ -38,16 +39,22 @@ def canonical_names(model: torch.nn.Module) -> dict[str, str]:
 
 
 def _param_info(model, opt, grid) -> dict[str, dict]:
-    shapes = getattr(opt, "param_shapes", None) or {}
+    """Global shape and TP split dimension of every parameter, from its ``ShardInfo``.
+
+    Checked against the optimizer's TP-local shapes, so a ``ShardInfo`` that does not describe
+    the tensor actually held fails here rather than when another layout loads the checkpoint.
+    """
+    shapes = opt.param_shapes  # TP-local shapes; a frozen parameter is not rebound, its own shape holds
+    names = canonical_names(model)
     info = {}
     for name, p in model.named_parameters():
-        canon = canonical_names(model)[name]
-        local = list(shapes.get(name, p.shape))
-        dim = getattr(p, "tp_split_dim", None)
-        glob = list(local)
-        if dim is not None:
-            glob[dim] *= grid.tp_size
-        info[canon] = {"global_shape": glob, "tp_split_dim": dim}
+        si = shard_info(p, name)
+        local = tuple(shapes.get(name, p.shape))
+        if si.local_shape(grid.tp_size) != local:
+            raise CheckpointError(f"parameter {name!r} is {list(local)} on this rank but its ShardInfo {si} "
+                                  f"gives {list(si.local_shape(grid.tp_size))} at TP size {grid.tp_size}; "
+                                  f"fix the ShardInfo where the parameter is created")
+        info[names[name]] = {"global_shape": list(si.global_shape), "tp_split_dim": si.tp_split_dim}
     return info
 
 
@@ -184,12 +191,17 @@ def load_checkpoint(load: str, model, opt, grid, *, model_config: dict,
     # the optimizer's master dtype: a float64 run reshards its float64 state without rounding it
     assembler = _Assembler(meta, reader, grid, opt.master_dtype)
     params = dict(model.named_parameters())
-    shapes = getattr(opt, "param_shapes", None) or {}
+    shapes = opt.param_shapes  # TP-local shapes; a frozen parameter is not rebound, its own shape holds
+    for name, p in params.items():  # slices are cut along this dimension in both layouts
+        saved, ours = meta["params"][names[name]]["tp_split_dim"], shard_info(p, name).tp_split_dim
+        if saved != ours:
+            raise CheckpointError(f"{names[name]} is TP-split along dimension {saved} in the checkpoint but "
+                                  f"{ours} in this model; load a checkpoint of this model")
 
     def read_fn(name: str, key: str, start: int, end: int) -> torch.Tensor:
         p = params[name]
         shape = list(shapes.get(name, p.shape))
-        return assembler.local(names[name], key, shape, getattr(p, "tp_split_dim", None)).reshape(-1)[start:end]
+        return assembler.local(names[name], key, shape, shard_info(p, name).tp_split_dim).reshape(-1)[start:end]
 
     opt.load_partition_state(read_fn, step=meta.get("adam_step", meta["step"]), loss_scaler=meta.get("loss_scaler"))
     layout = meta["layout"]

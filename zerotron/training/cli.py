@@ -17,7 +17,9 @@ from typing import Any
 
 import yaml
 
+from zerotron.activation.config import activation_fields_from_deepspeed
 from zerotron.training.config import ConfigError, RunConfig
+from zerotron.zero.config import precision_from_deepspeed, zero_fields_from_deepspeed
 
 # short flag -> (section, field)
 SHORT_FLAGS = {
@@ -45,38 +47,6 @@ SHORT_FLAGS = {
     "wandb-mode": ("logging", "wandb_mode"),
 }
 BOOL_FLAGS = {"checkpoint-activations", "partition-activations", "cpu-offload-activations", "offload-optimizer"}
-DEEPSPEED_SECTIONS = {"zero_optimization": "zero", "activation_checkpointing": "activation_checkpointing"}
-
-
-def _offload_optimizer(v) -> dict:
-    """DeepSpeed's nested ``offload_optimizer`` dict -> the flat ZeroSection fields."""
-    if not isinstance(v, dict):
-        return {"offload_optimizer": bool(v) and v not in ("none", None)}
-    device = v.get("device", "none")
-    out = {"offload_optimizer": device not in ("none", None), "offload_optimizer_device": device or "none"}
-    for src in ("nvme_path", "buffer_count"):
-        if src in v:
-            out[src] = v[src]
-    return out
-
-
-def _offload_param(v) -> dict:
-    """DeepSpeed's nested ``offload_param`` dict -> the flat ZeroSection fields (ZeRO-Infinity)."""
-    device = (v.get("device", "none") if isinstance(v, dict) else v) or "none"
-    if device not in ("none", "nvme"):
-        raise ConfigError(f"zero_optimization.offload_param.device={device!r}: use 'none' or 'nvme' (parameter "
-                          f"offload to cpu is not implemented in zerotron)")
-    out = {"offload_param_device": device}
-    for src in ("nvme_path", "buffer_count"):
-        if isinstance(v, dict) and src in v:
-            out[f"offload_param_{src}"] = v[src]
-    return out
-
-
-# DeepSpeed keys whose zerotron spelling differs: converter(value) -> {zero-section field: value}
-DEEPSPEED_RENAMES = {("zero", "offload_optimizer"): _offload_optimizer, ("zero", "offload_param"): _offload_param}
-
-
 def _field_types(section_obj) -> dict[str, Any]:
     hints = typing.get_type_hints(type(section_obj))
     return {f.name: hints[f.name] for f in dataclasses.fields(section_obj)}
@@ -143,20 +113,30 @@ def apply_mapping(cfg: RunConfig, data: dict, source: str) -> None:
 
 
 def apply_deepspeed(cfg: RunConfig, path: str) -> None:
+    """Read a DeepSpeed JSON the way the library reads it (``ZeroConfig.from_deepspeed``,
+    ``ActivationCheckpointConfig.from_deepspeed``, ``precision_from_deepspeed``): its keys win over
+    the YAML's, flags win over both."""
     try:
         data = json.loads(Path(path).read_text())
     except FileNotFoundError:
         raise ConfigError(f"--deepspeed-config {path}: file not found") from None
     except json.JSONDecodeError as e:
         raise ConfigError(f"--deepspeed-config {path}: invalid JSON ({e})") from None
-    for ds_key, section in DEEPSPEED_SECTIONS.items():
-        for name, value in (data.get(ds_key) or {}).items():
-            convert = DEEPSPEED_RENAMES.get((section, name))
-            for field_name, field_value in (convert(value) if convert else {name: value}).items():
-                set_field(cfg, section, field_name, field_value)
-    for ds_key, precision in (("fp16", "fp16"), ("bf16", "bf16")):
-        if (data.get(ds_key) or {}).get("enabled"):
-            cfg.training.precision = precision
+    if not isinstance(data, dict):
+        raise ConfigError(f"--deepspeed-config {path}: expected a JSON object, got {type(data).__name__}")
+    try:
+        if "zero_optimization" in data:
+            cfg.zero = dataclasses.replace(cfg.zero, **zero_fields_from_deepspeed(data["zero_optimization"]))
+        if "activation_checkpointing" in data:
+            cfg.activation_checkpointing = dataclasses.replace(
+                cfg.activation_checkpointing, **activation_fields_from_deepspeed(data["activation_checkpointing"]))
+        precision = precision_from_deepspeed(data)
+    except ValueError as e:
+        raise ConfigError(f"--deepspeed-config {path}: {e}") from None
+    if "precision" in precision:
+        cfg.training.precision = precision.pop("precision")
+    for name, value in precision.items():  # fp16 loss scaling
+        set_field(cfg, "optimizer", name, value)
 
 
 def build_parser() -> argparse.ArgumentParser:

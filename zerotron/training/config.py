@@ -1,7 +1,9 @@
-"""The run configuration: one dataclass per concern, validated once, errors that name the field.
+"""The run configuration: one tree of dataclasses, validated once, errors that name the field.
 
 A run is one YAML file of these sections (see ``configs/tiny.yaml``) plus command-line
-overrides (``zerotron.training.cli``). ``validate(world_size)`` runs on every rank before
+overrides (``zerotron.training.cli``). The parallel, ZeRO and activation-checkpointing sections
+are the library's own ``ParallelDims``, ``ZeroConfig`` and ``ActivationCheckpointConfig``, so a
+key has one name, one default and one check wherever it is read. ``validate(world_size)`` runs on every rank before
 ``init_process_group``-dependent work, so a bad config stops every rank with the same message
 instead of leaving some of them waiting in a collective.
 """
@@ -9,76 +11,34 @@ instead of leaving some of them waiting in a collective.
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from zerotron.zero.config import PRECISIONS
+from zerotron.activation import ActivationCheckpointConfig
+from zerotron.model.config import GPTConfig
+from zerotron.parallel import ParallelDims
+from zerotron.parallel.pipeline import SCHEDULES
+from zerotron.zero.config import PRECISIONS, ZeroConfig
+from zerotron.zero.loss_scaler import check_loss_scaling
 
 
 class ConfigError(ValueError):
     """A config value is invalid; the message names ``section.field``, the value and the fix."""
 
 
-@dataclass
-class ModelSection:
-    preset: str = "tiny"
-    num_layers: int | None = None  # None: take the preset's value
-    hidden_size: int | None = None
-    num_heads: int | None = None
-    vocab_size: int | None = None  # None: the tokenizer's vocabulary
-    seq_length: int | None = None
-    dropout: float = 0.0
-    attention_dropout: float = 0.0
-    make_vocab_size_divisible_by: int = 128
+def _model_overrides() -> type:
+    """The ``model`` section: a preset name, and every ``GPTConfig`` field as an optional override
+    (None: the preset's value; ``vocab_size`` None: the tokenizer's). Generated from GPTConfig, so
+    a model field is settable from YAML and flags the moment it exists, with GPTConfig's type."""
+    hints = typing.get_type_hints(GPTConfig)
+    overrides = [(f.name, hints[f.name] | None, None) for f in dataclasses.fields(GPTConfig)
+                 if f.name not in _PRESET_ONLY]
+    return dataclasses.make_dataclass("ModelOverrides", [("preset", str, "tiny"), *overrides])
 
 
-@dataclass
-class ParallelSection:
-    tp: int = 1
-    pp: int = 1
-    dp: int | None = None  # None: world_size / (tp * pp)
-    pipeline_schedule: str = "1f1b"  # or "afab" (all-forward-all-backward)
-
-
-@dataclass
-class ZeroSection:
-    """DeepSpeed's ``zero_optimization`` keys (ZeRO §5): stage 0 = DDP, 1 = Pos, 2 = Pos+g, 3 = Pos+g+p."""
-
-    stage: int = 0
-    overlap_comm: bool = False
-    contiguous_gradients: bool = True
-    reduce_bucket_size: int = 500_000_000
-    allgather_bucket_size: int = 500_000_000
-    stage3_prefetch_bucket_size: int = 50_000_000
-    stage3_param_persistence_threshold: int = 100_000
-    offload_optimizer: bool = False  # = offload_optimizer_device "cpu"
-    # ZeRO++ (arXiv 2306.10209): qwZ, qgZ, hpZ; block = elements per fp32 scale of the int8 quantization
-    zero_quantized_weights: bool = False
-    zero_quantized_gradients: bool = False
-    zero_hpz_partition_size: int = 1
-    zero_quantization_block_size: int = 256
-    zero_quantized_gradients_node_size: int = 0  # 0: zero_hpz_partition_size
-    # ZeRO-Infinity (arXiv 2104.07857): DeepSpeed's offload_optimizer {device, nvme_path, buffer_count}
-    offload_optimizer_device: str = "none"  # none | cpu | nvme
-    nvme_path: str | None = None
-    buffer_count: int = 4
-    sub_group_size: int = 1_000_000_000
-    # ZeRO-Infinity parameter offload: DeepSpeed's offload_param {device, nvme_path, buffer_count} (stage 3)
-    offload_param_device: str = "none"  # none | nvme
-    offload_param_nvme_path: str | None = None
-    offload_param_buffer_count: int = 5
-
-
-@dataclass
-class ActivationCheckpointSection:
-    """DeepSpeed's ``activation_checkpointing`` keys (ZeRO-R §6: Pa, Pa+cpu, MD)."""
-
-    checkpoint_activations: bool = False
-    checkpoint_every: int = 1  # a checkpoint every k transformer layers
-    partition_activations: bool = False  # Pa
-    cpu_checkpointing: bool = False  # Pa+cpu (or CPU offload alone without partitioning)
-    contiguous_memory_optimization: bool = False  # MD
-    number_checkpoints: int | None = None
+_PRESET_ONLY = ("name", "paper_mp")  # labels of a preset, not shape choices
+ModelOverrides = _model_overrides()
 
 
 @dataclass
@@ -140,10 +100,10 @@ class CheckpointSection:
 
 @dataclass
 class RunConfig:
-    model: ModelSection = field(default_factory=ModelSection)
-    parallel: ParallelSection = field(default_factory=ParallelSection)
-    zero: ZeroSection = field(default_factory=ZeroSection)
-    activation_checkpointing: ActivationCheckpointSection = field(default_factory=ActivationCheckpointSection)
+    model: ModelOverrides = field(default_factory=ModelOverrides)
+    parallel: ParallelDims = field(default_factory=ParallelDims)
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    activation_checkpointing: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
     data: DataSection = field(default_factory=DataSection)
     optimizer: OptimizerSection = field(default_factory=OptimizerSection)
     training: TrainingSection = field(default_factory=TrainingSection)
@@ -162,18 +122,14 @@ class RunConfig:
         _choice("training.precision", self.training.precision, PRECISIONS)
         _choice("optimizer.decay", self.optimizer.decay, ("cosine", "linear", "constant"))
         _choice("logging.wandb_mode", self.logging.wandb_mode, ("offline", "online", "disabled"))
-        _choice("parallel.pipeline_schedule", self.parallel.pipeline_schedule, ("1f1b", "afab"))
-        _choice("zero.stage", self.zero.stage, (0, 1, 2, 3))
-        for name in ("tp", "pp"):
-            _positive(f"parallel.{name}", getattr(self.parallel, name))
-        mp = self.parallel.tp * self.parallel.pp
-        if world_size % mp:
-            raise ConfigError(f"parallel.tp*parallel.pp={self.parallel.tp}*{self.parallel.pp}={mp} does not divide "
-                              f"the {world_size} processes; pick tp and pp whose product divides the world size")
-        dp = world_size // mp
-        if self.parallel.dp not in (None, -1) and self.parallel.dp != dp:
-            raise ConfigError(f"parallel.dp={self.parallel.dp} but world_size/(tp*pp)={dp}; set dp={dp} or leave it unset")
-        self.parallel.dp = dp
+        _choice("parallel.pipeline_schedule", self.parallel.pipeline_schedule, SCHEDULES)
+        try:
+            self.parallel = self.parallel.resolve(world_size)
+            self.zero.validate(dp_size=self.parallel.dp, precision=self.training.precision)
+            self.activation_checkpointing.validate()
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        dp = self.parallel.dp
         t = self.training
         for name in ("train_steps", "micro_batch_size", "global_batch_size"):
             _positive(f"training.{name}", getattr(t, name))
@@ -192,17 +148,15 @@ class RunConfig:
         for name in ("beta1", "beta2"):
             if not 0 <= getattr(o, name) < 1:
                 raise ConfigError(f"optimizer.{name}={getattr(o, name)} must be in [0, 1)")
+        try:
+            check_loss_scaling(o.initial_loss_scale, o.loss_scale_window, o.hysteresis, o.min_loss_scale)
+        except ValueError as e:
+            raise ConfigError(f"optimizer.{e}") from None
         _positive("optimizer.clip_grad", o.clip_grad, allow_zero=True)
         m = self.model
         for name in ("dropout", "attention_dropout"):
-            if not 0 <= getattr(m, name) < 1:
+            if getattr(m, name) is not None and not 0 <= getattr(m, name) < 1:
                 raise ConfigError(f"model.{name}={getattr(m, name)} must be in [0, 1)")
-        ac = self.activation_checkpointing
-        _positive("activation_checkpointing.checkpoint_every", ac.checkpoint_every)
-        for name in ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization"):
-            if getattr(ac, name) and not ac.checkpoint_activations:
-                raise ConfigError(f"activation_checkpointing.{name}=true needs activation_checkpointing."
-                                  f"checkpoint_activations=true (it acts on the checkpoints); set both")
         lg = self.logging
         for name in ("log_interval", "eval_interval", "eval_steps"):
             _positive(f"logging.{name}", getattr(lg, name), allow_zero=name != "log_interval")

@@ -17,9 +17,15 @@ import torch
 from zerotron.training.checkpoint import _Assembler
 from zerotron.training.checkpoint_io import ShardReader, read_metadata, resolve_load_path
 from zerotron.training.safetensors_stream import SafetensorsStreamWriter
+from zerotron.zero.optimizer import DTYPES
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 WORD = "embedding.word.weight"
+
+
+def _dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(f"export dtype={name!r}: use one of {', '.join(DTYPES)}")
+    return DTYPES[name]
 
 
 def _open(checkpoint: str) -> tuple[dict, Path, _Assembler]:
@@ -46,7 +52,7 @@ def _shape_without_padding(name: str, shape: list[int], vocab: int) -> list[int]
 def export_safetensors(checkpoint: str, out: str, dtype: str = "fp32") -> Path:
     """All parameters under their canonical names in one safetensors file."""
     meta, _, _ = _open(checkpoint)
-    vocab, dt = meta["model"]["vocab_size"], DTYPES[dtype]
+    vocab, dt = meta["model"]["vocab_size"], _dtype(dtype)
     specs = [(n, _shape_without_padding(n, meta["params"][n]["global_shape"], vocab), dt) for n in sorted(meta["params"])]
     out_path = Path(out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -88,7 +94,7 @@ def _hf_name_and_fn(name: str, heads: int):
 def export_hf_gpt2(checkpoint: str, out_dir: str, dtype: str = "fp32") -> Path:
     """A directory that ``transformers.GPT2LMHeadModel.from_pretrained`` loads (tied lm_head)."""
     meta, _, _ = _open(checkpoint)
-    m, dt = meta["model"], DTYPES[dtype]
+    m, dt = meta["model"], _dtype(dtype)
     heads, vocab = m["num_heads"], m["vocab_size"]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -108,7 +114,6 @@ def export_hf_gpt2(checkpoint: str, out_dir: str, dtype: str = "fp32") -> Path:
               "n_positions": positions, "n_embd": m["hidden_size"], "n_layer": m["num_layers"], "n_head": heads,
               "n_inner": ffn, "activation_function": "gelu" if m.get("gelu_approximate") == "none" else "gelu_new", "resid_pdrop": 0.0, "embd_pdrop": 0.0,
               "attn_pdrop": 0.0, "layer_norm_epsilon": m.get("layernorm_eps", 1e-5),
-              "tie_word_embeddings": True, "torch_dtype": {"fp32": "float32", "bf16": "bfloat16",
-                                                           "fp16": "float16"}[dtype]}
+              "tie_word_embeddings": True, "torch_dtype": str(dt).removeprefix("torch.")}
     (out / "config.json").write_text(json.dumps(config, indent=1))
     return out

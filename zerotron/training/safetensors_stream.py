@@ -18,7 +18,8 @@ import torch
 
 from zerotron.data.atomic import publish
 
-_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64"}
+_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
+           torch.int64: "I64"}
 
 
 class SafetensorsStreamWriter:

@@ -11,18 +11,10 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 
-from zerotron.parallel import Grid, ParallelDims
+from zerotron.parallel import Grid
 from zerotron.parallel import collectives as C
 from zerotron.training.config import ConfigError, RunConfig
-from zerotron.zero.optimizer import DTYPES
-
-
-def model_dtype(precision: str) -> torch.dtype:
-    """The dtype the model is built in: the master weights' (float64 for fp64, else float32), from
-    which the ZeRO optimizer casts the parameters of a 16-bit run."""
-    return torch.promote_types(DTYPES[precision], torch.float32)
 
 
 @dataclass
@@ -75,12 +67,29 @@ def check_data(cfg: RunConfig, tokenizer_path: str | None, train: list[str], eva
     for field_name, prefixes in (("data.data_path", train), ("data.eval_path", evals)):
         for prefix in prefixes:
             try:
-                ds = IndexedTokenDataset(prefix)
+                ds = IndexedTokenDataset(prefix)  # opening maps the files; the scan below reads them
+                key = (_file_identity(prefix), vocab)
+                if key in _CHECKED_FILES:  # preflight checked it; the trainer's start-up need not re-scan
+                    continue
                 _check_index(ds)
                 ds.validate_vocab(vocab)
+                _CHECKED_FILES.add(key)
             except (OSError, ValueError) as e:
                 raise ConfigError(f"{field_name}={prefix}: {e}") from None
     return vocab
+
+
+# Token files this process has scanned in full, by (path, size, mtime) of .bin and .idx and the
+# vocabulary they were checked against: a changed file is scanned again.
+_CHECKED_FILES: set = set()
+
+
+def _file_identity(prefix: str) -> tuple:
+    out = []
+    for suffix in (".bin", ".idx"):
+        st = Path(prefix + suffix).stat()
+        out.append((prefix + suffix, st.st_size, st.st_mtime_ns))
+    return tuple(out)
 
 
 def _check_index(ds) -> None:
@@ -112,37 +121,13 @@ def model_config(cfg: RunConfig, vocab_size: int):
 
 
 def build_grid(cfg: RunConfig) -> Grid:
-    return Grid(ParallelDims(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp))
-
-
-# The zero section uses ZeroConfig's names except these; precision and loss scaling live elsewhere.
-_ZERO_RENAMES = {"nvme_path": "offload_optimizer_nvme_path", "buffer_count": "offload_optimizer_buffer_count"}
-_LOSS_SCALE_FIELDS = ("initial_loss_scale", "loss_scale_window", "hysteresis", "min_loss_scale")
-
-
-def zero_config(cfg: RunConfig):
-    """The optimizer's ZeroConfig, derived field by field from the run config (no copy to keep in sync)."""
-    from zerotron.zero import ZeroConfig
-
-    kw = {_ZERO_RENAMES.get(k, k): v for k, v in dataclasses.asdict(cfg.zero).items()}
-    kw.update({k: getattr(cfg.optimizer, k) for k in _LOSS_SCALE_FIELDS}, precision=cfg.training.precision)
-    zcfg = ZeroConfig(**kw)
-    try:
-        zcfg.validate(dp_size=cfg.parallel.dp)
-    except ValueError as e:  # ZeroConfig says zero.<key>; name the run config's field
-        msg = str(e).replace("zero.precision", "training.precision")
-        for ours, theirs in _ZERO_RENAMES.items():
-            msg = msg.replace(f"zero.{theirs}", f"zero.{ours}")
-        for key in _LOSS_SCALE_FIELDS:
-            msg = msg.replace(f"zero.{key}", f"optimizer.{key}")
-        raise ConfigError(msg) from None
-    return zcfg
+    return Grid(cfg.parallel)
 
 
 # --- start-up validation before any process group ----------------------------------------
 def validate_model(cfg: RunConfig, vocab_size: int | None = None):
-    """The model (preset + overrides), its pipeline split, ZeRO and activation-checkpointing settings,
-    checked without a process group so every rank rejects a bad config before any collective.
+    """The model (preset + overrides) and its pipeline split, checked without a process group so
+    every rank rejects a bad config before any collective (``RunConfig.validate`` did the rest).
 
     ``vocab_size`` unknown (a tokenizer not read yet): ``model.vocab_size``, the built-in corpus's
     vocabulary, else a placeholder -- the vocabulary only pads, it never makes a shape invalid.
@@ -151,7 +136,6 @@ def validate_model(cfg: RunConfig, vocab_size: int | None = None):
     from zerotron.model import get_preset
     from zerotron.model.presets import PRESETS
     from zerotron.model.stages import split_layers
-    from zerotron.zero import ActivationCheckpointConfig
 
     if cfg.model.preset not in PRESETS:
         raise ConfigError(f"model.preset={cfg.model.preset!r} is not a known preset; choose one of {sorted(PRESETS)}")
@@ -160,8 +144,6 @@ def validate_model(cfg: RunConfig, vocab_size: int | None = None):
     try:
         mcfg = model_config(cfg, vocab)
         split_layers(mcfg.num_layers, cfg.parallel.pp)
-        zero_config(cfg)
-        ActivationCheckpointConfig(**dataclasses.asdict(cfg.activation_checkpointing)).validate()
     except ConfigError:
         raise
     except (TypeError, ValueError) as e:
@@ -170,8 +152,9 @@ def validate_model(cfg: RunConfig, vocab_size: int | None = None):
 
 
 def preflight(cfg: RunConfig) -> None:
-    """Everything checkable before ``init_process_group``: the model, and the user's data files
-    (the built-in corpus is built after start-up by rank 0). Raises ``ConfigError``."""
+    """Everything checkable before ``init_process_group`` beyond ``RunConfig.validate``: the model,
+    and the user's data files (the built-in corpus is built after start-up by rank 0). Raises
+    ``ConfigError``."""
     vocab = None
     if cfg.data.data_path:
         vocab = check_data(cfg, cfg.data.tokenizer, list(cfg.data.data_path), list(cfg.data.eval_path))

@@ -18,7 +18,9 @@ from zerotron.training import faults
 from zerotron.training.config import RunConfig
 from zerotron.training.metrics import MetricsLogger, Throughput, peak_memory
 from zerotron.training.schedule import learning_rate
-from zerotron.training.setup_run import DTYPES, build_grid, model_config, model_dtype, prepare_data, zero_config
+from zerotron.training.parallelize import parallelize_gpt
+from zerotron.training.setup_run import build_grid, model_config, prepare_data
+from zerotron.zero.optimizer import DTYPES
 
 
 class TrainingStopped(RuntimeError):
@@ -28,29 +30,15 @@ class TrainingStopped(RuntimeError):
 class Trainer:
     def __init__(self, cfg: RunConfig, env: DistEnv):
         from zerotron.data import GPTDataset, PretrainSampler, prepare_dataset_index
-        from zerotron.model import GPT
         from zerotron.model.flops import flops_per_iteration, peak_tflops
-        from zerotron.model.stages import build_stage
-        from zerotron.parallel.pipeline import microbatches_in_flight
-        from zerotron.zero import ActivationCheckpointConfig, ZeroOptimizer, apply_activation_checkpointing
 
         self.cfg, self.env = cfg, env
         self.grid = grid = build_grid(cfg)
         self.data = prepare_data(cfg, grid)
         self.mcfg = model_config(cfg, self.data.vocab_size)
         t = cfg.training
-        dtype = model_dtype(t.precision)
-        if grid.pp_size > 1:  # this rank's pipeline stage: same weights as the whole model would have
-            self.model = build_stage(self.mcfg, grid, dtype=dtype, device=env.device, seed=t.seed)
-        else:
-            self.model = GPT(self.mcfg, grid, dtype=dtype, device=env.device, seed=t.seed)
-        ac = ActivationCheckpointConfig(**dataclasses.asdict(cfg.activation_checkpointing))
-        in_flight = microbatches_in_flight(cfg.parallel.pipeline_schedule, grid.pp_size, grid.pp_rank,
-                                           cfg.num_microbatches)
-        self.activations = apply_activation_checkpointing(self.model, grid, ac, microbatches_in_flight=in_flight)
-        o = cfg.optimizer
-        self.opt = ZeroOptimizer(self.model, grid, zero_config(cfg), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-                                 weight_decay=o.weight_decay, clip_grad=o.clip_grad)
+        plan = parallelize_gpt(cfg, self.mcfg, grid, device=env.device)
+        self.model, self.opt, self.activations = plan.model, plan.optimizer, plan.activations
         seq = self.mcfg.seq_length
         num_samples = t.train_steps * t.global_batch_size
         ds_args = dict(seq_length=seq, seed=t.seed, cache_dir=cfg.data.cache_dir)
@@ -222,14 +210,15 @@ class Trainer:
         rec = {"step": self.step, "loss": out["loss"], "lr": out["lr"], "grad_norm": out.get("grad_norm"),
                "loss_scale": out.get("loss_scale"), "skipped_steps": skipped, **self.throughput.read(),
                **peak_memory(self.env.device),
-               "comm_bytes": {g: b // window for g, b in self.grid.stats.bytes_by_group().items()}}
+               "comm_bytes": {g: b // window
+                              for g, b in self.grid.stats.since(self._comm_mark).bytes_by_group().items()}}
         rec.update({f"model_state_{k}": v for k, v in self.opt.memory_report().items()})
         if self.activations is not None:
             act = self.activations.step_report()
             rec.update(saved_activation_device_bytes=act["peak_saved_device_bytes"],
                        saved_activation_host_bytes=act["peak_saved_host_bytes"],
                        pa_allgather_bytes=act["pa_allgather_bytes"])
-        self.grid.stats.reset()  # comm_bytes: bytes per step over the last logging window
+        self._comm_mark = self.grid.stats.snapshot()  # comm_bytes: per step over the last logging window
         return rec
 
     def train(self) -> dict:
@@ -242,7 +231,7 @@ class Trainer:
     def _loop(self) -> dict:
         t, lg, c = self.cfg.training, self.cfg.logging, self.cfg.checkpoint
         skipped, last, window = 0, {}, 0
-        self.grid.stats.reset()
+        self._comm_mark = self.grid.stats.snapshot()
         while self.step < t.train_steps:
             out = self.train_step()
             skipped += int(bool(out.get("skipped")))

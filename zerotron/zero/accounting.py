@@ -13,11 +13,16 @@ copy -- so K = 8 (the two Adam moments) and baseline DP holds 4Ψ + 4Ψ + 8Ψ = 
 
 ``memory_report`` measures the tensors the optimizer actually holds (padding included) and
 reports the fixed buffers -- buckets, staging buffers (CB) -- separately, since they do not
-grow with the model. Communication is read from the grid's ``CommStats`` as the difference
-between two snapshots, so it is exactly what went through ``zerotron.parallel.collectives``.
+grow with the model. The strategies of ``zero.strategies`` report their own bytes by place
+(device, host, disk): model states on the device or the host count as held, the host ones are
+also ``offloaded_to_host`` (ZeRO-Offload), the disk ones only ``offloaded_to_disk``
+(ZeRO-Infinity). Communication is read from the grid's ``CommStats`` as the difference between
+two snapshots, so it is exactly what went through ``zerotron.parallel.collectives``.
 """
 
 from __future__ import annotations
+
+from zerotron.zero.strategies import merge_reports
 
 
 def nbytes(t) -> int:
@@ -36,41 +41,34 @@ def expected_model_state_bytes(psi: int, dp: int, stage: int, param_bytes: int =
     return (2 * g + k) * psi / dp
 
 
+MODEL_STATES = ("params", "grads", "master_fp32", "optimizer_moments", "secondary_params")
+
+
 def memory_report(opt) -> dict:
     """Bytes of each model-state class this rank holds, fixed buffers apart."""
-    if opt.stage < 3:
-        params = nbytes(opt.flat_param)
-    else:
-        params = nbytes(opt.part_param) + opt.gatherer.resident_bytes()
     grads, fixed = opt.reducer.buffer_bytes()
-    master, moments = opt.state.state_bytes()
-    fixed += opt.state.staging_bytes() + nbytes(opt.gather_in)
+    core = {"device": {"params": nbytes(opt.flat_param), "grads": grads,
+                       "fixed_buffers": fixed + nbytes(opt.gather_in)}}
+    places = merge_reports(core, opt.state.memory_report(),
+                           opt.gatherer.memory_report() if opt.gatherer is not None else {})
+    device, host, disk = (places.get(place, {}) for place in ("device", "host", "disk"))
+    held = {kind: device.get(kind, 0) + host.get(kind, 0) for kind in MODEL_STATES}
     key = "params" if opt.dtype == opt.master_dtype else "params_16bit"
-    # hpZ's secondary parameter partition is held model state; ZeRO-Infinity's disk is not
-    secondary = opt.gatherer.secondary_bytes() if opt.gatherer is not None else 0
-    disk = opt.state.disk_bytes() if hasattr(opt.state, "disk_bytes") else 0
-    if getattr(opt, "param_disk", None) is not None:  # ZeRO-Infinity: the parameter partition is in a file
-        disk += opt.param_disk.disk_bytes()
-        fixed += opt.param_disk.staging_bytes()
     return {
-        key: params,
-        "grads": grads,
-        "master_fp32": master,
-        "optimizer_moments": moments,
-        "fixed_buffers": fixed,
-        "secondary_params": secondary,
-        "total_model_states": params + grads + master + moments + secondary,
-        "offloaded_to_host": master + moments if opt.cfg.offload_optimizer else 0,
-        "offloaded_to_disk": disk,
+        key: held["params"],
+        "grads": held["grads"],
+        "master_fp32": held["master_fp32"],
+        "optimizer_moments": held["optimizer_moments"],
+        "fixed_buffers": sum(p.get("fixed_buffers", 0) for p in places.values()),
+        "secondary_params": held["secondary_params"],
+        "total_model_states": sum(held.values()),
+        "offloaded_to_host": sum(host.get(kind, 0) for kind in MODEL_STATES),
+        "offloaded_to_disk": sum(n for kind, n in disk.items() if kind in MODEL_STATES),
     }
 
 
-def snapshot_diff(after: dict, before: dict) -> dict:
-    """``CommStats.snapshot()`` entries that changed between two snapshots, as differences."""
-    out = {}
-    for key, now in after.items():
-        then = before.get(key, {"calls": 0, "elements": 0, "bytes": 0})
-        delta = {k: now[k] - then.get(k, 0) for k in now}
-        if delta["calls"]:
-            out[key] = delta
-    return out
+def io_report(opt) -> dict:
+    """Disk traffic of the strategies that have a disk tier: ``disk`` (optimizer state), ``param_disk``
+    (the stage-3 parameter partition); absent when in memory."""
+    out = {"disk": opt.state.io_report(), "param_disk": opt.shards.io_report() if opt.shards is not None else {}}
+    return {key: value for key, value in out.items() if value}

@@ -5,9 +5,13 @@ squared norm is the sum over ranks of the squared norms of their shards: one all
 number over the whole world (stage 0 holds the full reduced gradient everywhere, so it sums over
 the model-parallel group only). Two kinds of parameter would be counted twice:
 
-* TP-replicated parameters (``tp_split_dim`` None or missing: LayerNorm, biases of row-parallel
-  layers) hold the same gradient on every TP rank -- counted on TP rank 0 only;
-* pipeline copies of the tied embedding (``is_embedding_copy = True``) -- never counted.
+* TP-replicated parameters (``ShardInfo.tp_split_dim`` None: LayerNorm, biases of row-parallel
+  layers, the position table) hold the same gradient on every TP rank -- counted on TP rank 0 only;
+* the last pipeline stage's copy of the tied embedding (``ShardInfo.embedding_copy``) -- never
+  counted.
+
+A parameter without ``ShardInfo`` is an error (``zerotron.parallel.shard_info``): taking it for
+replicated would silently drop a split weight's other TP slices from the norm.
 
 The same all-reduce is the fp16 overflow check: an inf/NaN on any rank makes the sum non-finite
 on every rank, so every rank skips the step together.
@@ -20,14 +24,15 @@ import math
 import torch
 
 from zerotron.parallel import collectives as C
+from zerotron.parallel.shard_info import shard_info
 
 
-def counts_in_norm(param, tp_rank: int) -> bool:
-    if getattr(param, "is_embedding_copy", False):
+def counts_in_norm(param, tp_rank: int, name: str | None = None) -> bool:
+    """Whether this TP rank's copy of ``param`` adds to the global norm (see the module docstring)."""
+    info = shard_info(param, name)
+    if info.embedding_copy:
         return False
-    if getattr(param, "tp_split_dim", None) is None and tp_rank != 0:
-        return False
-    return True
+    return not (info.replicated and tp_rank != 0)
 
 
 def local_sq_norm(shards_and_segments, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -59,7 +59,6 @@ class ZeroConfig:
     """
 
     stage: int = 0
-    precision: str = "fp32"
     overlap_comm: bool = False
     contiguous_gradients: bool = True
     reduce_bucket_size: int = int(5e8)
@@ -78,14 +77,10 @@ class ZeroConfig:
     offload_optimizer_nvme_path: str | None = None
     offload_optimizer_buffer_count: int = 4
     sub_group_size: int = int(1e9)
-    # ZeRO-Infinity parameter offload (stage 3): the parameter partition in a file (nvme_params)
+    # ZeRO-Infinity parameter offload (stage 3): the parameter partition in a file (infinity.disk_params)
     offload_param_device: str = "none"  # "none" | "nvme"
     offload_param_nvme_path: str | None = None
     offload_param_buffer_count: int = 5
-    initial_loss_scale: float = 2.0 ** 16
-    loss_scale_window: int = 1000
-    hysteresis: int = 2
-    min_loss_scale: float = 1.0
 
     @property
     def optimizer_offload(self) -> str:
@@ -98,17 +93,18 @@ class ZeroConfig:
     def qgz_node_size(self) -> int:
         return self.zero_quantized_gradients_node_size or self.zero_hpz_partition_size
 
-    def validate(self, dp_size: int | None = None) -> "ZeroConfig":
-        """Raise ``ValueError`` naming the key, the value and the fix; returns self.
+    def validate(self, dp_size: int | None = None, precision: str | None = None) -> "ZeroConfig":
+        """Raise ``ValueError`` naming the key, the value and the fix; returns self, unchanged.
 
-        ``dp_size`` (when known) is checked against the ZeRO++ group sizes."""
+        ``dp_size`` (when known) is checked against the ZeRO++ group sizes, ``precision`` (the
+        run's, one of ``PRECISIONS``) against the keys that store fp32 whatever the precision."""
         def bad(key: str, fix: str):
             raise ValueError(f"zero.{key}={getattr(self, key)!r}: {fix}")
 
         if not isinstance(self.stage, int) or isinstance(self.stage, bool) or self.stage not in (0, 1, 2, 3):
             bad("stage", "use 0 (plain DP), 1 (Pos), 2 (Pos+g) or 3 (Pos+g+p)")
-        if self.precision not in PRECISIONS:
-            bad("precision", f"use one of {PRECISIONS}")
+        if precision is not None and precision not in PRECISIONS:
+            raise ValueError(f"precision={precision!r}: use one of {list(PRECISIONS)}")
         for key in ("overlap_comm", "contiguous_gradients", "offload_optimizer"):
             if not isinstance(getattr(self, key), bool):
                 bad(key, "must be true or false")
@@ -121,18 +117,10 @@ class ZeroConfig:
             bad("stage3_param_persistence_threshold", "must be a number of elements >= 0 (0 partitions everything)")
         if self.offload_optimizer and self.stage == 0:
             bad("offload_optimizer", "CPU offload (ZeRO-Offload) needs stage 1, 2 or 3; set stage >= 1 or turn it off")
-        self._validate_zeropp_infinity(bad, dp_size)
-        if not (isinstance(self.initial_loss_scale, (int, float)) and self.initial_loss_scale > 0):
-            bad("initial_loss_scale", "must be > 0, e.g. 65536")
-        if not (isinstance(self.min_loss_scale, (int, float)) and 0 < self.min_loss_scale <= self.initial_loss_scale):
-            bad("min_loss_scale", "must be > 0 and <= initial_loss_scale")
-        for key in ("loss_scale_window", "hysteresis"):
-            value = getattr(self, key)
-            if not _is_int(value, at_least=1):
-                bad(key, "must be a positive integer")
+        self._validate_zeropp_infinity(bad, dp_size, precision)
         return self
 
-    def _validate_zeropp_infinity(self, bad, dp_size: int | None) -> None:
+    def _validate_zeropp_infinity(self, bad, dp_size: int | None, precision: str | None) -> None:
         for key in ("zero_quantized_weights", "zero_quantized_gradients"):
             if not isinstance(getattr(self, key), bool):
                 bad(key, "must be true or false")
@@ -157,12 +145,8 @@ class ZeroConfig:
                     bad(key, f"must divide the data-parallel size {dp_size} (e.g. the GPUs per node)")
         if self.offload_optimizer_device not in ("none", "cpu", "nvme"):
             bad("offload_optimizer_device", "use 'none', 'cpu' or 'nvme'")
-        if self.offload_optimizer_device == "none" and self.offload_optimizer:
-            self.offload_optimizer_device = "cpu"  # the boolean spelling of device=cpu
-        if self.offload_optimizer_device in ("cpu", "nvme"):
-            if self.stage == 0:
-                bad("offload_optimizer_device", "optimizer offload needs stage 1, 2 or 3")
-            self.offload_optimizer = True  # the state is off the accelerator either way
+        if self.offload_optimizer_device in ("cpu", "nvme") and self.stage == 0:
+            bad("offload_optimizer_device", "optimizer offload needs stage 1, 2 or 3")
         if self.offload_optimizer_device == "nvme":
             if self.stage != 3:
                 bad("offload_optimizer_device", "NVMe offload (ZeRO-Infinity) needs stage=3, as in DeepSpeed; "
@@ -171,12 +155,14 @@ class ZeroConfig:
                 bad("offload_optimizer_nvme_path", "set it to a directory on local NVMe (e.g. /local_nvme)")
             if self.offload_optimizer_buffer_count < 2:
                 bad("offload_optimizer_buffer_count", "need >= 2 (one tile updating, one read ahead)")
-        if self.precision == "fp64":
+        if precision == "fp64":
             for key in ("zero_quantized_weights", "zero_quantized_gradients"):
                 if getattr(self, key):
-                    bad(key, "int8 quantization has fp32 scales; use precision fp32/fp16/bf16 with it")
-            if "nvme" in (self.offload_optimizer_device, self.offload_param_device):
-                bad("precision", "the NVMe files hold fp32; use precision fp32/fp16/bf16 with NVMe offload")
+                    bad(key, "int8 quantization has fp32 scales; with it use precision fp32, fp16 or bf16")
+            for key in ("offload_optimizer_device", "offload_param_device"):
+                if getattr(self, key) == "nvme":
+                    bad(key, "the NVMe files hold fp32 and the precision is fp64; use precision fp32, fp16 or "
+                             "bf16 with NVMe offload")
         if self.offload_param_device not in ("none", "nvme"):
             bad("offload_param_device", "use 'none' or 'nvme' (parameter offload to 'cpu' is not implemented)")
         if self.offload_param_device == "nvme":
@@ -192,53 +178,74 @@ class ZeroConfig:
     def from_deepspeed(cls, ds: dict, **overrides) -> "ZeroConfig":
         """Build from a DeepSpeed config: either the whole JSON dict or its ``zero_optimization`` part.
 
-        Precision and loss scaling come from the whole dict's ``fp16``/``bf16`` sections when present
-        (``initial_scale_power``, ``loss_scale_window``, ``hysteresis``, ``min_loss_scale``).
-        ``overrides`` are ZeroConfig fields that win over the dict.
+        ``overrides`` are ZeroConfig fields that win over the dict. Precision and loss scaling are
+        the ``fp16``/``bf16`` sections, read by ``precision_from_deepspeed``.
         """
-        if not isinstance(ds, dict):
-            raise ValueError(f"zero_optimization must be a dict, got {type(ds).__name__}")
-        zero = deepspeed_section(ds.get("zero_optimization", ds), "zero_optimization", _DS_KEYS)
-        kw: dict = {}
-        for key in ("stage", "overlap_comm", "contiguous_gradients"):
-            if key in zero:
-                kw[key] = zero[key]
-        for key in ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
-                    "stage3_param_persistence_threshold"):
-            if key in zero:
-                value = zero[key]
-                if isinstance(value, float) and value.is_integer():
-                    value = int(value)  # DeepSpeed JSON commonly writes 5e8
-                kw[key] = value
-        for key in ("reduce_scatter", "allgather_partitions"):
-            if zero.get(key, True) is not True:
-                raise ValueError(f"zero_optimization.{key}=false: zerotron always uses reduce-scatter / all-gather "
-                                 f"(ZeRO §7); remove the key or set it to true")
-        if "overlap_comm" not in zero and kw.get("stage") == 3:
-            kw["overlap_comm"] = True  # DeepSpeed's code default for stage 3
-        kw.update(offload_from_deepspeed(zero))
-        for key in ("zero_quantized_weights", "zero_quantized_gradients", "zero_hpz_partition_size",
-                    "zero_quantization_block_size", "zero_quantized_gradients_node_size", "sub_group_size"):
-            if key in zero:
-                value = zero[key]
-                kw[key] = int(value) if isinstance(value, float) and value.is_integer() else value
-        for section, precision in (("fp16", "fp16"), ("bf16", "bf16")):
-            sec = ds.get(section)
-            if isinstance(sec, dict) and sec.get("enabled", False):
-                kw["precision"] = precision
-                if precision == "fp16":
-                    if "initial_scale_power" in sec:
-                        kw["initial_loss_scale"] = 2.0 ** sec["initial_scale_power"]
-                    for src, dst in (("loss_scale_window", "loss_scale_window"), ("hysteresis", "hysteresis"),
-                                     ("min_loss_scale", "min_loss_scale")):
-                        if src in sec:
-                            kw[dst] = sec[src]
+        kw = zero_fields_from_deepspeed(ds)
         names = {f.name for f in fields(cls)}
         for key in overrides:
             if key not in names:
                 raise ValueError(f"ZeroConfig has no field {key!r}; fields are {sorted(names)}")
         kw.update(overrides)
         return cls(**kw).validate()
+
+
+def zero_fields_from_deepspeed(ds: dict) -> dict:
+    """ZeroConfig fields from a DeepSpeed ``zero_optimization`` dict (or a whole config holding one):
+    only the keys present, so the caller decides what they override. Unknown keys are errors."""
+    if not isinstance(ds, dict):
+        raise ValueError(f"zero_optimization must be a dict, got {type(ds).__name__}")
+    zero = deepspeed_section(ds.get("zero_optimization", ds), "zero_optimization", _DS_KEYS)
+    kw: dict = {}
+    for key in ("stage", "overlap_comm", "contiguous_gradients"):
+        if key in zero:
+            kw[key] = zero[key]
+    for key in ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
+                "stage3_param_persistence_threshold"):
+        if key in zero:
+            value = zero[key]
+            if isinstance(value, float) and value.is_integer():
+                value = int(value)  # DeepSpeed JSON commonly writes 5e8
+            kw[key] = value
+    for key in ("reduce_scatter", "allgather_partitions"):
+        if zero.get(key, True) is not True:
+            raise ValueError(f"zero_optimization.{key}=false: zerotron always uses reduce-scatter / all-gather "
+                             f"(ZeRO §7); remove the key or set it to true")
+    if "overlap_comm" not in zero and kw.get("stage") == 3:
+        kw["overlap_comm"] = True  # DeepSpeed's code default for stage 3
+    kw.update(offload_from_deepspeed(zero))
+    for key in ("zero_quantized_weights", "zero_quantized_gradients", "zero_hpz_partition_size",
+                "zero_quantization_block_size", "zero_quantized_gradients_node_size", "sub_group_size"):
+        if key in zero:
+            value = zero[key]
+            kw[key] = int(value) if isinstance(value, float) and value.is_integer() else value
+    return kw
+
+
+def precision_from_deepspeed(ds: dict) -> dict:
+    """The precision and fp16 loss-scaling settings of a whole DeepSpeed config, as keyword arguments
+    of ``ZeroOptimizer`` / ``make_loss_scaler``: ``{"precision": "bf16"}``, or for fp16 also
+    ``initial_loss_scale`` (2**``initial_scale_power``), ``loss_scale_window``, ``hysteresis`` and
+    ``min_loss_scale`` when present. Empty when neither section is enabled (fp32)."""
+    kw: dict = {}
+    for precision in ("fp16", "bf16"):
+        sec = ds.get(precision)
+        if sec is None:
+            continue
+        if not isinstance(sec, dict):
+            raise ValueError(f"{precision} must be a dict like {{\"enabled\": true}}, got {type(sec).__name__}")
+        if not sec.get("enabled", False):
+            continue
+        if kw:
+            raise ValueError("fp16.enabled and bf16.enabled are both true; enable one of them")
+        kw["precision"] = precision
+        if precision == "fp16":
+            if "initial_scale_power" in sec:
+                kw["initial_loss_scale"] = 2.0 ** sec["initial_scale_power"]
+            for key in ("loss_scale_window", "hysteresis", "min_loss_scale"):
+                if key in sec:
+                    kw[key] = sec[key]
+    return kw
 
 
 def offload_from_deepspeed(zero: dict) -> dict:

@@ -18,10 +18,9 @@ Stages 0-1 reduce only after the last micro-batch; stages 2-3 on every backward 
 into the partition). With ``overlap_comm`` the collectives are asynchronous (gloo handles, NCCL
 streams) and at most two buckets are in flight while backward continues.
 
-ZeRO++ qgZ (``zero_quantized_gradients``, arXiv 2306.10209 §3.3): the reduce-scatter of stages 1-3
-becomes ``quantized_reduce_scatter`` -- int8 blocks exchanged by all-to-all, dequantized and summed in
-fp32 by their owner, hierarchically (node first, then across nodes) when node groups are given. It
-is synchronous; with ``overlap_comm`` its already-finished handle simply joins the in-flight queue.
+How a bucket of stages 1-3 reaches its owners is the ``ReduceScatter`` strategy
+(``zero.strategies``): the plain reduce-scatter, or ZeRO++ qgZ (arXiv 2306.10209 §3.3), whose
+synchronous quantized all-to-all hands back an already-finished handle that joins the same queue.
 """
 
 from __future__ import annotations
@@ -29,14 +28,14 @@ from __future__ import annotations
 import torch
 
 from zerotron.parallel import collectives as C
-from zerotron.zero.quantized_comm import quantized_reduce_scatter
+from zerotron.zero.strategies import PlainReduceScatter, ReduceScatter
 
 
 class GradReducer:
     def __init__(self, layout, params: list[torch.nn.Parameter], dp_group, stage: int, flat: bool,
-                 overlap: bool, dtype: torch.dtype, device: torch.device, zeropp=None):
+                 overlap: bool, dtype: torch.dtype, device: torch.device, scatter: ReduceScatter | None = None):
         self.layout, self.params, self.dp_group = layout, params, dp_group
-        self.qgz = zeropp if zeropp is not None and zeropp.qgz and stage >= 1 else None
+        self.scatter = scatter or PlainReduceScatter(dp_group)
         self.stage, self.flat, self.overlap = stage, flat, overlap
         self.dtype, self.device = dtype, device
         chunks = layout.chunks
@@ -102,12 +101,7 @@ class GradReducer:
             work = C.all_reduce(bucket, self.dp_group, async_op=self.overlap)
         else:
             out = self.shard_bufs[slot][:c.shard]
-            if self.qgz is not None:  # qgZ: int8 hierarchical all-to-all, fp32 sums
-                quantized_reduce_scatter(out, bucket, self.dp_group, self.qgz.block,
-                                         inner=self.qgz.qgz_inner, outer=self.qgz.qgz_outer)
-                work = C.Handle(result=out)
-            else:
-                work = C.reduce_scatter(out, bucket, self.dp_group, async_op=self.overlap)
+            work = self.scatter.reduce_scatter(out, bucket, async_op=self.overlap)
         job = (work, c, out)
         if self.overlap:
             self.inflight.append(job)
@@ -160,6 +154,10 @@ class GradReducer:
             lo, hi = self.layout.own_range(c)
             return self.flat_grad[lo:hi]
         return self.part_grad[c.part_offset:c.part_offset + c.shard]
+
+    def grad_range(self, lo: int, hi: int) -> torch.Tensor:
+        """Elements ``[lo, hi)`` of this rank's reduced gradient partition (stages 2-3, across chunks)."""
+        return self.part_grad[lo:hi]
 
     def zero(self) -> None:
         if self.flat:

@@ -65,7 +65,27 @@ class DynamicLossScaler(LossScaler):
         self.clean_steps = int(state.get("clean_steps", 0))
 
 
-def make_loss_scaler(cfg) -> LossScaler:
-    if cfg.precision == "fp16":
-        return DynamicLossScaler(cfg.initial_loss_scale, cfg.loss_scale_window, cfg.hysteresis, cfg.min_loss_scale)
-    return LossScaler(1.0)
+def make_loss_scaler(precision: str, initial_loss_scale: float = 2.0 ** 16, loss_scale_window: int = 1000,
+                     hysteresis: int = 2, min_loss_scale: float = 1.0) -> LossScaler:
+    """The scaler a precision needs: dynamic for fp16 (DeepSpeed's ``fp16`` section defaults), a
+    constant 1 otherwise. Raises ``ValueError`` naming the setting and the fix."""
+    if precision != "fp16":
+        return LossScaler(1.0)
+    check_loss_scaling(initial_loss_scale, loss_scale_window, hysteresis, min_loss_scale)
+    return DynamicLossScaler(initial_loss_scale, loss_scale_window, hysteresis, min_loss_scale)
+
+
+def check_loss_scaling(initial_loss_scale, loss_scale_window, hysteresis, min_loss_scale) -> None:
+    """Raise ``ValueError`` starting with the setting's name (``min_loss_scale=...``) and the fix."""
+    if not (_is_number(initial_loss_scale) and initial_loss_scale > 0):
+        raise ValueError(f"initial_loss_scale={initial_loss_scale!r}: must be > 0, e.g. 65536")
+    if not (_is_number(min_loss_scale) and 0 < min_loss_scale <= initial_loss_scale):
+        raise ValueError(f"min_loss_scale={min_loss_scale!r}: must be > 0 and <= initial_loss_scale="
+                         f"{initial_loss_scale!r}")
+    for name, value in (("loss_scale_window", loss_scale_window), ("hysteresis", hysteresis)):
+        if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+            raise ValueError(f"{name}={value!r}: must be a positive integer")
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -1,9 +1,10 @@
 """ZeroOptimizer: one front for plain DP and ZeRO-DP stages 1-3 (Pos, Pos+g, Pos+g+p; ZeRO §5).
 
 It owns the flat layout (``partition``), the gradient buckets (``grad_reduce``), the parameter
-gathering of stage 3 (``stage3``), the fp32 state (``offload``), the AdamW math (``adam``), the
-global norm (``clip``) and the loss scale (``loss_scaler``); this file only wires them into the
-step. Life of a step:
+gathering of stage 3 (``stage3``), the AdamW math (``adam``), the global norm (``clip``) and the
+loss scale (``loss_scaler``); this file only wires them into the step. Where the fp32 state and
+the stage-3 partition live and how they cross the wire (ZeRO-Offload, ZeRO-Infinity, ZeRO++) are
+strategies chosen once by ``strategies.build``, so the step below has one code path. Life of a step:
 
 1. ``backward`` (per micro-batch): scaled loss backward; hooks reduce full buckets over DP
    (stage 0-1: only on the last micro-batch; stage 2-3: every time, into the gradient partition).
@@ -27,38 +28,52 @@ import torch
 from torch import nn
 
 from zerotron.parallel import collectives as C
-from zerotron.zero import accounting
+from zerotron.parallel.shard_info import shard_info
+from zerotron.zero import accounting, strategies
 from zerotron.zero.adam import FlatAdamW
 from zerotron.zero.clip import clip_coef, counts_in_norm, global_norm, local_sq_norm
 from zerotron.zero.config import ZeroConfig
 from zerotron.zero.grad_reduce import GradReducer
-from zerotron.zero.loss_scaler import make_loss_scaler
-from zerotron.zero.offload import OptimizerState
+from zerotron.zero.loss_scaler import LossScaler, make_loss_scaler
 from zerotron.zero.partition import Layout
 from zerotron.zero.stage3 import ParamGatherer, default_units, unit_params
 from zerotron.zero.state_io import PartitionStateIO
-from zerotron.zero import hpz  # ZeRO++ qwZ/hpZ/qgZ groups
-from zerotron.zero.nvme_optimizer import NvmeOptimizerState  # ZeRO-Infinity
-from zerotron.zero.nvme_params import NvmeParams  # ZeRO-Infinity: stage-3 parameters on disk
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "fp64": torch.float64}
 
 
 class ZeroOptimizer(PartitionStateIO):
+    """The parameters' logical view: ``p.data`` is rebound to views of the flat buffers and, in stage 3,
+    to an empty tensor between gathers, so ``p.shape`` holds only while ``p`` is gathered. The
+    attribute ``param_shapes`` (name -> TP-local shape) and ``logical_shape(p)`` always tell the truth.
+
+    The strategies are public: ``state`` (``OptimizerStateStore``) and ``shards`` (stage 3's
+    ``ShardSource``, else None)."""
+
     def __init__(self, model: nn.Module, grid, cfg: ZeroConfig, lr: float = 1e-3, betas=(0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, clip_grad: float | None = None,
-                 stage3_units: list[nn.Module] | None = None):
-        cfg.validate()
+                 stage3_units: list[nn.Module] | None = None, precision: str = "fp32",
+                 loss_scaler: LossScaler | None = None):
+        """``precision``: fp32 | fp16 | bf16 | fp64 (``PRECISIONS``), the dtype of the parameters and
+        gradients; masters are ``promote_types(dtype, fp32)``. ``loss_scaler``: default
+        ``make_loss_scaler(precision)`` (dynamic for fp16 with DeepSpeed's defaults)."""
+        cfg.validate(precision=precision)
+        if loss_scaler is not None and loss_scaler.dynamic != (precision == "fp16"):
+            raise ValueError(f"loss_scaler: a {'dynamic' if loss_scaler.dynamic else 'constant'} scaler with "
+                             f"precision={precision!r}; only fp16 scales the loss dynamically -- use "
+                             f"make_loss_scaler(precision, ...)")
         _check_hyper(lr, betas, eps, weight_decay, clip_grad)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError("ZeroOptimizer: the model has no parameter with requires_grad=True")
         self.model, self.grid, self.cfg, self.stage = model, grid, cfg, cfg.stage
         self.lr, self.betas, self.eps, self.weight_decay, self.clip_grad = lr, tuple(betas), eps, weight_decay, clip_grad
+        for name, p in named:  # sharding is declared where a parameter is made, never assumed here
+            shard_info(p, name)
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
         self.num_params = sum(p.numel() for p in self.params)
-        self.dtype = DTYPES[cfg.precision]
+        self.precision, self.dtype = precision, DTYPES[precision]
         self.master_dtype = torch.promote_types(self.dtype, torch.float32)  # 16-bit runs keep fp32 masters
         self.device = self.params[0].device
         dp = grid.dp_group
@@ -66,45 +81,30 @@ class ZeroOptimizer(PartitionStateIO):
         groups, persistent, unit_mods, unit_groups = self._plan_groups(model, stage3_units)
         self.layout = Layout([p.shape for p in self.params], groups, shards, rank,
                              min(cfg.reduce_bucket_size, cfg.allgather_bucket_size), persistent)
-        max_shard = max(c.shard for c in self.layout.chunks)
-        # fp32 on the device: the parameters are the master weights (no 4-byte copy; K = 8, not 12)
-        # (not when the parameters live on disk: the master must then be a separate, authoritative copy)
-        self.master_is_param = (self.dtype == self.master_dtype and cfg.optimizer_offload == "none"
-                                and cfg.offload_param_device == "none")
-        if cfg.optimizer_offload == "nvme":  # ZeRO-Infinity: master + moments in a file
-            self.state = NvmeOptimizerState(self.layout.part_numel, cfg.offload_optimizer_nvme_path, grid.rank,
-                                            cfg.sub_group_size, cfg.offload_optimizer_buffer_count)
-        else:
-            self.state = OptimizerState(self.layout.part_numel, max_shard, self.device, cfg.offload_optimizer,
-                                        own_master=not self.master_is_param, dtype=self.master_dtype)
+        self.param_shapes = dict(zip(self.names, self.layout.shapes))
+        no_decay = [len(shape) < 2 for shape in self.layout.shapes]  # params may be released (stage 3)
+        self.decay_segments = [self.layout.segments(c, lambda i: not no_decay[i]) for c in self.layout.chunks]
+        plan = strategies.build(cfg, grid, self.layout, self.dtype, self.master_dtype, self.device, owner=self)
+        self.state, self.shards = plan.state, plan.shards
         self.adam = FlatAdamW(self.state.device)
+        max_shard = max(c.shard for c in self.layout.chunks)
         self.gather_in = torch.empty(max_shard, dtype=self.dtype, device=self.device) if 1 <= cfg.stage <= 2 else None
         for _, p in model.named_parameters():
             if not p.requires_grad and p.is_floating_point():
                 p.data = p.data.to(self.dtype)
-        self.zeropp = hpz.setup(cfg, grid)  # validates sizes vs DP, creates node groups (collective)
-        self._init_storage()  # the only collectives of the constructor: broadcast from DP rank 0
-        self.param_disk = None
-        if cfg.offload_param_device == "nvme":  # ZeRO-Infinity: the partition moves to a file
-            self.param_disk = NvmeParams(self.layout, self.part_param, cfg.offload_param_nvme_path, grid.rank,
-                                         cfg.offload_param_buffer_count, owner=self)
-            self.part_param = torch.empty(0, dtype=self.dtype, device=self.device)
+        self._init_storage()  # a broadcast from DP rank 0 (build created the node groups before it)
         flat = cfg.stage <= 1 and cfg.contiguous_gradients
         self.reducer = GradReducer(self.layout, self.params, dp, cfg.stage, flat, cfg.overlap_comm,
-                                   self.dtype, self.device, zeropp=self.zeropp)
+                                   self.dtype, self.device, scatter=plan.scatter)
         self.gatherer = None
         if cfg.stage == 3:
-            self.gatherer = ParamGatherer(self.layout, self.params, unit_mods, unit_groups, model,
-                                          self.part_param, dp, cfg.stage3_prefetch_bucket_size, zeropp=self.zeropp,
-                                          disk=self.param_disk)
-        self.scaler = make_loss_scaler(cfg)
+            self.part_param = self.shards.adopt(self.part_param)  # empty when the partition went to a file
+            self.gatherer = ParamGatherer(self.layout, self.params, unit_mods, unit_groups, model, self.shards,
+                                          plan.gather, self.dtype, self.device, cfg.stage3_prefetch_bucket_size)
+        self.scaler = loss_scaler or make_loss_scaler(precision)
         tp_rank = grid.tp_rank
-        no_decay = [len(shape) < 2 for shape in self.layout.shapes]  # params may be released (stage 3)
-        self.decay_segments = [self.layout.segments(c, lambda i: not no_decay[i]) for c in self.layout.chunks]
-        self.norm_segments = [self.layout.segments(c, lambda i: counts_in_norm(self.params[i], tp_rank))
+        self.norm_segments = [self.layout.segments(c, lambda i: counts_in_norm(self.params[i], tp_rank, self.names[i]))
                               for c in self.layout.chunks]
-        if getattr(self.state, "tiled", False):
-            self.state.attach(self)  # commit the initial master to disk, masters read lazily
         self.norm_group = grid.world_group if cfg.stage >= 1 else grid.mp_group
         self._no_sync = False
         self.reducer.sync = self._default_sync()
@@ -150,13 +150,13 @@ class ZeroOptimizer(PartitionStateIO):
 
     def _init_storage(self) -> None:
         """Fill the master shard and the 16-bit storage from DP rank 0's fp32 values (one chunk at a time)."""
-        lay, dp = self.layout, self.grid.dp_group
+        lay, dp, st = self.layout, self.grid.dp_group, self.state
+        self.flat_param = self.part_param = None
         if self.stage < 3:
             self.flat_param = torch.zeros(lay.full_numel, dtype=self.dtype, device=self.device)
-            self.part_param = None
         else:
-            self.flat_param = None
             self.part_param = torch.zeros(lay.part_numel, dtype=self.dtype, device=self.device)
+        st.attach(lay, self.decay_segments, [self._param_shard(c) for c in lay.chunks])
         tmp = torch.empty(max(c.numel for c in lay.chunks), dtype=self.master_dtype, device=self.device)
         with torch.no_grad():
             for c in lay.chunks:
@@ -166,28 +166,30 @@ class ZeroOptimizer(PartitionStateIO):
                 C.broadcast(buf, dp.ranks[0], dp)
                 lo, hi = lay.own_range(c)
                 own = buf[lo - c.offset:hi - c.offset]
-                if not self.master_is_param:
-                    self.state.master[c.part_offset:c.part_offset + c.shard].copy_(own)
                 if self.stage < 3:
                     self.flat_param[c.offset:c.offset + c.numel].copy_(buf)
                 else:
                     self.part_param[c.part_offset:c.part_offset + c.shard].copy_(own)
+                st.part_slice("master", c.part_offset, c.shard).copy_(own)  # may be the storage just filled
+        st.commit()
         if self.stage < 3:
             for i, p in enumerate(self.params):
                 p.data = lay.param_view(self.flat_param, i)
-        self.masters = [self._master_view(c) for c in lay.chunks]  # this rank's fp32 master shard per chunk
-        if self.master_is_param:
-            contiguous = self.stage in (0, 3) or len(lay.chunks) == 1
-            self.state.master = (self.flat_param if self.stage == 0 else self.part_param if self.stage == 3
-                                 else self.masters[0] if contiguous else None)
+        self.masters = st.masters  # this rank's fp32 master shard per chunk
 
-    def _master_view(self, c) -> torch.Tensor:
-        if not self.master_is_param:
-            return self.state.master[c.part_offset:c.part_offset + c.shard]
+    def _param_shard(self, c) -> torch.Tensor:
+        """This rank's shard of chunk ``c`` in the parameter storage."""
         if self.stage == 3:
             return self.part_param[c.part_offset:c.part_offset + c.shard]
         lo, hi = self.layout.own_range(c)
         return self.flat_param[lo:hi]
+
+    def logical_shape(self, param: nn.Parameter) -> torch.Size:
+        """``param``'s TP-local shape, whatever ``param.data`` is bound to now."""
+        for p, shape in zip(self.params, self.layout.shapes):
+            if p is param:
+                return shape
+        raise KeyError("logical_shape: not a trainable parameter of this optimizer")
 
     def _default_sync(self) -> bool:
         return not self._no_sync and self.stage >= 2
@@ -240,40 +242,33 @@ class ZeroOptimizer(PartitionStateIO):
         if not overflow:
             coef = clip_coef(norm, self.clip_grad) / scale
             st.step += 1
-            if getattr(st, "tiled", False):  # ZeRO-Infinity: Adam streamed tile by tile from disk
-                st.step_tiles(self, coef)
-            for c in ([] if getattr(st, "tiled", False) else lay.chunks):
-                lo, hi = c.part_offset, c.part_offset + c.shard
-                grad = st.stage_grad(self.reducer.grad_shard(c), coef)
-                self.adam.update(self.masters[c.index], grad, st.exp_avg[lo:hi], st.exp_avg_sq[lo:hi], st.step,
-                                 self.lr, self.betas, self.eps, self.weight_decay, self.decay_segments[c.index])
+            st.update(self.reducer, self._adamw, coef)
             self._publish()
         self.scaler.update(overflow)
         self.reducer.zero()
         now = self.grid.stats.snapshot()
-        self.comm_per_step, self._mark = accounting.snapshot_diff(now, self._mark), now
+        self.comm_per_step, self._mark = self.grid.stats.since(self._mark).snapshot(), now
         return {"grad_norm": norm, "skipped": overflow, "loss_scale": self.scaler.scale}
+
+    def _adamw(self, master, grad, exp_avg, exp_avg_sq, decay_segments) -> None:
+        self.adam.update(master, grad, exp_avg, exp_avg_sq, self.state.step, self.lr, self.betas, self.eps,
+                         self.weight_decay, decay_segments)
 
     def _publish(self) -> None:
         """Master shards -> 16-bit parameters: all-gathered for stages 1-2, kept partitioned for stage 3."""
-        lay, st = self.layout, self.state
+        st = self.state
         with torch.no_grad():
-            for c in lay.chunks:
-                lo, hi = c.part_offset, c.part_offset + c.shard
-                if self.stage == 0:
-                    if not self.master_is_param:
-                        st.write_params(self.flat_param[c.offset:c.offset + c.numel], lo, hi)
-                elif self.stage < 3:
-                    if self.master_is_param:
-                        self.gather_in[:c.shard].copy_(self.masters[c.index])
-                    else:
-                        st.write_params(self.gather_in[:c.shard], lo, hi)
+            for c in self.layout.chunks:
+                if 1 <= self.stage <= 2:
+                    self.gather_in[:c.shard].copy_(st.masters[c.index])
                     C.all_gather(self.flat_param[c.offset:c.offset + c.numel], self.gather_in[:c.shard],
                                  self.grid.dp_group)
-                elif self.param_disk is not None:  # ZeRO-Infinity: the shard is written behind
-                    self.param_disk.publish_chunk(st, lo, hi)
-                elif not self.master_is_param:
-                    st.write_params(self.part_param[lo:hi], lo, hi)
+                    continue
+                fresh = st.fresh(c)  # None: the parameters already hold the update
+                if fresh is not None and self.stage == 0:
+                    self.flat_param[c.offset:c.offset + c.numel].copy_(fresh)
+                elif fresh is not None:
+                    self.shards.write(c.part_offset, fresh)
         if self.gatherer is not None:
             self.gatherer.release_all()
             self.gatherer.refresh_persistent()

@@ -97,6 +97,15 @@ class Layout:
         self.full_numel, self.part_numel = offset, part
 
     # ranges ---------------------------------------------------------------------------------------
+    def gather_pairs(self, g: int, buf: torch.Tensor, src: torch.Tensor, base: int):
+        """``(full chunk view in buf, this rank's shard in src)`` per chunk of group ``g``: what a
+        stage-3 all-gather of the group fills and sends (``src`` holds the partition from ``base``)."""
+        group = self.groups[g]
+        for ci in group.chunks:
+            c = self.chunks[ci]
+            yield (buf[c.offset - group.offset:c.offset - group.offset + c.numel],
+                   src[c.part_offset - base:c.part_offset - base + c.shard])
+
     def own_range(self, chunk: Chunk, rank: int | None = None) -> tuple[int, int]:
         """This rank's shard of ``chunk``, in full-flat coordinates."""
         r = self.rank if rank is None else rank

@@ -17,13 +17,11 @@ backward). Parameters smaller than ``stage3_param_persistence_threshold`` sit in
 group that stays gathered (their gather would cost more in latency than it saves in memory); they
 are still partitioned for the optimizer and re-gathered once after each step (2Ψ_small).
 
-ZeRO++ (``hpz.py``): with qwZ every gather moves int8 block-quantized shards (``quantized_all_gather``,
-synchronous, so a prefetch of a quantized group completes at issue); with hpZ the forward gather
-fills the rank's secondary slice and the backward gather runs over the node-local group only.
-
-ZeRO-Infinity (``nvme_params``, arXiv 2104.07857): with ``disk`` the partition lives in a file; a
-group's shard is read just before its all-gather (the next unit's read ahead where the prefetch
-budget stops) and dropped once the gather completes.
+Two strategies (``zero.strategies``) are chosen once: the ``ShardSource`` a group's shard is read
+from just before its all-gather (memory, or ZeRO-Infinity's file, arXiv 2104.07857, where the
+next unit is read ahead when the prefetch budget stops and a shard is dropped once its gather
+completes) and the ``Gather`` that moves it (plain, ZeRO++ qwZ's int8 shards or hpZ's secondary
+partition, arXiv 2306.10209 §3.1-3.2, which the forward gather fills and the backward one uses).
 """
 
 from __future__ import annotations
@@ -31,9 +29,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from zerotron.parallel import collectives as C
-from zerotron.zero.hpz import SecondaryPartition
-from zerotron.zero.quantized_comm import quantized_all_gather
+from zerotron.zero.strategies import Gather, ShardSource, merge_reports
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 
@@ -79,17 +75,11 @@ class ParamGatherer:
     """Gathers, binds, releases and prefetches the partitioned parameters of stage 3."""
 
     def __init__(self, layout, params, units: list[nn.Module], unit_groups: list[list[int]], model: nn.Module,
-                 part_param: torch.Tensor, dp_group, prefetch_numel: int, zeropp=None, disk=None):
+                 source: ShardSource, gather: Gather, dtype: torch.dtype, device: torch.device, prefetch_numel: int):
         self.layout, self.params, self.units = layout, params, units
-        self.disk, self.staged = disk, {}  # ZeRO-Infinity (nvme_params): shards read from a file, kept to the gather's end
-        self.qwz_block = zeropp.block if zeropp is not None and zeropp.qwz else None
-        self.secondary = None  # hpZ
-        if zeropp is not None and zeropp.hpz_group is not None:
-            self.secondary = SecondaryPartition(layout, zeropp.hpz_group, dp_group.ranks[layout.rank],
-                                                part_param.dtype, part_param.device)
+        self.source, self.gather = source, gather
         self.backward_phase = False
-        self.pending_fill: set[int] = set()
-        self.unit_groups, self.part, self.dp_group = unit_groups, part_param, dp_group
+        self.unit_groups, self.dtype, self.device = unit_groups, dtype, device
         self.prefetch_numel = prefetch_numel
         n = len(layout.groups)
         self.full: dict[int, torch.Tensor] = {}
@@ -98,7 +88,7 @@ class ParamGatherer:
         self.expected = [sum(1 for p in g.params if params[p].requires_grad) for g in layout.groups]
         self.order: list[int] = []
         self.recording, self.cursor, self.stack = True, 0, []
-        self.empty = torch.empty(0, dtype=part_param.dtype, device=part_param.device)
+        self.empty = torch.empty(0, dtype=dtype, device=device)
         self.index = {id(p): i for i, p in enumerate(params)}
         self.hooks = [model.register_forward_pre_hook(self._model_pre, prepend=True),
                       model.register_forward_hook(self._model_post)]
@@ -116,35 +106,15 @@ class ParamGatherer:
 
     # gather / release -------------------------------------------------------------------------------
     def _gather(self, g: int, async_op: bool) -> None:
-        group = self.layout.groups[g]
-        buf = torch.empty(group.numel, dtype=self.part.dtype, device=self.part.device)
-        works, src = [], None
-        sec = self.secondary if not group.persistent else None
-        if sec is not None and self.backward_phase and sec.valid[g]:
-            works = sec.gather(g, buf, async_op)  # hpZ: backward gather inside the node only
-            sec = None
-        else:
-            src, base = (self.part, 0) if self.disk is None else self.disk.take(g)  # ZeRO-Infinity: from disk
-            for ci in group.chunks:
-                c = self.layout.chunks[ci]
-                out = buf[c.offset - group.offset:c.offset - group.offset + c.numel]
-                shard = src[c.part_offset - base:c.part_offset - base + c.shard]
-                if self.qwz_block is not None:  # qwZ: int8 + per-block scales on the wire
-                    quantized_all_gather(out, shard, self.dp_group, self.qwz_block)
-                else:
-                    works.append(C.all_gather(out, shard, self.dp_group, async_op=async_op))
+        buf = torch.empty(self.layout.groups[g].numel, dtype=self.dtype, device=self.device)
+        works = self.gather.gather(g, buf, self.source, self.backward_phase, async_op)
         self.full[g] = buf
-        if sec is not None:  # hpZ: keep this rank's secondary slice of what the full gather delivers
-            if async_op and works:
-                self.pending_fill.add(g)
-            else:
-                sec.fill(g, buf)
-        for p in group.params:
+        for p in self.layout.groups[g].params:
             self.params[p].data = self.layout.param_view(buf, p)
-        if async_op:
+        if async_op and works:
             self.inflight[g] = works
-            if src is not None and self.disk is not None:
-                self.staged[g] = src  # the disk shard must outlive the async gather reading it
+        else:
+            self._done(g)
 
     def ensure(self, g: int) -> None:
         """Make group ``g`` resident (waiting for its prefetch if one is in flight)."""
@@ -156,10 +126,11 @@ class ParamGatherer:
     def _complete(self, g: int) -> None:
         for w in self.inflight.pop(g):
             w.wait()
-        self.staged.pop(g, None)  # ZeRO-Infinity: the shard read from disk is released after the gather
-        if g in self.pending_fill:
-            self.pending_fill.discard(g)
-            self.secondary.fill(g, self.full[g])
+        self._done(g)
+
+    def _done(self, g: int) -> None:
+        self.source.done(g)
+        self.gather.complete(g, self.full[g])
 
     def release(self, g: int) -> None:
         if g in self.inflight:
@@ -176,14 +147,12 @@ class ParamGatherer:
                 self.release(g)
         self.bwd_active = [False] * len(self.bwd_active)
         self.ready = [0] * len(self.ready)
-        if self.disk is not None:
-            self.disk.drop_pending()  # no gather until the next forward; the step may rewrite the file
+        self.source.settle()
 
     def refresh_persistent(self) -> None:
-        """After a step: the persistent params are re-gathered from the updated partitions (and the hpZ
-        secondary copy, derived from the old parameters, is invalid until the next forward gather)."""
-        if self.secondary is not None:
-            self.secondary.invalidate()
+        """After a step: the persistent params are re-gathered from the updated partitions (and whatever
+        the gather strategy derived from the old parameters is invalid until the next forward gather)."""
+        self.gather.invalidate()
         for g in self.layout.groups:
             if g.persistent:
                 self.full.pop(g.index, None)
@@ -198,10 +167,9 @@ class ParamGatherer:
                 if g in self.full or self.layout.groups[g].persistent:
                     continue
                 numel = self.layout.groups[g].numel
-                if numel > budget:
-                    if self.disk is not None:  # ZeRO-Infinity: read this unit's shards while the current one runs
-                        self.disk.read_ahead([h for h in self.unit_groups[self.order[k]]
-                                              if h not in self.full and not self.layout.groups[h].persistent])
+                if numel > budget:  # the source may read this unit's shards while the current one runs
+                    self.source.read_ahead([h for h in self.unit_groups[self.order[k]]
+                                            if h not in self.full and not self.layout.groups[h].persistent])
                     return
                 budget -= numel
                 self._gather(g, async_op=True)
@@ -255,11 +223,11 @@ class ParamGatherer:
         if self.ready[g] >= self.expected[g] and self.refs[g] == 0 and not group.persistent and g in self.full:
             self.release(g)
 
-    def secondary_bytes(self) -> int:
-        return 0 if self.secondary is None else self.secondary.nbytes()
-
-    def resident_bytes(self) -> int:
-        return sum(b.numel() * b.element_size() for g, b in self.full.items() if self.layout.groups[g].persistent)
+    def memory_report(self) -> dict:
+        """The source's and the gather strategy's bytes by place, plus the persistent groups held gathered."""
+        resident = sum(b.numel() * b.element_size() for g, b in self.full.items() if self.layout.groups[g].persistent)
+        return merge_reports(self.source.memory_report(), self.gather.memory_report(),
+                             {"device": {"params": resident}})
 
 
 def _tensors(out):

@@ -33,8 +33,8 @@ import warnings
 
 import torch
 
-from zerotron.zero.activation_config import ActivationCheckpointConfig
-from zerotron.zero.activation_memory import CheckpointStore
+from zerotron.activation.config import ActivationCheckpointConfig
+from zerotron.activation.store import CheckpointStore
 
 
 def _cuda_ready() -> bool:

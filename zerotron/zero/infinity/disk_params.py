@@ -14,7 +14,7 @@ In 16-bit runs the file holds the 16-bit-rounded values (as fp32, which is exact
 parameters are bit-identical to the in-memory ones.
 
 Consistency with the master weights (one source of truth): the optimizer's fp32 master is
-authoritative -- in its own NVMe file (``nvme_optimizer``) or in memory -- and this file is a
+authoritative -- in its own NVMe file (``disk_optimizer_state``) or in memory -- and this file is a
 derived copy, rewritten from the updated master after every step (write-behind, from inside the
 optimizer's tile loop when the optimizer is on NVMe too) and never read by the optimizer or by
 checkpoints (``partition_state``/``full_params`` read the master). We keep two files rather than
@@ -36,7 +36,7 @@ from concurrent.futures import Future
 
 import torch
 
-from zerotron.zero.disk_offload import DiskTensorStore
+from zerotron.zero.infinity.disk_store import DiskTensorStore
 
 
 def expected_param_offload_bytes(psi: int, dp: int, param_bytes: int = 4) -> dict:
@@ -45,25 +45,32 @@ def expected_param_offload_bytes(psi: int, dp: int, param_bytes: int = 4) -> dic
 
 
 class NvmeParams:
-    """This rank's stage-3 parameter partition in a file, with per-unit read-ahead and write-behind."""
+    """``ShardSource`` (``zero.strategies``): this rank's stage-3 partition in a file, read per unit
+    ahead of its gather and rewritten behind the step."""
 
-    def __init__(self, layout, part_param: torch.Tensor, directory: str, rank: int, buffer_count: int, owner=None):
+    def __init__(self, layout, directory: str, rank: int, buffer_count: int, owner=None):
         os.makedirs(directory, exist_ok=True)
         self.dir = tempfile.mkdtemp(prefix=f"zerotron_params_rank{rank}_", dir=directory)
         self.store = DiskTensorStore(self.dir, buffer_count=buffer_count)
-        self.store.create("param", part_param)
-        self.dtype, self.device, self.numel = part_param.dtype, part_param.device, part_param.numel()
         self.ranges = []  # per layout group: its [lo, hi) in the partition (its chunks are consecutive)
         for g in layout.groups:
             first, last = layout.chunks[g.chunks[0]], layout.chunks[g.chunks[-1]]
             self.ranges.append((first.part_offset, last.part_offset + last.shard))
         self.max_group = max(hi - lo for lo, hi in self.ranges)
+        self.numel = layout.part_numel
         self.pending: dict[int, Future] = {}  # group -> read ahead, holding one buffer slot each
+        self.taken: dict[int, torch.Tensor] = {}  # group -> shard an async gather still reads
         self.writes: list[Future] = []
         self.read_ahead_hits = 0  # gathers whose shard was already read ahead (the overlap working)
         # The file goes with ``owner`` (the optimizer): this object is also held by the gatherer, whose
         # hooks and the model reference each other -- a cycle freed only by the garbage collector.
         self._finalizer = weakref.finalize(owner if owner is not None else self, _cleanup, self.store, self.dir)
+
+    def adopt(self, part: torch.Tensor) -> torch.Tensor:
+        """Write the initial partition to the file; what stays in memory is an empty tensor."""
+        self.store.create("param", part)
+        self.dtype, self.device = part.dtype, part.device
+        return torch.empty(0, dtype=part.dtype, device=part.device)
 
     # reads: just before the all-gather ------------------------------------------------------------
     def take(self, g: int) -> tuple[torch.Tensor, int]:
@@ -77,7 +84,12 @@ class NvmeParams:
         else:
             self._sync_writes()
             data = self.store.read_range("param", lo, hi)
-        return data.to(device=self.device, dtype=self.dtype), lo
+        self.taken[g] = data.to(device=self.device, dtype=self.dtype)
+        return self.taken[g], lo
+
+    def done(self, g: int) -> None:
+        """The gather of group ``g`` no longer reads its shard."""
+        self.taken.pop(g, None)
 
     def read_ahead(self, groups) -> None:
         """Start reading these groups' shards; one slot is always left for a write-behind."""
@@ -90,7 +102,7 @@ class NvmeParams:
             lo, hi = self.ranges[g]
             self.pending[g] = self.store.read_ahead("param", lo, hi)
 
-    def drop_pending(self) -> None:
+    def settle(self) -> None:
         """Forget read-aheads nobody will take (end of backward, before a step rewrites the file)."""
         for fut in self.pending.values():
             fut.result()
@@ -98,40 +110,25 @@ class NvmeParams:
         self.pending.clear()
 
     # writes: after the step -----------------------------------------------------------------------
-    def write_behind(self, start: int, values: torch.Tensor) -> None:
-        """Partition elements ``[start, start + n)`` := ``values`` (master fp32, rounded to the param dtype)."""
-        self.drop_pending()
-        t = values.detach().to(dtype=self.dtype)
-        t = t.to("cpu") if t.device.type != "cpu" else t  # the file is host-side; blocking D2H
-        self.writes.append(self.store.write_behind("param", start, t, take_slot=True))
-
-    def publish_chunk(self, state, lo: int, hi: int) -> None:
-        """``_publish`` of one chunk: write its updated shard to the file.
-
-        The NVMe optimizer already wrote it behind during ``step_tiles``; it only has something to
-        publish after a checkpoint load put a whole master in its cache."""
-        if getattr(state, "tiled", False) and "master" not in state.cache:
-            return
-        tmp = torch.empty(hi - lo, dtype=self.dtype, device=self.device)
-        state.write_params(tmp, lo, hi)
-        self.write_behind(lo, tmp)
+    def write(self, lo: int, values: torch.Tensor) -> None:
+        """Partition elements ``[lo, lo + n)`` := ``values`` (master, rounded to the param dtype), behind."""
+        self.settle()
+        t = values.detach().to(device="cpu", dtype=self.dtype, copy=True)  # host-side file; a snapshot
+        self.writes.append(self.store.write_behind("param", lo, t, take_slot=True))
 
     def _sync_writes(self) -> None:
         for w in self.writes:
             w.result()
         self.writes.clear()
 
-    def read_all(self) -> torch.Tensor:
-        """The whole partition (tests, debugging), after the pending writes."""
-        self._sync_writes()
-        return self.store.read("param").to(self.dtype)
-
     # accounting -----------------------------------------------------------------------------------
-    def disk_bytes(self) -> int:
-        return 4 * self.numel
+    def memory_report(self) -> dict:
+        return {"disk": {"params": 4 * self.numel},
+                "host": {"fixed_buffers": self.store.buffer_count * 4 * self.max_group}}
 
-    def staging_bytes(self) -> int:
-        return self.store.buffer_count * 4 * self.max_group
+    def io_report(self) -> dict:
+        return {"read": self.store.bytes_read, "written": self.store.bytes_written,
+                "read_ahead_hits": self.read_ahead_hits}
 
 
 def _cleanup(store, directory) -> None:

@@ -21,7 +21,7 @@ import torch
 
 from zerotron.parallel import collectives as C
 from zerotron.parallel.grid import Group
-from zerotron.zero.quantize import dequantize, num_blocks, quantize
+from zerotron.zero.zeropp.quantize import dequantize, num_blocks, quantize
 
 
 def quantized_all_gather(output: torch.Tensor, shard: torch.Tensor, group: Group, block_size: int) -> torch.Tensor:

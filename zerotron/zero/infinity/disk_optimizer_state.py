@@ -14,8 +14,9 @@ tile gives bit-for-bit the values of the in-memory step.
 
 Checkpoints: ``master``/``exp_avg``/``exp_avg_sq`` read the whole partition from disk into a
 cache (writes into it, from ``load_partition_state``, are committed to disk before the next step).
-With ``offload_param`` on NVMe too (``nvme_params``) this file's master stays the source of truth:
-each updated master tile is also written behind to the parameter file instead of into memory.
+Each updated master tile goes straight to the stage-3 parameters through their ``ShardSource``
+(``write``): into the partition in memory, or written behind to the parameter file when
+``offload_param`` is on NVMe too (``disk_params``) -- this file's master stays the source of truth.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import weakref
 
 import torch
 
-from zerotron.zero.disk_offload import DiskTensorStore
+from zerotron.zero.infinity.disk_store import DiskTensorStore
 
 KEYS = ("master", "exp_avg", "exp_avg_sq")
 
@@ -42,25 +43,37 @@ def expected_infinity_bytes(psi: int, dp: int, param_bytes: int = 2, k: int = 12
 
 
 class NvmeOptimizerState:
-    """Stand-in for ``offload.OptimizerState`` whose master and moments live in one file per rank."""
+    """``OptimizerStateStore`` (``zero.strategies``) whose master and moments live in one file per rank."""
 
-    tiled = True
-
-    def __init__(self, numel: int, directory: str, rank: int, tile: int, buffer_count: int):
+    def __init__(self, numel: int, directory: str, rank: int, tile: int, buffer_count: int, params):
         os.makedirs(directory, exist_ok=True)
         self.dir = tempfile.mkdtemp(prefix=f"zerotron_rank{rank}_", dir=directory)
         self.numel, self.tile = numel, max(1, min(tile, numel))
         self.store = DiskTensorStore(self.dir, buffer_count=buffer_count)
         self.store.create("state", torch.zeros(3 * numel))
-        self.offload, self.own_master, self.step = True, True, 0
+        self.params = params  # the stage-3 ShardSource: where each updated master tile is published
+        self.step = 0
         self.device = torch.device("cpu")
         self.cache: dict[str, torch.Tensor] = {}
         self.decay: list[tuple[int, int]] = []  # partition coordinates, set by ``attach``
+        self.layout = None
         self._finalizer = weakref.finalize(self, _cleanup, self.store, self.dir)
 
     def tiles(self):
         for a in range(0, self.numel, self.tile):
             yield a, min(a + self.tile, self.numel)
+
+    def attach(self, layout, decay_segments: list, param_shards: list) -> None:
+        """Decay ranges in partition coordinates."""
+        self.layout = layout
+        for c in layout.chunks:
+            self.decay += [(c.part_offset + a, c.part_offset + b) for a, b in decay_segments[c.index]]
+
+    @property
+    def masters(self) -> "_LazyMasters":
+        """Chunk shards of the master, read when asked (``full_params``); made per use, so no
+        reference cycle keeps this object -- and its files -- alive past the optimizer."""
+        return _LazyMasters(self, self.layout)
 
     # whole-partition views (init, checkpoints, full_params) -------------------------------------
     def _read_range(self, key: str, lo: int, hi: int) -> torch.Tensor:
@@ -82,6 +95,12 @@ class NvmeOptimizerState:
     exp_avg = property(lambda self: self._materialize("exp_avg"))
     exp_avg_sq = property(lambda self: self._materialize("exp_avg_sq"))
 
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {key: self._materialize(key) for key in KEYS}
+
+    def part_slice(self, key: str, off: int, n: int) -> torch.Tensor:
+        return self._materialize(key)[off:off + n]
+
     def commit(self) -> None:
         """Write cached (possibly modified) whole-partition tensors back to disk and drop them."""
         if not self.cache:
@@ -101,26 +120,14 @@ class NvmeOptimizerState:
         """Master elements ``[lo, hi)`` (for ``full_params``), from the cache or the disk."""
         return self.cache["master"][lo:hi] if "master" in self.cache else self._read_range("master", lo, hi)
 
-    # the optimizer-facing interface of OptimizerState --------------------------------------------
-    def write_params(self, dst: torch.Tensor, lo: int, hi: int) -> None:
-        """Parameters are written during ``step_tiles``; after a checkpoint load, from the cached master."""
-        if "master" in self.cache:
-            dst.copy_(self.cache["master"][lo:hi])
-
-    def state_bytes(self) -> tuple[int, int]:
-        return 0, 0  # on disk: see disk_bytes()
-
-    def disk_bytes(self) -> int:
-        return 3 * 4 * self.numel
-
-    def staging_bytes(self) -> int:
-        return self.store.buffer_count * 3 * 4 * self.tile
+    def fresh(self, c) -> torch.Tensor | None:
+        """The step publishes every tile itself; only a master loaded into the cache is still unpublished."""
+        return self.cache["master"][c.part_offset:c.part_offset + c.shard] if "master" in self.cache else None
 
     # the step -----------------------------------------------------------------------------------
-    def step_tiles(self, opt, coef: float) -> None:
+    def update(self, grads, adamw, coef: float) -> None:
         """AdamW over the partition, tile by tile: read i+1 ahead, update i, write i-1 behind."""
         self.commit()
-        grads, params = opt.reducer.part_grad, opt.part_param
         tiles = list(self.tiles())
         reads = [self.store.read_ahead("state", 3 * tiles[0][0], 3 * tiles[0][1])]
         writes = []
@@ -129,26 +136,23 @@ class NvmeOptimizerState:
             if i + 1 < len(tiles):  # read ahead (blocks only when buffer_count tiles are in memory)
                 reads.append(self.store.read_ahead("state", 3 * tiles[i + 1][0], 3 * tiles[i + 1][1]))
             master, exp_avg, exp_avg_sq = buf[0], buf[1], buf[2]
-            grad = grads[a:b].float()
+            grad = grads.grad_range(a, b).float()
             if coef != 1.0:
                 grad.mul_(coef)
             segs = [(max(s, a) - a, min(e, b) - a) for s, e in self.decay if s < b and e > a]
-            opt.adam.update(master, grad, exp_avg, exp_avg_sq, self.step, opt.lr, opt.betas, opt.eps,
-                            opt.weight_decay, segs)
-            if opt.param_disk is not None:  # ZeRO-Infinity params on disk: the param file follows the master
-                opt.param_disk.write_behind(a, master)
-            else:
-                params[a:b].copy_(master)
+            adamw(master, grad, exp_avg, exp_avg_sq, segs)
+            self.params.write(a, master)
             writes.append(self.store.write_behind("state", 3 * a, buf.view(-1)))  # frees the slot when done
         for w in writes:
             w.result()
 
-    def attach(self, opt) -> None:
-        """After the optimizer filled the master through ``master``: decay ranges, disk commit, lazy masters."""
-        for c in opt.layout.chunks:
-            self.decay += [(c.part_offset + a, c.part_offset + b) for a, b in opt.decay_segments[c.index]]
-        self.commit()
-        opt.masters = _LazyMasters(self, opt.layout)
+    # accounting -----------------------------------------------------------------------------------
+    def memory_report(self) -> dict:
+        return {"disk": {"master_fp32": 4 * self.numel, "optimizer_moments": 2 * 4 * self.numel},
+                "host": {"fixed_buffers": self.store.buffer_count * 3 * 4 * self.tile}}
+
+    def io_report(self) -> dict:
+        return {"read": self.store.bytes_read, "written": self.store.bytes_written}
 
 
 class _LazyMasters:

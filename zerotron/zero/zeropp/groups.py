@@ -1,4 +1,4 @@
-"""ZeRO++ wiring: which groups the quantized and hierarchical collectives use, and hpZ's secondary partition.
+"""ZeRO++ groups (which ranks the quantized and hierarchical collectives span) and hpZ's secondary partition.
 
 ZeRO++ (Wang et al., arXiv 2306.10209) attacks the 3Ψ communication of Pos+g+p (ZeRO §7.2.2):
 
@@ -14,42 +14,23 @@ ZeRO++ (Wang et al., arXiv 2306.10209) attacks the 3Ψ communication of Pos+g+p 
 * **qgZ** -- the gradient reduce-scatter becomes a quantized all-to-all, hierarchical (inside the
   node first, then across nodes) so the cross-node step moves 1/node_size of the data.
 
-``setup`` validates the sizes against the DP group and creates the groups (``Grid.split_group``,
-a collective every rank calls with the same config) before any other collective of the optimizer.
+``node_groups`` creates the node-local groups (``Grid.split_group``, a collective every rank calls
+with the same sizes); ``zero.strategies.build`` calls it after validating the sizes against the DP
+group and hands the groups to the strategies of ``zeropp.strategies``.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
 from zerotron.parallel import collectives as C
 
 
-@dataclass
-class ZeroPP:
-    block: int                      # quantization block (elements per fp32 scale)
-    qwz: bool = False
-    hpz_group: object = None        # secondary-partition group ("dp_inner"), None: hpZ off
-    qgz: bool = False
-    qgz_inner: object = None        # hierarchical qgZ groups; None: flat all-to-all over DP
-    qgz_outer: object = None
-
-
-def setup(cfg, grid) -> ZeroPP:
-    """Validate the ZeRO++ sizes against the DP size and create the node-local groups."""
-    dp = grid.dp_group
-    cfg.validate(dp_size=dp.size)  # hpZ / qgZ sizes must divide DP: raised on every rank, no collective yet
-    pp = ZeroPP(block=cfg.zero_quantization_block_size, qwz=cfg.zero_quantized_weights,
-                qgz=cfg.zero_quantized_gradients)
-    k = cfg.zero_hpz_partition_size
-    if 1 < k < dp.size:
-        pp.hpz_group, _ = grid.split_group("dp", k)
-    node = cfg.qgz_node_size
-    if cfg.zero_quantized_gradients and 1 < node < dp.size:
-        pp.qgz_inner, pp.qgz_outer = grid.split_group("dp", node)
-    return pp
+def node_groups(grid, size: int) -> tuple:
+    """``(inner, outer)`` DP groups of ``size`` consecutive members (``(None, None)``: no split needed)."""
+    if 1 < size < grid.dp_group.size:
+        return grid.split_group("dp", size)
+    return None, None
 
 
 class SecondaryPartition:

@@ -1,6 +1,6 @@
 """Activation-checkpointing settings (ZeRO-R, ZeRO §6.1 and §6.3), named after DeepSpeed's keys.
 
-The field names are DeepSpeed's ``activation_checkpointing`` keys (reference §6), so the paper's
+The field names are DeepSpeed's ``activation_checkpointing`` keys, so the paper's
 configurations C1-C5 (Table 3: CB + MD, + Pa, + Pa+cpu) are written exactly as a DeepSpeed user
 would write them:
 
@@ -90,17 +90,23 @@ class ActivationCheckpointConfig:
             raise ValueError(f"activation_checkpointing must be a dict, got {type(ds).__name__}")
         whole = "activation_checkpointing" in ds or bool(set(ds) & _DS_TOP_LEVEL)
         section = ds.get("activation_checkpointing") if whole else ds
-        kw: dict = {}
-        if section is not None:
-            deepspeed_section(section, "activation_checkpointing", _DS_KEYS)
-            if section.get("profile", False) is not False:
-                raise ValueError("activation_checkpointing.profile=true: per-chunk profiling is not implemented; "
-                                 "remove the key (step times are in the trainer's metrics)")
-            kw = {key: value for key, value in section.items() if key != "profile"}
-            kw["checkpoint_activations"] = True
+        kw = activation_fields_from_deepspeed(section) if section is not None else {}
         names = {f.name for f in fields(cls)}
         unknown = sorted(set(overrides) - names)
         if unknown:
             raise ValueError(f"ActivationCheckpointConfig has no field {unknown[0]!r}; fields are {sorted(names)}")
         kw.update(overrides)
         return cls(**kw).validate()
+
+
+def activation_fields_from_deepspeed(section: dict) -> dict:
+    """ActivationCheckpointConfig fields from a DeepSpeed ``activation_checkpointing`` dict: its keys,
+    plus ``checkpoint_activations=True`` (the section's presence is DeepSpeed's way of saying
+    checkpoints are taken). Unknown keys are errors."""
+    deepspeed_section(section, "activation_checkpointing", _DS_KEYS)
+    if section.get("profile", False) is not False:
+        raise ValueError("activation_checkpointing.profile=true: per-chunk profiling is not implemented; "
+                         "remove the key (step times are in the trainer's metrics)")
+    kw = {key: value for key, value in section.items() if key != "profile"}
+    kw["checkpoint_activations"] = True
+    return kw

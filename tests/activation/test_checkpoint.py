@@ -10,7 +10,6 @@ are bit-identical -- no tolerance.
 Byte and volume figures are exact for the shapes used (b·s·h = 2·16·32 = 1024, divisible by tp).
 """
 
-import dataclasses
 import math
 import warnings
 
@@ -21,8 +20,8 @@ from tests.harness import spawn
 from tests.parity import assert_bitwise
 from zerotron.model import GPT, GPTConfig
 from zerotron.parallel import Grid, ParallelDims
-from zerotron.zero.activation_checkpoint import apply_activation_checkpointing, remove_activation_checkpointing
-from zerotron.zero.activation_config import ActivationCheckpointConfig as AC
+from zerotron.activation.checkpoint import apply_activation_checkpointing, remove_activation_checkpointing
+from zerotron.activation.config import ActivationCheckpointConfig as AC
 
 B, S, H = 2, 16, 32
 BSH = B * S * H
@@ -96,9 +95,10 @@ def check_tp2_modes():
     model = GPT(cfg, grid, seed=5)
     apply_activation_checkpointing(model, grid, AC(True, partition_activations=True))
     x = torch.randn(B, S, H, requires_grad=True)
-    grid.stats.reset()
+    mark = grid.stats.snapshot()
     model.run_blocks(x).sum().backward()
-    reduce, gather = grid.stats.get("all_reduce", "tp"), grid.stats.get("all_gather", "tp")
+    window = grid.stats.since(mark)
+    reduce, gather = window.get("all_reduce", "tp"), window.get("all_gather", "tp")
     assert reduce.elements == 12 * BSH * L and gather.elements == BSH * L and gather.calls == L
     assert gather.elements * 12 == reduce.elements
     return saved
@@ -121,7 +121,7 @@ def check_zero2_tp2_dp2():
         if mode:
             apply_activation_checkpointing(model, grid, AC(True, **MODES[mode]))
         model.rng.seed(11, grid)
-        opt = ZeroOptimizer(model, grid, ZeroConfig(stage=2, precision="fp32", reduce_bucket_size=3000,
+        opt = ZeroOptimizer(model, grid, ZeroConfig(stage=2, reduce_bucket_size=3000,
                                                     allgather_bucket_size=3000), lr=1e-2)
         losses = []
         for i, (ids, labels) in enumerate(micro):
@@ -159,7 +159,7 @@ def check_constant_buffers():
         model = GPT(make_cfg(layers), grid, seed=5)
         handle = apply_activation_checkpointing(model, grid, AC(True, partition_activations=True,
                                                                 contiguous_memory_optimization=True))
-        opt = ZeroOptimizer(model, grid, ZeroConfig(stage=2, precision="fp32", reduce_bucket_size=4096,
+        opt = ZeroOptimizer(model, grid, ZeroConfig(stage=2, reduce_bucket_size=4096,
                                                     allgather_bucket_size=4096), lr=1e-2)
         opt.backward(model(ids, labels))
         opt.step()
@@ -273,9 +273,12 @@ def test_from_deepspeed_expresses_c1_to_c5():
         AC.from_deepspeed({}, every=2)
 
 
-def test_trainer_section_maps_onto_config():
-    from zerotron.training.config import ActivationCheckpointSection
+def test_run_config_holds_the_config_itself():
+    """The run config's section is ActivationCheckpointConfig, so every key of it can be set."""
+    from zerotron.training.cli import parse_config
 
-    section = ActivationCheckpointSection(checkpoint_activations=True, partition_activations=True)
-    cfg = AC(**dataclasses.asdict(section)).validate()
-    assert cfg.partition_activations and cfg.checkpoint_every == 1
+    cfg = parse_config(["--checkpoint-activations", "--activation_checkpointing.synchronize_checkpoint_boundary",
+                        "true"])
+    assert isinstance(cfg.activation_checkpointing, AC)
+    assert cfg.activation_checkpointing.synchronize_checkpoint_boundary is True
+    assert cfg.validate(1).activation_checkpointing.checkpoint_every == 1

@@ -1,0 +1,74 @@
+"""The whole parallel plan of a GPT in one function, applied in torchtitan's order.
+
+1. **Pipeline stage** -- which layers this rank holds (``model.stages.build_stage``; the whole
+   model when pp = 1). The word embedding lives on the first stage, the head and loss on the
+   last, with a tied copy of the embedding there (Megatron-LM).
+2. **Tensor parallelism** -- built into the layers (column/row-parallel linears, vocab-parallel
+   embedding and loss; Megatron-LM §3), so it is decided by ``grid.tp_size`` when the stage is
+   made: every parameter carries its ``ShardInfo`` from birth.
+3. **Activation checkpointing** -- ZeRO-R (ZeRO §6.1, §6.3): which block inputs are kept, where
+   (Pa, Pa+cpu) and how (MD); its buffer is sized by the micro-batches a stage holds at once,
+   which the pipeline schedule decides.
+4. **ZeRO-DP** (ZeRO §5) -- the optimizer partitions states, gradients and (stage 3) parameters
+   over DP; stage 3 gathers in explicit units ``[model, *model.blocks]``: the root (embeddings,
+   final norm, head) for the whole forward and backward, each block only while it runs.
+
+The trainer, the benchmarks and the paper scripts build through here, so they measure the
+model a run trains.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from zerotron.activation import apply_activation_checkpointing
+from zerotron.activation.checkpoint import ActivationCheckpointing
+from zerotron.model import GPT, GPTConfig
+from zerotron.model.stages import build_stage
+from zerotron.parallel.grid import Grid
+from zerotron.parallel.pipeline import microbatches_in_flight
+from zerotron.training.config import RunConfig
+from zerotron.zero import ZeroOptimizer
+from zerotron.zero.loss_scaler import make_loss_scaler
+from zerotron.zero.optimizer import DTYPES
+
+
+@dataclass
+class ParallelGPT:
+    """What ``parallelize_gpt`` returns: this rank's stage, its optimizer, its checkpointing handle."""
+
+    model: GPT
+    optimizer: ZeroOptimizer
+    activations: ActivationCheckpointing | None
+
+
+def model_dtype(precision: str) -> torch.dtype:
+    """The dtype a model is built in: its master weights' (float64 for fp64, else float32), from
+    which the ZeRO optimizer casts the parameters of a 16-bit run."""
+    return torch.promote_types(DTYPES[precision], torch.float32)
+
+
+def parallelize_gpt(cfg: RunConfig, model_cfg: GPTConfig, grid: Grid, device: torch.device | None = None,
+                    layout_independent_init: bool = True) -> ParallelGPT:
+    """Build this rank's part of the GPT and everything that parallelizes it, from one validated
+    ``RunConfig`` (``cfg.validate(world_size)`` first) and the model's ``GPTConfig``.
+
+    ``layout_independent_init=False`` draws each rank's shard directly (fast for big models on one
+    device) instead of the same full weights for every (tp, pp) layout.
+    """
+    t, o = cfg.training, cfg.optimizer
+    dtype = model_dtype(t.precision)
+    model = build_stage(model_cfg, grid, dtype=dtype, device=device, seed=t.seed,
+                        layout_independent_init=layout_independent_init)
+    in_flight = microbatches_in_flight(cfg.parallel.pipeline_schedule, grid.pp_size, grid.pp_rank,
+                                       cfg.num_microbatches)
+    activations = apply_activation_checkpointing(model, grid, cfg.activation_checkpointing,
+                                                 microbatches_in_flight=in_flight)
+    scaler = make_loss_scaler(t.precision, o.initial_loss_scale, o.loss_scale_window, o.hysteresis,
+                              o.min_loss_scale)
+    optimizer = ZeroOptimizer(model, grid, cfg.zero, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                              weight_decay=o.weight_decay, clip_grad=o.clip_grad,
+                              stage3_units=[model, *model.blocks], precision=t.precision, loss_scaler=scaler)
+    return ParallelGPT(model, optimizer, activations)

@@ -1,0 +1,112 @@
+"""Where the fp32 optimizer state lives: on the accelerator, or on the host (ZeRO-Offload).
+
+``OptimizerState`` is the in-memory ``OptimizerStateStore`` of ``zero.strategies``.
+
+ZeRO-Offload moves the Pos state (fp32 master weights and both Adam moments, 12 of the 16 bytes
+per parameter) and the Adam step itself to the CPU. Per step each rank copies its reduced
+gradient shard device-to-host (as fp32) and its updated 16-bit parameter shard host-to-device;
+both copies go through fixed-size staging buffers one chunk at a time (CB), so offloading never
+allocates model-sized temporaries. On CUDA the host tensors are pinned for fast async copies. On a
+CPU-only machine "device" and "host" are the same memory, but the path is the same: the state is
+allocated on ``torch.device("cpu")`` and every transfer is an explicit copy into a staging buffer.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+import torch
+
+
+class OptimizerState:
+    """fp32 master, exp_avg and exp_avg_sq for this rank's partition, plus a gradient staging buffer."""
+
+    def __init__(self, numel: int, max_shard: int, device: torch.device, offload: bool, own_master: bool = True,
+                 dtype: torch.dtype = torch.float32):
+        self.offload = offload
+        # own_master=False (fp32 runs on the device): the fp32 parameters themselves are the master
+        # weights, so no second copy exists (K = 8); ``attach`` binds the master to their storage.
+        self.own_master = own_master
+        self.device = torch.device("cpu") if offload else device
+        pin = offload and device.type == "cuda"
+
+        def alloc(n):
+            t = torch.zeros(n, dtype=dtype, device=self.device)
+            return t.pin_memory() if pin else t
+
+        self.master = alloc(numel) if own_master else None
+        self.exp_avg, self.exp_avg_sq = alloc(numel), alloc(numel)
+        # fp32 gradient shard of one chunk (D2H target); fp32 on-device gradients need none
+        self.grad_stage = alloc(max_shard if own_master else 0)
+        self.step = 0
+        self.layout, self.decay, self.masters = None, [], []
+
+    def attach(self, layout, decay_segments: list, param_shards: list[torch.Tensor]) -> None:
+        """``masters[c]``: chunk ``c``'s shard of the own master, or of the parameter storage itself."""
+        self.layout, self.decay = layout, decay_segments
+        if self.own_master:
+            self.masters = [self.master[c.part_offset:c.part_offset + c.shard] for c in layout.chunks]
+        else:
+            self.masters, self.master = list(param_shards), _joined(param_shards)
+
+    def part_slice(self, key: str, off: int, n: int) -> torch.Tensor:
+        if key != "master" or self.master is not None:
+            return getattr(self, key)[off:off + n]
+        starts = [c.part_offset for c in self.layout.chunks]
+        c = self.layout.chunks[bisect.bisect_right(starts, off) - 1]
+        return self.masters[c.index][off - c.part_offset:off - c.part_offset + n]
+
+    def commit(self) -> None:
+        pass  # writes land in the tensors themselves
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The partition's state; a master scattered over the parameter storage is concatenated (a copy)."""
+        master = self.master if self.master is not None else torch.cat(self.masters)
+        return {"master": master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+
+    def update(self, grads, adamw, coef: float) -> None:
+        """AdamW chunk by chunk, each reduced gradient shard staged to fp32 first (CB)."""
+        for c in self.layout.chunks:
+            lo, hi = c.part_offset, c.part_offset + c.shard
+            grad = self.stage_grad(grads.grad_shard(c), coef)
+            adamw(self.masters[c.index], grad, self.exp_avg[lo:hi], self.exp_avg_sq[lo:hi], self.decay[c.index])
+
+    def fresh(self, c) -> torch.Tensor | None:
+        """An own master still has to be copied into the parameters; a shared one is them."""
+        return self.masters[c.index] if self.own_master else None
+
+    def stage_grad(self, grad_shard: torch.Tensor, coef: float) -> torch.Tensor:
+        """Copy (D2H when offloading) and cast one reduced gradient shard to fp32, scaled by ``coef``.
+
+        An fp32 shard already in the state's memory is scaled in place instead (no copy): the reduced
+        gradient is consumed by this step and zeroed right after it."""
+        if grad_shard.dtype == self.exp_avg.dtype and grad_shard.device == self.device:
+            if coef != 1.0:
+                grad_shard.mul_(coef)
+            return grad_shard
+        out = self.grad_stage[:grad_shard.numel()]
+        out.copy_(grad_shard)  # blocking: the CPU Adam reads it next
+        if coef != 1.0:
+            out.mul_(coef)
+        return out
+
+    def memory_report(self) -> dict:
+        size = self.exp_avg.element_size()
+        master = self.master.numel() * size if self.own_master else 0
+        return {"host" if self.offload else "device": {
+            "master_fp32": master, "optimizer_moments": (self.exp_avg.numel() + self.exp_avg_sq.numel()) * size,
+            "fixed_buffers": self.grad_stage.numel() * self.grad_stage.element_size()}}
+
+    def io_report(self) -> dict:
+        return {}
+
+
+def _joined(views: list[torch.Tensor]) -> torch.Tensor | None:
+    """One tensor over ``views`` when they lie back to back in one storage (else None)."""
+    first = views[0]
+    end = first.storage_offset()
+    for v in views:
+        if v.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() or v.storage_offset() != end:
+            return None
+        end += v.numel()
+    return first.as_strided((end - first.storage_offset(),), (1,))
