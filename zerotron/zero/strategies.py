@@ -6,14 +6,14 @@ crosses the wire -- four independent choices, each behind one small protocol, so
 (``optimizer``, ``grad_reduce``, ``stage3``) keeps a single code path whatever is enabled:
 
 * ``ShardSource`` -- where stage 3 reads a group's parameter shard just before its all-gather:
-  memory (``MemoryShards``) or a file (``infinity.disk_params.NvmeParams``, Infinity §5-6).
+  memory (``MemoryShards``) or a file (``infinity.disk_params.DiskParams``, Infinity §5-6).
 * ``Gather`` -- how a stage-3 group is all-gathered: ``PlainGather`` (ZeRO §5.3), qwZ
   (``zeropp.strategies.QuantizedGather``, ZeRO++ §3.1) or hpZ (``SecondaryGather``, §3.2).
 * ``ReduceScatter`` -- how a gradient bucket of stages 1-3 reaches its owners:
   ``PlainReduceScatter`` (ZeRO §5.2) or qgZ (``zeropp.strategies.QuantizedReduceScatter``, §3.3).
 * ``OptimizerStateStore`` -- where the fp32 master and the Adam moments live and how AdamW runs
   over them: device or host memory (``optimizer_state.OptimizerState``, ZeRO-Offload) or disk
-  tiles (``infinity.disk_optimizer_state.NvmeOptimizerState``, Infinity §5).
+  tiles (``infinity.disk_optimizer_state.DiskOptimizerState``, Infinity §5).
 
 ``build`` is the only code that reads the feature keys of ``ZeroConfig``. Every strategy reports
 its own bytes by place -- ``memory_report() -> {"device" | "host" | "disk": {kind: bytes}}`` with
@@ -29,8 +29,8 @@ from typing import Callable, Protocol, Sequence
 import torch
 
 from zerotron.parallel import collectives as C
-from zerotron.zero.infinity.disk_optimizer_state import NvmeOptimizerState
-from zerotron.zero.infinity.disk_params import NvmeParams
+from zerotron.zero.infinity.disk_optimizer_state import DiskOptimizerState
+from zerotron.zero.infinity.disk_params import DiskParams
 from zerotron.zero.optimizer_state import OptimizerState
 from zerotron.zero.zeropp.groups import SecondaryPartition, node_groups
 
@@ -228,13 +228,13 @@ def build(cfg, grid, layout, dtype: torch.dtype, master_dtype: torch.dtype, devi
     if cfg.stage == 3:
         shards = MemoryShards()
         if cfg.offload_param_device == "nvme":
-            shards = NvmeParams(layout, cfg.offload_param_nvme_path, grid.rank,
+            shards = DiskParams(layout, cfg.offload_param_nvme_path, grid.rank,
                                              cfg.offload_param_buffer_count, owner=owner)
         gather = QuantizedGather(layout, dp, block) if cfg.zero_quantized_weights else PlainGather(layout, dp)
         if hpz is not None:
             gather = SecondaryGather(gather, SecondaryPartition(layout, hpz, grid.rank, dtype, device))
     if cfg.optimizer_offload == "nvme":
-        state = NvmeOptimizerState(layout.part_numel, cfg.offload_optimizer_nvme_path, grid.rank,
+        state = DiskOptimizerState(layout.part_numel, cfg.offload_optimizer_nvme_path, grid.rank,
                                    cfg.sub_group_size, cfg.offload_optimizer_buffer_count, params=shards)
     else:
         # fp32 on the device: the parameters are the master weights (no 4-byte copy; K = 8, not 12),

@@ -42,7 +42,7 @@ def expected_infinity_bytes(psi: int, dp: int, param_bytes: int = 2, k: int = 12
     return {"device": 2 * param_bytes * psi / dp, "disk": k * psi / dp}
 
 
-class NvmeOptimizerState:
+class DiskOptimizerState:
     """``OptimizerStateStore`` (``zero.strategies``) whose master and moments live in one file per rank."""
 
     def __init__(self, numel: int, directory: str, rank: int, tile: int, buffer_count: int, params):

@@ -44,7 +44,7 @@ def expected_param_offload_bytes(psi: int, dp: int, param_bytes: int = 4) -> dic
     return {"memory_saved": param_bytes * psi / dp, "disk": 4 * psi / dp}
 
 
-class NvmeParams:
+class DiskParams:
     """``ShardSource`` (``zero.strategies``): this rank's stage-3 partition in a file, read per unit
     ahead of its gather and rewritten behind the step."""
 
