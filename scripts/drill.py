@@ -11,6 +11,10 @@ fault took to be detected (fault -> job exit), and whether data was lost: after 
 newest complete checkpoint must load and a resumed run must continue from it to the end. In-process
 faults use the ``ZEROTRON_FAULT`` test hook (zerotron/training/faults.py). Prints a table; exits 1
 if any scenario lost data or ended unexpectedly.
+
+Everything it writes -- run and checkpoint directories, the corrupted corpus copies, torchrun's
+own temporary files (``TMPDIR``) -- goes to a fresh directory under ``--out`` (default
+``runs/drill``), removed at the end unless ``--keep``; never the system temp dir.
 """
 
 from __future__ import annotations
@@ -40,11 +44,14 @@ COMMON = ["--config", "configs/tiny.yaml", "--tp", "1", "--micro-batch-size", "2
 class Job:
     """A torchrun job whose output lines are timestamped as they arrive."""
 
+    tmp: Path | None = None  # TMPDIR of every job (main sets it inside the drill's directory)
+
     def __init__(self, nproc: int, argv: list[str], env: dict[str, str] | None = None):
         cmd = [str(TORCHRUN), "--standalone", "--nproc_per_node", str(nproc), "scripts/pretrain_gpt.py", *argv]
         self.start = time.monotonic()
         self.lines: list[tuple[float, str]] = []
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **(env or {})}, text=True,
+        env = {**os.environ, **({"TMPDIR": str(self.tmp)} if self.tmp else {}), **(env or {})}
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, text=True,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -190,9 +197,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--only", default="", help="comma-separated scenario names")
+    ap.add_argument("--out", default=str(ROOT / "runs" / "drill"), help="where the drill's directory is made")
     ap.add_argument("--keep", action="store_true", help="keep the drill's run directories")
     args = ap.parse_args()
-    root = Path(tempfile.mkdtemp(prefix="zerotron_drill_"))
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    root = Path(tempfile.mkdtemp(prefix="drill_", dir=args.out))
+    (root / "tmp").mkdir()
+    Job.tmp = root / "tmp"  # torchrun's and the workers' temporary files stay in the drill's directory
     n = args.nproc
 
     def data(kind: str, extra: list[str]):

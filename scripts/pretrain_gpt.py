@@ -5,9 +5,14 @@
 
 Every field of the config can be overridden with --<section>.<field> VALUE; see --help.
 
-Exit codes: 0 done; 2 bad input (config, data, checkpoint) or a run that cannot go on (NaN loss,
-overflow storm) -- the message names the field/file/step and the fix; 3 a collective failed (a
-peer rank died or is stuck; the message names it) -- torchrun then stops the remaining ranks.
+Exit codes: 0 done (also: the checkpoint it would resume is already at training.train_steps);
+2 bad input (config, data, checkpoint), a checkpoint directory another run holds, or a run that
+cannot go on (NaN loss, overflow storm) -- the message names the field/file/step and the fix;
+3 a collective failed (a peer rank died or is stuck; the message names it) -- torchrun then
+stops the remaining ranks.
+
+Checkpoints: ``checkpoint.load=auto`` (the default) resumes this run's newest checkpoint in
+``checkpoint.save`` when there is one, so ``torchrun --max-restarts N`` continues a crashed job.
 """
 
 from __future__ import annotations
@@ -36,13 +41,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from zerotron.parallel import init_distributed, shutdown
     from zerotron.parallel.health import CollectiveError
+    from zerotron.training.resume import AlreadyComplete
     from zerotron.training.trainer import Trainer, TrainingStopped
 
     env = init_distributed()
     trainer = None
 
-    def close() -> None:  # heartbeat thread first, then the process group
+    def close() -> None:  # the checkpoint directory's lock, the heartbeat thread, then the process group
         if trainer is not None:
+            trainer.release_lock()
             trainer.grid.close()
         shutdown()
 
@@ -53,17 +60,30 @@ def main(argv: list[str] | None = None) -> int:
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         result = trainer.train()
+    except AlreadyComplete as e:
+        if env.rank == 0:
+            print(f"[zerotron] {e}", flush=True)
+        close()
+        return 0
     except (ConfigError, CheckpointError, TrainingStopped) as e:
         print(f"[rank {env.rank}] {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         close()
         return 2
     except CollectiveError as e:  # a peer died or is stuck: say which, exit at once (no group teardown,
         print(f"[rank {env.rank}] {type(e).__name__}: {e}", file=sys.stderr, flush=True)  # it could block)
+        if trainer is not None:
+            trainer.release_lock()
         return COLLECTIVE_FAILED
+    except BaseException:  # anything unforeseen still gives the checkpoint directory back
+        if trainer is not None:
+            trainer.release_lock()
+        raise
     else:
         close()
     if env.rank == 0 and result:
-        print(f"[zerotron] done: step {trainer.step}, loss {result.get('loss', float('nan')):.4f}", flush=True)
+        what = "stopped" if trainer.stopped else "done"
+        print(f"[zerotron] {what}: step {trainer.step} of {cfg.training.train_steps}, "
+              f"loss {result.get('loss', float('nan')):.4f}", flush=True)
     return 0
 
 

@@ -3,6 +3,7 @@ against the memory model (``zerotron.estimate.memory_model``).
 
     python scripts/run_ablations.py                 # ~3-5 min on a 2-core CPU
     python scripts/run_ablations.py --quick         # the test's run (~40 s)
+    python scripts/run_ablations.py --figures docs/figures   # refresh the committed figures
 
 Layout: a tiny GPT on 4 gloo ranks, TP 2 x DP 2, so Pa has MP ranks to partition over. Configs:
 the no-ZeRO baseline (stage 0), C1–C5 (read from ``configs/zero100b/ablations/c*.yaml``) and
@@ -16,7 +17,10 @@ a real run of a few steps. On a CPU the interpreter dominates RSS, so the cap is
 Finally it measures model states per rank at DP 2, 4, 8 (TP 1) for stages 0–3 (Figure 1).
 
 Every measured figure is compared with the memory model's prediction; results go to CSV, JSONL,
-a markdown table and wandb (offline by default), and figures to PNG (matplotlib, Agg).
+a markdown table and wandb (offline by default), and figures to PNG (matplotlib, Agg) -- all
+under ``--out`` (default ``runs/ablations``, figures in its ``figures/``). The committed
+``docs/figures`` change only when asked for with ``--figures docs/figures``, so a quick or
+partial run never overwrites them.
 """
 
 from __future__ import annotations
@@ -74,7 +78,7 @@ def setup_of(a, name: str, layers: int, tp: int, dp: int) -> Setup:
     s = ablation_settings(name)
     return Setup(model_cfg(a, layers), tp=tp, dp=dp, micro_batch=a.batch, stage=s["stage"],
                  partition_activations=s["pa"], cpu_checkpointing=s["cpu"], contiguous_memory=s["md"],
-                 precision=a.precision, bucket_size=a.bucket)
+                 precision=a.precision, bucket_size=a.bucket, grad_bytes=2)
 
 
 # worker side ---------------------------------------------------------------------------------------
@@ -89,6 +93,7 @@ def train_and_measure(grid, a, name: str, layers: int, steps: int) -> dict:
     z, ac, t, o = cfg.zero, cfg.activation_checkpointing, cfg.training, cfg.optimizer
     z.reduce_bucket_size = z.allgather_bucket_size = a.bucket
     z.stage3_param_persistence_threshold = 0
+    z.grad_accum_dtype = a.precision  # the paper's 16-bit gradients, so its 2 + 2 + K accounting holds
     ac.partition_activations = ac.partition_activations and grid.tp_size > 1  # Pa needs MP ranks (§6.1)
     t.precision, t.seed, t.micro_batch_size, t.global_batch_size = a.precision, 1234, a.batch, a.batch * grid.dp_size
     o.lr, o.beta2, o.weight_decay, o.clip_grad = 1e-4, 0.999, 0.0, 1.0
@@ -202,10 +207,11 @@ def parse_args(argv=None):
     p.add_argument("--max-search-layers", type=int, default=48)
     p.add_argument("--dp-sweep", default="2,4,8")
     p.add_argument("--out", default=str(ROOT / "runs" / "ablations"))
-    p.add_argument("--figures", default=str(ROOT / "docs" / "figures"))
+    p.add_argument("--figures", default=None, help="where the PNGs go (default: <out>/figures)")
     p.add_argument("--wandb-mode", default="offline", choices=["offline", "online", "disabled"])
     p.add_argument("--wandb-project", default="zerotron-ablations")
     a = p.parse_args(argv)
+    a.figures = a.figures or str(Path(a.out) / "figures")
     if a.quick:
         a.layers, a.steps, a.batch, a.cap_kib, a.dp_sweep = 4, 2, 4, 512.0, "2,4"
     a.configs = [c for c in a.configs.split(",") if c]

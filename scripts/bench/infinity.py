@@ -16,10 +16,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
+from pathlib import Path
 
 from zerotron.testing.launch import spawn
 from zerotron.testing.zero_runs import train_gpt
 from zerotron.zero.infinity.disk_store import measure_bandwidth
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(kw, steps, shape):
@@ -34,13 +37,16 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--nvme-path", default=None)
+    ap.add_argument("--nvme-path", default=None,
+                    help="directory for the offloaded files (default: a fresh one under runs/bench/infinity)")
     ap.add_argument("--sub-group-size", type=int, default=1_000_000)
     ap.add_argument("--buffer-count", type=int, default=4)
     ap.add_argument("--param-buffer-count", type=int, default=5)
     ap.add_argument("--probe-mb", type=int, default=256)
     a = ap.parse_args()
-    path = a.nvme_path or tempfile.mkdtemp(prefix="zerotron_nvme_")
+    if a.nvme_path is None:  # under the checkout's runs/, never the system temp dir (often RAM-backed tmpfs)
+        (ROOT / "runs" / "bench" / "infinity").mkdir(parents=True, exist_ok=True)
+    path = a.nvme_path or tempfile.mkdtemp(prefix="nvme_", dir=ROOT / "runs" / "bench" / "infinity")
     bw = measure_bandwidth(path, a.probe_mb)
     print(f"disk {path}: write {bw['write_GBps']:.2f} GB/s, read {bw['read_GBps']:.2f} GB/s "
           f"({a.probe_mb} MiB probe, fsync'd write; read may hit the page cache)")
@@ -52,7 +58,7 @@ def main() -> None:
     rows = {}
     for name, kw in (("stage3", dict(stage=3)), ("stage3+cpu", dict(stage=3, offload_optimizer=True)),
                      ("stage3+nvme", nvme), ("+nvme params", params)):
-        res = spawn(_run, a.ranks, kw, a.steps, shape, timeout=120 + 30 * a.steps)
+        res = spawn(_run, a.ranks, kw, a.steps, shape, timeout=120 + 30 * a.steps, store_dir="runs/bench")
         step = statistics.median(max(r["times"][i] for r in res) for i in range(1, a.steps))
         rows[name] = (step, res[0])
         mem = res[0]["memory"]

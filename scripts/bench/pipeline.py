@@ -92,7 +92,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.pp < 2 or min(args.micro) < 1:
         parser.error("--pp must be >= 2 and every --micro >= 1")
-    results = dict(enumerate(spawn(worker, args.pp, args, timeout=600)))
+    results = dict(enumerate(spawn(worker, args.pp, args, timeout=600, store_dir="runs/bench")))
     per_mb = args.layers_per_stage * 3 * args.forward_ms  # forward + backward of one micro-batch, ms
     print(f"pp={args.pp}, {args.layers_per_stage} layers/stage, {args.forward_ms} ms fwd + "
           f"{2 * args.forward_ms} ms bwd per layer (artificial cost), {args.steps} timed steps")

@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Benchmark scripts/preprocess_data.py (streaming, bounded pool) against a plain ``datasets.map``.
 
-Generates a ~100 MB jsonl corpus in a temporary directory from standard-library docstrings
+Generates a ~100 MB jsonl corpus in a fresh directory under ``--out`` (default
+``runs/bench/preprocess``, removed afterwards unless ``--keep``) from standard-library docstrings
 (shuffled and repeated; never committed), takes the default-corpus tokenizer, and runs, each in
 its own process and measured the same way (wall time; peak RSS of the process tree, sampled
 every 0.2 s, summed over processes -- an upper bound, since forked workers share pages):
@@ -9,7 +10,7 @@ every 0.2 s, summed over processes -- an upper bound, since forked workers share
   1. zerotron: ``preprocess_data.py --streaming --workers N`` -> .bin/.idx
   2. peer:     ``load_dataset("json")`` + ``Dataset.map(batched encode, num_proc=N)``
 
-    python scripts/bench/preprocess.py [--size-mb 100] [--workers 2] [--keep]
+    python scripts/bench/preprocess.py [--size-mb 100] [--workers 2] [--out DIR] [--keep]
 """
 
 from __future__ import annotations
@@ -88,9 +89,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size-mb", type=float, default=100)
     ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--keep", action="store_true", help="keep the temporary directory")
+    ap.add_argument("--out", default=os.path.join(ROOT, "runs", "bench", "preprocess"),
+                    help="where the work directory is made (not the system temp dir: ~100 MB)")
+    ap.add_argument("--keep", action="store_true", help="keep the work directory")
     args = ap.parse_args()
-    work = tempfile.mkdtemp(prefix="zt_bench_preprocess_")
+    os.makedirs(args.out, exist_ok=True)
+    work = tempfile.mkdtemp(prefix="work_", dir=args.out)
     try:
         src = os.path.join(work, "corpus.jsonl")
         t = time.perf_counter()

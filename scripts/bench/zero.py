@@ -239,7 +239,7 @@ def worker(args, kind):
 def run(kind, args, ranks):
     """``kind`` in freshly spawned ranks, so the peak RSS is that configuration's own."""
     out = spawn(worker, ranks, args, kind, start_method="spawn", threads=max(1, args.threads),
-                collective_timeout=600.0, timeout=1800.0)
+                collective_timeout=600.0, timeout=1800.0, store_dir="runs/bench")
     return {"time": max(o[0] for o in out), "rss": max(o[1] for o in out), "states": out[0][2], "loss": out[0][3]}
 
 

@@ -34,7 +34,7 @@ def main() -> None:
         ("hpZ", dict(stage=3), dict(stage=3, zero_hpz_partition_size=a.node), "all_gather", ("dp",)),
     ]
     for name, base_kw, kw, op, groups in pairs:
-        base, new = spawn(_run, a.ranks, [base_kw, kw], a.steps, timeout=60 + 2 * a.steps)[0]
+        base, new = spawn(_run, a.ranks, [base_kw, kw], a.steps, timeout=60 + 2 * a.steps, store_dir="runs/bench")[0]
         if op is None:  # qgZ: the reduce-scatter becomes all-to-alls
             ratio = comm_bytes(new["comm"], "all_to_all") / comm_bytes(base["comm"], "reduce_scatter")
         else:

@@ -24,8 +24,9 @@ def test_deepspeed_json_sections(tmp_path):
     ds.write_text(json.dumps({"zero_optimization": {"stage": 2, "overlap_comm": True, "reduce_bucket_size": 5e7,
                                                     "offload_optimizer": {"device": "cpu"}},
                               "activation_checkpointing": {"partition_activations": True, "cpu_checkpointing": True},
-                              "bf16": {"enabled": True}}))
+                              "bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "bf16"}}))
     cfg = parse_config(["--deepspeed-config", str(ds)])
+    assert cfg.zero.grad_accum_dtype == "bf16"
     assert cfg.zero.stage == 2 and cfg.zero.overlap_comm and cfg.zero.reduce_bucket_size == 50_000_000
     assert cfg.zero.offload_optimizer is True and cfg.training.precision == "bf16"
     assert cfg.activation_checkpointing.cpu_checkpointing is True

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zerotron.zero import DynamicLossScaler, ZeroConfig
-from zerotron.zero.config import precision_from_deepspeed
+from zerotron.zero.deepspeed_json import precision_from_deepspeed
 from zerotron.zero.loss_scaler import make_loss_scaler
 from zerotron.zero.partition import Layout
 

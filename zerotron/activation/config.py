@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from zerotron.zero.config import deepspeed_section
+from zerotron.zero.deepspeed_json import deepspeed_section
 
 # DeepSpeed keys we read. "profile" is accepted only as false: zerotron times steps, not chunks.
 _DS_KEYS = {"partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",

@@ -75,6 +75,9 @@ class Setup:
     bucket_size: int = 500_000_000  # min(reduce_bucket_size, allgather_bucket_size), elements
     overlap_comm: bool = False
     fragmentation: float | None = None  # None: 0.10 with MD, 0.30 without (§3.2)
+    # bytes per accumulated gradient element: None = zerotron's default (fp32 accumulation,
+    # ``zero.grad_accum_dtype``), 2 = the paper's 16-bit gradients (2 + 2 + K)
+    grad_bytes: int | None = None
 
     def with_config(self, name: str, **overrides) -> "Setup":
         """This setup under ZeRO configuration ``name`` (C1..C5, Table 3), CB + MD on."""
@@ -103,9 +106,10 @@ def params_per_rank(cfg: GPTConfig, tp: int = 1) -> int:
     return l * (split // tp + replicated) + cfg.padded_vocab_size(tp) * h // tp + s * h + 2 * h
 
 
-def model_state_bytes(psi: float, nd: int, stage: int, param_bytes: int = 2) -> float:
-    """(2 + 2 + K)Ψ split by the stage (§5.4); ``param_bytes`` 2 for fp16/bf16 runs."""
-    return expected_model_state_bytes(psi, nd, stage, param_bytes, ADAM_K)
+def model_state_bytes(psi: float, nd: int, stage: int, param_bytes: int = 2, grad_bytes: int | None = None) -> float:
+    """(2 + 2 + K)Ψ split by the stage (§5.4); ``param_bytes`` 2 for fp16/bf16 runs; ``grad_bytes``
+    the accumulated gradient's (default ``param_bytes``, the paper's; 4 with fp32 accumulation)."""
+    return expected_model_state_bytes(psi, nd, stage, param_bytes, ADAM_K, grad_bytes)
 
 
 def checkpoint_bytes(b: int, s: int, h: int, layers: int, tp: int = 1, every: int = 1, pa: bool = False,
@@ -132,25 +136,28 @@ def head_working_bytes(b: int, s: int, vocab: int, tp: int = 1) -> float:
 
 
 def fixed_buffer_bytes(stage: int, bucket: int, nd: int, psi: int, param_bytes: int = 2,
-                       overlap: bool = False) -> int:
+                       overlap: bool = False, grad_bytes: int | None = None) -> int:
     """CB (§6.2): ZeRO buffers sized by the bucket, not the model (mirrors zerotron's optimizer).
 
     C = the bucket rounded down to a multiple of Nd (capped by the padded model); per stage:
     0: fp32 staging C (unsharded); 1: shard buffer, fp32 staging and all-gather input of C/Nd;
     2: + a 16-bit bucket of C; 3: bucket, shard buffer and staging (no all-gather input).
-    ``overlap`` doubles the bucket and shard buffers (two in flight).
+    ``overlap`` doubles the bucket and shard buffers (two in flight). Buckets and shard buffers
+    hold gradients (``grad_bytes``, default ``param_bytes``); fp32 gradients need no fp32 staging.
     """
+    g = param_bytes if grad_bytes is None else grad_bytes
+    staging = 0 if g == 4 else 4
     shards = nd if stage >= 1 else 1
     c = bucket - bucket % shards
     c = min(c, -(-psi // shards) * shards)
     shard, nbuf = c // shards, 2 if overlap else 1
     if stage == 0:
-        return 4 * c
-    out = nbuf * param_bytes * shard + 4 * shard
+        return staging * c
+    out = nbuf * g * shard + staging * shard
     if stage <= 2:
         out += param_bytes * shard
     if stage >= 2:
-        out += nbuf * param_bytes * c
+        out += nbuf * g * c
     return out
 
 
@@ -158,9 +165,10 @@ def estimate(setup: Setup) -> dict:
     """Per-rank bytes of every term (see the module docstring) and their sum with the margin."""
     cfg, t, nd, b = setup.model, setup.tp, setup.dp, setup.micro_batch
     pb = BYTES[setup.precision]
+    gb = setup.grad_bytes if setup.grad_bytes is not None else max(pb, 4)  # fp32 accumulation for 16-bit
     s, h, l = cfg.seq_length, cfg.hidden_size, cfg.num_layers
     psi = params_per_rank(cfg, t)
-    states = model_state_bytes(psi, nd, setup.stage, pb)
+    states = model_state_bytes(psi, nd, setup.stage, pb, gb)
     pa = setup.partition_activations and t > 1
     layer = layer_working_bytes(b, s, h, cfg.num_heads, t) * pb / 2
     if setup.checkpoint_activations:
@@ -169,7 +177,7 @@ def estimate(setup: Setup) -> dict:
     else:  # every layer's activations stay alive until its backward
         ckpt = {"device": int(layer * l), "host": 0}
         working = head_working_bytes(b, s, cfg.padded_vocab_size(t), t)
-    fixed = fixed_buffer_bytes(setup.stage, setup.bucket_size, nd, psi, pb, setup.overlap_comm)
+    fixed = fixed_buffer_bytes(setup.stage, setup.bucket_size, nd, psi, pb, setup.overlap_comm, gb)
     pa_gather = -(-b * s * h // t) * t * pb if pa and setup.checkpoint_activations else 0
     used = states + ckpt["device"] + working + fixed + pa_gather
     return {

@@ -102,7 +102,7 @@ def c_config_max_models(gpus: int = 400, mp: int = 16, micro_batch: int = 8, dev
     (per DP rank) and ``seq`` are assumptions and are printed with the result.
     """
     base = Setup(get_preset("zero-100b", seq_length=seq), tp=mp, dp=gpus // mp, micro_batch=micro_batch,
-                 bucket_size=bucket_size)
+                 bucket_size=bucket_size, grad_bytes=2)  # the paper's fp16 gradients (2 + 2 + K)
     setups = {"baseline": dataclasses.replace(base, stage=0)}
     setups.update({name: base.with_config(name) for name in C_CONFIGS})
     out = {}

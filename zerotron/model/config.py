@@ -91,7 +91,7 @@ class GPTConfig:
         if self.max_positions < self.seq_length:
             raise ValueError(f"model.seq_length={self.seq_length} exceeds the position table "
                              f"(model.max_position_embeddings={self.max_positions}); raise "
-                             f"max_position_embeddings or shorten seq_length")
+                             f"model.max_position_embeddings to >= {self.seq_length} or shorten model.seq_length")
         return self
 
     def num_params(self, tp: int = 1) -> int:

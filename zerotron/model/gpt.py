@@ -6,11 +6,12 @@
             vocab-parallel cross-entropy (only b×s values all-reduced)           [post_process]
 
 Initialisation (GPT-2 / Megatron-LM §5): N(0, 0.02) for GEMM weights and embeddings, residual
-output projections N(0, 0.02/√(2·layers)), biases 0, LayerNorm 1/0. Each tensor is drawn whole
-from a seed derived from (seed, global parameter name) and sliced to this rank (see
-``init_sharded_``), so the same seed gives the same full weights for every TP/PP/DP layout and
-runs of different layouts can be compared step by step. Names use the *global* layer index, so
-a pipeline stage holding layers 6..11 initialises them exactly as a single process would.
+output projections N(0, 0.02/√(2·layers)), biases 0, LayerNorm 1/0. Each rank's slice is that of
+one full tensor drawn from a seed derived from (seed, global parameter name), the full tensor
+never held (``init_sharded_`` draws it a chunk at a time), so the same seed gives the same full
+weights for every TP/PP/DP layout and runs of different layouts can be compared step by step.
+Names use the *global* layer index, so a pipeline stage holding layers 6..11 initialises them
+exactly as a single process would.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ class Embedding(nn.Module):
         if s > self.max_positions:
             raise ValueError(f"input sequence length {s} exceeds the position table "
                              f"(model.max_position_embeddings={self.max_positions}); "
-                             f"shorten the sequences or raise max_position_embeddings")
+                             f"shorten the sequences or raise model.max_position_embeddings to >= {s}")
         return self.dropout(self.word(input_ids) + self.position[:s])
 
 
@@ -111,18 +112,32 @@ class GPT(nn.Module):
     @torch.no_grad()
     def init_weights(self, seed: int, layout_independent: bool = True) -> None:
         """(Re)initialise every parameter from ``seed`` (GPT-2 / Megatron-LM §5 scheme)."""
-        cfg, grid = self.config, self.grid
-        residual_std = cfg.init_std / math.sqrt(2.0 * cfg.num_layers)
+        self.init_seed, self.layout_independent_init = seed, layout_independent
         for local_name, p in self.named_parameters():
-            name = self.global_name(local_name)
-            if name.split(".")[-2:-1] in (["ln1"], ["ln2"], ["final_ln"]):  # LayerNorm: ones, zeros
-                p.fill_(1.0 if name.endswith("weight") else 0.0)
-            elif p.ndim == 1:  # biases
-                p.zero_()
-            else:
-                std = residual_std if name.endswith(TransformerBlock.residual_projections) else cfg.init_std
-                rows = cfg.vocab_size if name == WORD_EMBEDDING else None  # padding rows stay 0
-                init_sharded_(p, std, seed, name, grid.tp_rank, grid.tp_size, layout_independent, rows)
+            self.init_parameter_(local_name, p)
+
+    @torch.no_grad()
+    def init_parameter_(self, local_name: str, out: torch.Tensor) -> None:
+        """Write the initial values of parameter ``local_name`` (``init_weights``' seed and layout) into
+        ``out``, a contiguous tensor of its shape in any dtype and on any device (the parameter itself
+        may be on the meta device).
+
+        One parameter can so be drawn again, alone: the fp32 master of a parameter built in 16 bits
+        then comes from the values it was rounded from, without an fp32 copy of the whole model.
+        """
+        cfg, grid = self.config, self.grid
+        p = self.get_parameter(local_name)
+        name = self.global_name(local_name)
+        if name.split(".")[-2:-1] in (["ln1"], ["ln2"], ["final_ln"]):  # LayerNorm: ones, zeros
+            out.fill_(1.0 if name.endswith("weight") else 0.0)
+        elif p.ndim == 1:  # biases
+            out.zero_()
+        else:
+            residual = name.endswith(TransformerBlock.residual_projections)
+            std = cfg.init_std / math.sqrt(2.0 * cfg.num_layers) if residual else cfg.init_std
+            rows = cfg.vocab_size if name == WORD_EMBEDDING else None  # padding rows stay 0
+            init_sharded_(p, std, self.init_seed, name, grid.tp_rank, grid.tp_size, self.layout_independent_init,
+                          rows, out=out)
 
     # the three pieces --------------------------------------------------------------------------
     @property

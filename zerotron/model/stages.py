@@ -67,16 +67,21 @@ def build_stage(config: GPTConfig, grid: Grid, layers_per_stage: Sequence[int] |
                layer_ids=layer_ids, **gpt_kwargs)
 
 
-def sync_embedding_grads(model: GPT) -> None:
+def sync_embedding_grads(model: GPT, optimizer=None) -> None:
     """Sum the tied word embedding's gradient over the first and last stage (Megatron's embedding group).
 
     Call after every backward of the step and before the data-parallel reduction. No-op when one
-    stage holds both ends (pp = 1) or on middle stages.
+    stage holds both ends (pp = 1) or on middle stages. With a ZeRO ``optimizer`` the sum acts on the
+    gradient it holds (``ZeroOptimizer.tied_grad``: its fp32 buffer when 16-bit parameters accumulate
+    in fp32, where ``.grad`` is empty; the reduced shard at stage 2); without one, on ``.grad``.
     """
     group = model.grid.embedding_group
     if group is None or group.size == 1 or not (model.pre_process or model.post_process):
         return
     weight = model.word_embedding_weight
+    if hasattr(optimizer, "tied_grad"):
+        C.all_reduce(optimizer.tied_grad(weight), group)
+        return
     if weight.grad is None:  # e.g. Pos+g freed it and no backward ran: contribute zeros
         weight.grad = torch.zeros_like(weight)
     C.all_reduce(weight.grad, group)
@@ -105,5 +110,5 @@ def pipeline_step(model: GPT, microbatches: Sequence, optimizer=None, schedule: 
                                  f" = ({b}, {seq}); every micro-batch must have the same shape")
     first = next(model.parameters())  # not model.dtype: ZeroOptimizer casts parameters to 16-bit in place
     return train_step(model, microbatches, model.grid, (b, seq, model.config.hidden_size), schedule=schedule,
-                      optimizer=optimizer, after_backward=lambda: sync_embedding_grads(model),
+                      optimizer=optimizer, after_backward=lambda: sync_embedding_grads(model, optimizer),
                       dtype=first.dtype, device=first.device)

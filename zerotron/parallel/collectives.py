@@ -58,15 +58,24 @@ def _explain(op: str, group: Group | None, exc: RuntimeError) -> RuntimeError:
     return group.health.diagnose(op, group, exc)
 
 
-def _launch(op: str, group: Group, tensor: torch.Tensor, numel: int, fn: Callable[[], object]):
-    """Count, (debug) sequence-check and issue one collective; backend errors name the culprit."""
+def _launch(op: str, group: Group, tensor: torch.Tensor, numel: int, fn: Callable[[], object],
+            peer: int | None = None):
+    """Count, (debug) sequence-check and issue one collective (or p2p transfer with ``peer``);
+    backend errors name the culprit."""
     group.stats.record(op, group.name, numel, tensor.element_size())
     if group.health is not None:
-        group.health.before(op, group, tensor)
+        group.health.before(op, group, tensor, peer=peer)
     try:
-        return fn()
+        work = fn()
     except RuntimeError as e:
         raise _explain(op, group, e) from e
+    except BaseException:  # refused before it started (bad arguments): nothing is in flight
+        if group.health is not None:
+            group.health.issued()
+        raise
+    if group.health is not None:
+        group.health.issued(work, tensor)  # the watchdog now follows it until it completes
+    return work
 
 
 def _done(result, async_op: bool):
@@ -190,7 +199,11 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, group: Group, async_op
 def barrier(group: Group) -> None:
     """Wait for every member of ``group`` (under the group's timeout)."""
     if group.size > 1:
+        if group.health is not None:
+            group.health.before("barrier", group, None)  # counted: a peer that never arrives is "behind"
         try:
             dist.barrier(group=group.pg)
         except RuntimeError as e:
             raise _explain("barrier", group, e) from e
+        if group.health is not None:
+            group.health.issued()

@@ -9,19 +9,23 @@ so a TP group -- which all-reduces twice per transformer block forward and twice
 each model-parallel group (ZeRO §10.1's MP x DP layout).
 
 Every group is created once, by every rank, in the same order, and cached by its tuple of ranks
-(identical tuples share one torch group). Code receives the ``Grid``; there are no module-level
-group globals.
+(identical tuples share one torch group). Every group gets the default group's collective timeout
+(``runtime.group_timeout``): a rank frozen inside a TP, DP or PP group must fail its peers as
+fast as one in the world group, or the heartbeats that name it never get asked. Code receives
+the ``Grid``; there are no module-level group globals.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
 from zerotron.parallel.comm_stats import CommStats
 from zerotron.parallel.health import Health
+from zerotron.parallel.runtime import group_timeout
 
 
 @dataclass
@@ -97,13 +101,20 @@ class Group:
 class Grid:
     """This rank's place in the TP x DP x PP grid and the process groups along each axis."""
 
-    def __init__(self, dims: ParallelDims, rank: int | None = None, world_size: int | None = None):
+    def __init__(self, dims: ParallelDims, rank: int | None = None, world_size: int | None = None,
+                 timeout: datetime.timedelta | float | None = None):
+        """``timeout`` (seconds or a timedelta) bounds every collective of the groups made here and
+        arms the health watchdog; None: the default group's (``ZEROTRON_COLLECTIVE_TIMEOUT``
+        under ``init_distributed``)."""
         world_size = dist.get_world_size() if world_size is None else world_size
         self.dims = dims.resolve(world_size)
         self.rank = dist.get_rank() if rank is None else rank
         self.world_size = world_size
+        if timeout is None:
+            timeout = group_timeout()
+        self.timeout = timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(seconds=timeout)
         self.stats = CommStats()
-        self.health = Health(self.rank, world_size)
+        self.health = Health(self.rank, world_size, timeout_s=self.timeout.total_seconds())
         tp, dp = self.dims.tp, self.dims.dp
         self.tp_rank = self.rank % tp
         self.dp_rank = (self.rank // tp) % dp
@@ -166,7 +177,7 @@ class Grid:
         if len(ranks) == self.world_size:
             return None  # the default group
         if ranks not in self._cache:
-            self._cache[ranks] = dist.new_group(list(ranks))
+            self._cache[ranks] = dist.new_group(list(ranks), timeout=self.timeout)
         return self._cache[ranks]
 
     # sizes and coordinates -------------------------------------------------------------------

@@ -1,14 +1,21 @@
 """No silent hangs: name the dead or stuck rank, and (debug mode) catch diverging collectives.
 
-Three mechanisms, all owned by the ``Grid`` and used by every collective:
+Four mechanisms, all owned by the ``Grid`` and used by every collective and p2p transfer:
 
-* **Sequence numbers and call sites.** Each rank counts its collectives per group and remembers
-  the last one's call site (the first frame outside ``zerotron/parallel``).
-* **Heartbeats.** A daemon thread publishes ``(time, per-group counts, last call site)`` to the
-  rendezvous store every ``heartbeat_s``. When a collective fails -- gloo raises at once when a
-  peer process dies and after the collective timeout when a peer is stuck -- ``diagnose`` reads
-  the peers' heartbeats and names the culprit: *dead* (heartbeat stale) or *stuck* (alive but
-  behind in this group's sequence, with the call site where it is).
+* **Sequence numbers and call sites.** Each rank counts its collectives per group (its p2p
+  transfers per pair of ranks) and remembers the last one's call site (the first frame outside
+  ``zerotron/parallel``), and which of them are still in flight.
+* **Heartbeats.** A daemon thread publishes ``(time, counts, in-flight ops, last call site,
+  verdict)`` to the rendezvous store every ``heartbeat_s``. When a collective fails -- gloo
+  raises at once when a peer process dies and after the group's timeout when a peer is stuck --
+  ``diagnose`` reads the heartbeats and names the culprit: *dead or frozen* (heartbeat stopped)
+  or *stuck* (alive but behind in the sequence). A peer that is behind because it waits for a
+  third rank (rank 2 waits for rank 0 on DP, rank 0 for rank 1 on TP) is followed to that rank,
+  so every survivor names the same root; a rank that gave up first leaves its verdict behind.
+* **Watchdog.** With a timeout, a second thread diagnoses any op in flight for longer than the
+  timeout less ``lead_s`` and prints the verdict. NCCL's own watchdog aborts the process at the
+  timeout (``TORCH_NCCL_ASYNC_ERROR_HANDLING``) without unwinding to Python, so this is the
+  only chance to name the culprit there; on gloo the exception at the timeout reuses the verdict.
 * **Sequence check** (``ZEROTRON_DEBUG_COLLECTIVES=1``): before every collective the group
   all-gathers a fixed-size descriptor (op, group, shape, dtype, call site) and every rank
   compares; the first divergence raises on all ranks with both ranks' call sites -- the usual
@@ -17,49 +24,101 @@ Three mechanisms, all owned by the ``Grid`` and used by every collective:
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import sys
 import threading
 import time
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 DESCRIPTOR_BYTES = 512
+MAX_CHAIN = 8  # ranks followed from "behind" to "behind" before giving up on finding the root
 _PARALLEL_DIR = os.path.dirname(os.path.abspath(__file__))
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 
 
 class CollectiveError(RuntimeError):
     """A collective failed or would diverge; the message names the rank(s) responsible."""
 
 
+def _inside(filename: str) -> bool:
+    path = os.path.abspath(filename)
+    return os.path.dirname(path) == _PARALLEL_DIR or path.startswith(_TORCH_DIR)
+
+
 def call_site() -> str:
-    """``file:line in function`` of the first caller outside zerotron/parallel."""
+    """``file:line in function`` of the first caller outside zerotron/parallel and torch (a TP
+    all-reduce runs inside ``autograd.Function.apply``; the model line that called it is news)."""
     frame = sys._getframe(1)
-    while frame is not None and os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == _PARALLEL_DIR:
+    while frame is not None and _inside(frame.f_code.co_filename):
         frame = frame.f_back
     if frame is None:
         return "<unknown>"
     return f"{os.path.relpath(frame.f_code.co_filename)}:{frame.f_lineno} in {frame.f_code.co_name}"
 
 
+@dataclass(eq=False)
+class _Op:
+    """One launch (a collective, or a batch of p2p transfers) from ``before`` until it completes.
+
+    ``links`` are ``(counter key, member ranks, sequence number)``: whom it waits for. ``probe``
+    tells completion: None while the issuing call still blocks, else a torch Work (or a list of
+    them) or a CUDA event recorded after a synchronous NCCL call."""
+
+    links: list = field(default_factory=list)
+    desc: str = ""
+    t0: float = field(default_factory=time.monotonic)
+    probe: object = None
+    verdict: tuple | None = None  # (culprit text, blamed ranks), once diagnosed
+    failed: bool = False  # kept in the heartbeat after its error: peers follow the chain through it
+
+    def done(self) -> bool:
+        if self.probe is None or self.failed:
+            return False
+        try:
+            if isinstance(self.probe, list):
+                return all(w.is_completed() for w in self.probe)
+            return bool(self.probe.query() if isinstance(self.probe, torch.cuda.Event) else self.probe.is_completed())
+        except Exception:  # noqa: BLE001 - a failed work is the waiting thread's to report
+            return True
+
+
 class Health:
-    def __init__(self, rank: int, world_size: int, heartbeat_s: float = 1.0, check_sequence: bool | None = None):
+    def __init__(self, rank: int, world_size: int, heartbeat_s: float = 1.0, check_sequence: bool | None = None,
+                 timeout_s: float | None = None, lead_s: float | None = None):
         self.rank, self.world_size, self.heartbeat_s = rank, world_size, heartbeat_s
         if check_sequence is None:
             check_sequence = os.environ.get("ZEROTRON_DEBUG_COLLECTIVES", "") not in ("", "0")
         self.check_sequence = check_sequence
+        self.timeout_s = timeout_s
+        # Diagnosing takes ~2.5 heartbeats: start 10 s before the timeout fires (less for short
+        # timeouts, never less than the diagnosis needs unless that is most of the timeout).
+        self.lead_s = lead_s if lead_s is not None else (
+            min(max(3 * heartbeat_s + 1, min(10.0, timeout_s / 2)), 0.75 * timeout_s) if timeout_s else 0.0)
         self.counts: dict[str, int] = {}
         self.last = ""
+        self.verdict: dict | None = None
+        self._lock, self._diagnosing = threading.Lock(), threading.Lock()
+        self._current: _Op | None = None
+        self._inflight: list[_Op] = []
+        self._verdict_op: _Op | None = None  # the op whose diagnosis ``verdict`` publishes
         self._store = self._default_store()
         self._stop = threading.Event()
-        self._thread = None
+        self._threads: list[threading.Thread] = []
         if self._store is not None and world_size > 1:
             self._publish()  # at once: a rank that dies in its first second is still "seen alive once"
-            self._thread = threading.Thread(target=self._beat, name="zerotron-heartbeat", daemon=True)
-            self._thread.start()
+            loops = [("heartbeat", self._beat)] + ([("watchdog", self._watch)] if timeout_s else [])
+            for name, loop in loops:
+                t = threading.Thread(target=loop, name=f"zerotron-{name}", daemon=True)
+                t.start()
+                self._threads.append(t)
+
+    @property
+    def _thread(self):
+        return self._threads[0] if self._threads else None
 
     @staticmethod
     def _default_store():
@@ -69,13 +128,17 @@ class Health:
             return None
 
     def _read(self, member: int) -> dict | None:
-        try:
-            return json.loads(self._store.get(f"zerotron/heartbeat/{member}"))
-        except Exception:  # noqa: BLE001 - missing key or store gone
+        key = f"zerotron/heartbeat/{member}"
+        try:  # check first: a get of a missing key would block for the store's (long) timeout
+            return json.loads(self._store.get(key)) if self._store.check([key]) else None
+        except Exception:  # noqa: BLE001 - store gone
             return None
 
     def _publish(self) -> None:
-        payload = json.dumps({"t": time.time(), "counts": dict(self.counts), "last": self.last})
+        with self._lock:
+            inflight = [link for op in self._pending() for link in op.links]
+        payload = json.dumps({"t": time.time(), "counts": dict(self.counts), "last": self.last,
+                              "inflight": inflight, "verdict": self.verdict})
         self._store.set(f"zerotron/heartbeat/{self.rank}", payload)
 
     def _beat(self) -> None:
@@ -87,19 +150,57 @@ class Health:
 
     def close(self) -> None:
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=2 * self.heartbeat_s)
+        for t in self._threads:
+            t.join(timeout=2 * self.heartbeat_s)
 
     # per collective ------------------------------------------------------------------------------
-    def before(self, op: str, group, tensor: torch.Tensor | None) -> None:
-        """Count this collective; in debug mode verify every rank of ``group`` issues the same one."""
-        self.counts[group.name] = self.counts.get(group.name, 0) + 1
+    def before(self, op: str, group, tensor: torch.Tensor | None, peer: int | None = None) -> None:
+        """Count this collective (p2p: this transfer to/from ``peer``) and mark it in flight; in
+        debug mode verify every rank of ``group`` issues the same one."""
+        key, members = group.name, tuple(group.ranks)
+        if peer is not None:  # sends and receives pair up per link, not per group
+            members = tuple(sorted((self.rank, peer)))
+            key = f"{group.name}:{members[0]}-{members[1]}"
+        self.counts[key] = self.counts.get(key, 0) + 1
         site = call_site()
         shape = tuple(tensor.shape) if tensor is not None else ()
         dtype = str(tensor.dtype).replace("torch.", "") if tensor is not None else "-"
-        self.last = f"{op} on {group.name} #{self.counts[group.name]} shape={shape} dtype={dtype} at {site}"
+        self.last = f"{op} on {key} #{self.counts[key]} shape={shape} dtype={dtype} at {site}"
+        with self._lock:
+            if self._current is None:
+                self._current = _Op()
+                self._inflight.append(self._current)
+            self._current.links.append((key, members, self.counts[key]))
+            self._current.desc = self.last
         if self.check_sequence and group.size > 1 and op not in ("send", "recv"):  # p2p is not group-wide
             self._check(op, group, shape, dtype, site, tensor)
+
+    def issued(self, work=None, tensor: torch.Tensor | None = None) -> None:
+        """The launch since ``before`` returned: ``work`` (async; a list for a p2p batch) is in
+        flight until it completes; a synchronous call is done, except on CUDA, where it is done
+        when the stream reaches it (an event recorded now)."""
+        with self._lock:
+            op, self._current = self._current, None
+            if op is None:
+                return
+            if work is not None:
+                op.probe = work
+            elif tensor is not None and tensor.is_cuda and self.timeout_s:
+                op.probe = torch.cuda.Event()
+                op.probe.record()
+            else:
+                self._inflight.remove(op)
+            if len(self._inflight) > 256:  # without a heartbeat thread nobody else prunes
+                self._pending()
+
+    def _pending(self) -> list[_Op]:
+        """Ops still in flight, oldest first; completed ones are dropped (call under the lock),
+        and a published verdict with them: its op finished after all, so it blamed nobody."""
+        self._inflight = [op for op in self._inflight if not op.done()]
+        vop = self._verdict_op
+        if vop is not None and not vop.failed and vop not in self._inflight:
+            self._verdict_op = self.verdict = None
+        return list(self._inflight)
 
     def _check(self, op, group, shape, dtype, site, tensor) -> None:
         signature = f"{op}|{group.name}|{shape}|{dtype}"
@@ -119,29 +220,110 @@ class Health:
                     f"rank {self.rank} calls {signature} at {site}, but rank {member} calls {their_sig} at "
                     f"{their_site}")
 
+    # watchdog ------------------------------------------------------------------------------------
+    def _watch(self) -> None:
+        """Diagnose (once) every op in flight past ``timeout_s - lead_s``; print the verdict."""
+        while not self._stop.wait(min(0.5, self.heartbeat_s)):
+            with self._lock:
+                late = [op for op in self._pending()
+                        if op.verdict is None and time.monotonic() - op.t0 >= self.timeout_s - self.lead_s]
+            for op in late[:1]:
+                try:
+                    text, _ = self._verdict_of(op)
+                except Exception:  # noqa: BLE001 - the store went away: the job is ending
+                    return
+                print(f"[rank {self.rank}] zerotron watchdog: {op.desc} has waited "
+                      f"{time.monotonic() - op.t0:.0f}s of the {self.timeout_s:.0f}s collective timeout: {text}",
+                      file=sys.stderr, flush=True)
+
     # after a failure -----------------------------------------------------------------------------
     def diagnose(self, op: str, group, exc: BaseException) -> CollectiveError:
         """Explain a failed collective by reading the other ranks' heartbeats."""
-        where = f"{op} on group {group.name} (its collective #{self.counts.get(group.name, 0)}) at {call_site()}"
-        findings = []
+        key = group.name
+        where = f"{op} on group {key} (its collective #{self.counts.get(key, 0)}) at {call_site()}"
+        with self._lock:
+            candidates = ([self._current] if self._current else []) + self._inflight
+        failed = next((o for o in candidates if any(k == key or k.startswith(key + ":") for k, _, _ in o.links)),
+                      None)
+        if failed is None:
+            failed = _Op([(key, tuple(group.ranks), self.counts.get(key, 0))], where)
+        failed.failed = True
+        culprit = "no peer to ask (no rendezvous store)"
         if self._store is not None:
-            try:
-                self._store.set_timeout(datetime.timedelta(seconds=2))
-            except Exception:  # noqa: BLE001
-                pass
-            peers = [m for m in group.ranks if m != self.rank]
-            first = {m: self._read(m) for m in peers}
-            time.sleep(2.5 * self.heartbeat_s)  # a live rank's heartbeat moves on in the meantime
-            for member in peers:
-                beat, later = first[member], self._read(member)
-                if beat is None and later is None:
-                    findings.append(f"rank {member} has no readable heartbeat (it died before publishing one, "
-                                    f"or the launcher's store is gone because a worker died)")
-                elif later is None or later["t"] == beat["t"]:
-                    last = (later or beat)["last"] or "no collective yet"
-                    findings.append(f"rank {member} is dead or frozen (its heartbeat stopped; last: {last})")
-                elif later["counts"].get(group.name, 0) < self.counts.get(group.name, 0):
-                    findings.append(f"rank {member} is alive but stuck behind: it is at {later['last'] or 'start-up'}")
-        culprit = "; ".join(findings) if findings else "no peer looks dead or behind (a network fault?)"
+            culprit, _ = self._verdict_of(failed)
         return CollectiveError(f"rank {self.rank}: {where} failed: {culprit}. Underlying error: "
                                f"{type(exc).__name__}: {str(exc).strip()[:300]}")
+
+    def _verdict_of(self, op: _Op) -> tuple[str, list[int]]:
+        """The culprit of ``op``'s wait, computed once (watchdog or failure, whichever is first)
+        and published, so that ranks waiting on this one name the same root."""
+        with self._diagnosing:
+            if op.verdict is None:
+                findings = self._blame(op.links)
+                text = "; ".join(dict.fromkeys(t for _, t in findings)) or \
+                    "no peer looks dead or behind (a network fault?)"
+                op.verdict = (text, sorted({r for r, _ in findings}))
+                if op.verdict[1]:
+                    with self._lock:
+                        self.verdict, self._verdict_op = {"blame": op.verdict[1], "text": text}, op
+                    try:
+                        self._publish()
+                    except Exception:  # noqa: BLE001 - store gone: nobody left to tell
+                        pass
+            return op.verdict
+
+    def _blame(self, links: list) -> list[tuple[int, str]]:
+        """Follow ``links`` through the heartbeats to the rank(s) everyone waits for.
+
+        Two reads ``2.5 * heartbeat_s`` apart tell live ranks (timestamp moved) from dead or
+        frozen ones; counts say who is behind; a behind rank's own in-flight links say whom it
+        waits for in turn."""
+        first: dict[int, dict | None] = {}
+
+        def explore(links, depth):
+            for key, members, seq in links:
+                for m in members:
+                    if m == self.rank or m in first:
+                        continue
+                    beat = first[m] = self._read(m)
+                    if beat and beat["counts"].get(key, 0) < seq and depth < MAX_CHAIN:
+                        explore(beat.get("inflight", []), depth + 1)
+
+        explore(links, 0)
+        time.sleep(2.5 * self.heartbeat_s)  # a live rank's heartbeat moves on in the meantime
+        later = {m: self._read(m) for m in first}
+        findings: list[tuple[int, str]] = []
+        seen = {self.rank}
+
+        def judge(links, depth, via):
+            for key, members, seq in links:
+                for m in members:
+                    if m in seen or m not in first:
+                        continue
+                    seen.add(m)
+                    beat, now = first[m], later[m]
+                    if beat is None and now is None:
+                        findings.append((m, f"{via}rank {m} has no readable heartbeat (it died before publishing "
+                                            f"one, or the launcher's store is gone because a worker died)"))
+                    elif now is None or beat is None or now["t"] == beat["t"]:
+                        last = now or beat
+                        verdict = last.get("verdict")
+                        if verdict:  # it gave up first, having named the root
+                            findings.extend((r, f"{via}rank {m} exited blaming: {verdict['text']}")
+                                            for r in verdict["blame"])
+                        else:
+                            findings.append((m, f"{via}rank {m} is dead or frozen (its heartbeat stopped; "
+                                                f"last: {last['last'] or 'no collective yet'})"))
+                    elif now["counts"].get(key, 0) < seq:
+                        before = len(findings)
+                        if depth < MAX_CHAIN:
+                            judge(beat.get("inflight", []), depth + 1, f"{via}rank {m} waits on {key}: ")
+                        if len(findings) == before and now.get("verdict"):  # it gave up, naming the root
+                            findings.extend((r, f"{via}rank {m} failed blaming: {now['verdict']['text']}")
+                                            for r in now["verdict"]["blame"])
+                        elif len(findings) == before:
+                            findings.append((m, f"{via}rank {m} is alive but stuck behind: it is at "
+                                                f"{now['last'] or 'start-up'}"))
+
+        judge(links, 0, "")
+        return findings

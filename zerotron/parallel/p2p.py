@@ -23,12 +23,13 @@ def _check_peer(peer: int, group: Group) -> None:
 
 def send(tensor: torch.Tensor, dst: int, group: Group) -> None:
     _check_peer(dst, group)
-    _launch("send", group, tensor, tensor.numel(), lambda: dist.send(tensor.contiguous(), dst=dst, group=group.pg))
+    _launch("send", group, tensor, tensor.numel(), lambda: dist.send(tensor.contiguous(), dst=dst, group=group.pg),
+            peer=dst)
 
 
 def recv(tensor: torch.Tensor, src: int, group: Group) -> torch.Tensor:
     _check_peer(src, group)
-    _launch("recv", group, tensor, tensor.numel(), lambda: dist.recv(tensor, src=src, group=group.pg))
+    _launch("recv", group, tensor, tensor.numel(), lambda: dist.recv(tensor, src=src, group=group.pg), peer=src)
     return tensor
 
 
@@ -55,11 +56,13 @@ def batch(ops: list[P2POp], group: Group) -> Handle:
     for op in ops:  # count each transfer; a failure below names the dead or stuck peer
         group.stats.record(op.kind, group.name, op.tensor.numel(), op.tensor.element_size())
         if group.health is not None:
-            group.health.before(op.kind, group, op.tensor)
+            group.health.before(op.kind, group, op.tensor, peer=op.peer)
     try:
         works = dist.batch_isend_irecv(torch_ops)
     except RuntimeError as e:
         raise _explain("p2p", group, e) from e
+    if group.health is not None:
+        group.health.issued(list(works), ops[0].tensor)
 
     def finish():
         try:

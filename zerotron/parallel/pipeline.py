@@ -15,9 +15,12 @@ deadlock on the order of blocking calls.
 The stage is any module: ``stage(token_ids)`` on the first stage, ``stage(hidden)`` otherwise;
 ``stage(x, labels)`` on the last stage returns the micro-batch's mean loss. Optimizer contract
 (duck-typed, ``zerotron.parallel`` imports nothing above it): ``scale_loss``, ``no_sync()``,
-``reduce_gradients()``. All backwards run inside ``no_sync()`` -- gradients accumulate locally
-over the micro-batches -- then ``after_backward()`` (e.g. the tied-embedding all-reduce), then
-one ``reduce_gradients()``: that is how Pos+g (ZeRO-2) composes with pipelines here.
+``reduce_gradients()``, and optionally ``pipeline_backward(tensors, grad_tensors)``, which then
+runs every micro-batch's backward. All backwards run inside ``no_sync()`` -- gradients accumulate
+locally over the micro-batches, except that ZeRO stage 2's ``pipeline_backward`` reduces each
+backward's buckets into the gradient partition, so Pos+g (ZeRO §5.2) keeps no full gradient
+across micro-batches -- then ``after_backward()`` (e.g. the tied-embedding all-reduce), then one
+``reduce_gradients()``.
 """
 
 from __future__ import annotations
@@ -100,11 +103,12 @@ class _Stage:
         """Backward of the oldest micro-batch in flight; returns the gradient for the previous stage."""
         self._bwd += 1
         start = time.perf_counter()
+        run = getattr(self.opt, "pipeline_backward", None) or torch.autograd.backward
         if self.last:
             loss = out / self.m  # global-batch mean = mean over micro-batches of their means
-            torch.autograd.backward(self.opt.scale_loss(loss) if self.opt is not None else loss)
+            run(self.opt.scale_loss(loss) if self.opt is not None else loss)
         else:
-            torch.autograd.backward(out, grad_out)
+            run(out, grad_out)
         self.compute_s += time.perf_counter() - start
         return None if self.first else x.grad
 
@@ -157,7 +161,8 @@ def train_step(stage: nn.Module, microbatches: Sequence, grid: Grid, shape: Sequ
     labels on the last (other entries may be None). ``shape``: ``(micro_batch, seq, hidden)`` of
     the activations exchanged between stages, in ``dtype``. With ``optimizer`` (the ZeRO front or
     anything with ``scale_loss``/``no_sync``/``reduce_gradients``) gradients are reduced once at
-    the end; without one they are left in ``.grad`` for the caller to reduce over DP.
+    the end (or per micro-batch by its ``pipeline_backward``); without one they are left in
+    ``.grad`` for the caller to reduce over DP.
     The loss is averaged over DP on the last stage and broadcast to every rank of its pipeline.
     """
     if schedule not in SCHEDULES:

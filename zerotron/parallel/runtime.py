@@ -3,7 +3,9 @@
 CUDA + NCCL when a GPU is visible, CPU + gloo otherwise. ``ZEROTRON_DEVICE`` (``cpu`` or
 ``cuda``) and ``ZEROTRON_BACKEND`` (``gloo`` or ``nccl``) override the choice, and
 ``ZEROTRON_COLLECTIVE_TIMEOUT`` (seconds) sets how long a collective may wait before the rank
-fails instead of hanging -- a dead or diverged rank then stops the job loudly.
+fails instead of hanging -- a dead or diverged rank then stops the job loudly. The bound is set
+on the default group here and copied to every group the ``Grid`` creates
+(``group_timeout``): ``new_group`` without one would fall back to torch's 30 minutes.
 """
 
 from __future__ import annotations
@@ -48,6 +50,24 @@ def collective_timeout(seconds: float | None = None) -> datetime.timedelta:
     if value <= 0:
         raise ValueError(f"collective timeout must be > 0 seconds, got {value}")
     return datetime.timedelta(seconds=value)
+
+
+def group_timeout() -> datetime.timedelta:
+    """The default process group's timeout, for the groups made after it.
+
+    Read from the group itself, so a launcher that called ``init_process_group`` on its own (the
+    test harness, torchrun wrappers) is followed too; ``collective_timeout()`` when torch does not
+    expose it."""
+    try:
+        pg = dist.distributed_c10d._get_default_group()
+        for device in (torch.device("cpu"), torch.device("cuda")):
+            try:
+                return pg._get_backend(device).options._timeout  # private API, present in torch 2.x
+            except Exception:  # noqa: BLE001 - no backend for this device type
+                continue
+    except Exception:  # noqa: BLE001 - no default group or an older torch
+        pass
+    return collective_timeout()
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ import torch
 from zerotron.parallel import collectives as C
 from zerotron.parallel.shard_info import shard_info
 from zerotron.training import faults
-from zerotron.training.checkpoint_io import (FORMAT_VERSION, CheckpointError, ShardReader, atomic_write_json,
+from zerotron.training.checkpoint_io import (FORMAT_VERSION, OWNER, CheckpointError, ShardReader, atomic_write_json,
                                              prune, read_metadata, resolve_load_path, step_dir, write_shard)
 
 MODEL_FIELDS = ("num_layers", "hidden_size", "num_heads", "vocab_size", "seq_length")
@@ -59,13 +59,18 @@ def _param_info(model, opt, grid) -> dict[str, dict]:
 
 
 def save_checkpoint(save: str, step: int, model, opt, grid, *, consumed_samples: int, model_config: dict,
-                    run_config: dict, rng_states: dict[str, torch.Tensor], keep_last: int = 2) -> Path:
-    """Write the checkpoint of ``step`` collectively; returns its directory (on every rank)."""
+                    run_config: dict, rng_states: dict[str, torch.Tensor], run_id: str, keep_last: int = 2) -> Path:
+    """Write the checkpoint of ``step`` collectively; returns its directory (on every rank).
+
+    ``run_id`` goes into the metadata (and into the ``.tmp`` directory while it is written), so
+    pruning deletes only checkpoints this run wrote.
+    """
     final = step_dir(save, step)
     tmp = final.with_name(final.name + ".tmp")
     if grid.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
+        (tmp / OWNER).write_text(run_id)
     C.barrier(grid.world_group)
     names = canonical_names(model)
     state = opt.partition_state()
@@ -86,18 +91,19 @@ def save_checkpoint(save: str, step: int, model, opt, grid, *, consumed_samples:
             params.update(entry.pop("params"))
             files[f"rank_{r:05d}.safetensors"] = entry
         atomic_write_json(tmp / "metadata.json", {
-            "format_version": FORMAT_VERSION, "step": step, "consumed_samples": consumed_samples,
+            "format_version": FORMAT_VERSION, "step": step, "consumed_samples": consumed_samples, "run_id": run_id,
             "adam_step": int(state.get("step", step)), "loss_scaler": state.get("loss_scaler"),
             "layout": {"tp": grid.tp_size, "pp": grid.pp_size, "dp": grid.dp_size, "stage": opt.stage,
                        "world_size": grid.world_size},
             "model": model_config, "config": run_config, "params": params, "files": files})
         for r in range(grid.world_size):
             (tmp / f"rank_{r:05d}.json").unlink()
+        (tmp / OWNER).unlink()  # metadata.json names the run from here on
         faults.hit("kill_before_commit", step, grid.rank)  # test hook: metadata written, not yet renamed
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)
-        prune(save, keep_last)
+        prune(save, keep_last, run_id, step)
     C.barrier(grid.world_group)
     return final
 
@@ -175,10 +181,11 @@ def _fit(t: torch.Tensor, shape: list[int], canon: str) -> torch.Tensor:
     return out
 
 
-def load_checkpoint(load: str, model, opt, grid, *, model_config: dict,
-                    log: Callable[[str], None] = print) -> dict[str, Any]:
+def load_checkpoint(load: str, model, opt, grid, *, model_config: dict, log: Callable[[str], None] = print,
+                    verified: set[str] | frozenset = frozenset()) -> dict[str, Any]:
     """Load ``load`` (a checkpoint or a save directory) into ``model``/``opt`` in the current layout.
 
+    ``verified``: shard files whose checksums were already checked (``resume.plan_resume``).
     Returns ``{"step", "consumed_samples", "rng" (dict or None when the layout changed), "path"}``.
     """
     path, notes = resolve_load_path(load)
@@ -187,7 +194,7 @@ def load_checkpoint(load: str, model, opt, grid, *, model_config: dict,
     meta = read_metadata(path)
     names = canonical_names(model)
     check_compatible(meta, model_config, names)
-    reader = ShardReader(path, meta["files"])
+    reader = ShardReader(path, meta["files"], verified)
     # the optimizer's master dtype: a float64 run reshards its float64 state without rounding it
     assembler = _Assembler(meta, reader, grid, opt.master_dtype)
     params = dict(model.named_parameters())

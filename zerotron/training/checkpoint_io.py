@@ -68,8 +68,9 @@ def verify_file(path: Path, expected_sha: str) -> None:
 class ShardReader:
     """Reads slices of tensors from verified safetensors shards, one open file at a time."""
 
-    def __init__(self, directory: Path, files: dict[str, dict]):
-        self.directory, self.files, self._verified = directory, files, set()
+    def __init__(self, directory: Path, files: dict[str, dict], verified: set[str] | frozenset = frozenset()):
+        # ``verified``: shards already hashed at start-up (``resume.verify``), not hashed again
+        self.directory, self.files, self._verified = directory, files, set(verified)
 
     def _verified_path(self, filename: str) -> str:
         if filename not in self.files:
@@ -143,12 +144,38 @@ def read_metadata(path: Path) -> dict[str, Any]:
     return meta
 
 
-def prune(save: str | Path, keep_last: int) -> None:
-    """Delete all but the newest ``keep_last`` complete checkpoints, and stale ``.tmp`` directories."""
-    complete = complete_checkpoints(save)
-    for old in complete[:-keep_last] if keep_last > 0 else []:
+OWNER = "OWNER"  # run id of the run writing a ``.tmp`` directory; removed before the rename
+
+
+def owner(path: Path) -> str | None:
+    """Run id of the run that wrote checkpoint ``path`` (complete or ``.tmp``); None if unknown."""
+    try:
+        return json.loads((path / "metadata.json").read_text()).get("run_id")
+    except (OSError, ValueError, AttributeError):
+        pass
+    try:
+        return (path / OWNER).read_text().strip() or None
+    except OSError:
+        return None
+
+
+def step_of(path: Path) -> int | None:
+    m = STEP_DIR.match(path.name.removesuffix(".tmp"))
+    return int(m.group(1)) if m else None
+
+
+def prune(save: str | Path, keep_last: int, run_id: str, current_step: int) -> None:
+    """Delete this run's complete checkpoints but the newest ``keep_last`` up to ``current_step``,
+    and this run's stale ``.tmp`` directories.
+
+    Only checkpoints whose metadata names ``run_id`` are touched: another run's checkpoints in
+    the same directory (one this run continued from, say) are never deleted. This run's
+    checkpoints newer than ``current_step`` (left when it was resumed from an earlier one) are
+    kept too; each is replaced when the run saves that step again.
+    """
+    mine = [p for p in complete_checkpoints(save) if owner(p) == run_id and step_of(p) <= current_step]
+    for old in mine[:-keep_last] if keep_last > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
-    newest = complete[-1].name if complete else ""
     for p in Path(save).iterdir():
-        if p.name.endswith(".tmp") and p.name.split(".")[0] < newest:
+        if p.name.endswith(".tmp") and step_of(p) is not None and step_of(p) < current_step and owner(p) == run_id:
             shutil.rmtree(p, ignore_errors=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import decimal
 import json
 import typing
 from pathlib import Path
@@ -19,7 +20,7 @@ import yaml
 
 from zerotron.activation.config import activation_fields_from_deepspeed
 from zerotron.training.config import ConfigError, RunConfig
-from zerotron.zero.config import precision_from_deepspeed, zero_fields_from_deepspeed
+from zerotron.zero.deepspeed_json import grad_accum_from_deepspeed, precision_from_deepspeed, zero_fields_from_deepspeed
 
 # short flag -> (section, field)
 SHORT_FLAGS = {
@@ -64,7 +65,7 @@ def _coerce(name: str, tp: Any, value: Any) -> Any:
         if origin is list:
             (inner,) = typing.get_args(base)
             items = value.split(",") if isinstance(value, str) else list(value)
-            return [inner(x) for x in items if x != ""]
+            return [_coerce(f"{name}[{i}]", inner, x) for i, x in enumerate(x for x in items if x != "")]
         if base is bool:
             if isinstance(value, str):
                 low = value.lower()
@@ -75,20 +76,39 @@ def _coerce(name: str, tp: Any, value: Any) -> Any:
                 raise ValueError(value)
             return value
         if base is int:
-            if isinstance(value, float) and value.is_integer():
-                return int(value)
-            if isinstance(value, str):
-                return int(float(value)) if "e" in value.lower() else int(value)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError(value)
-            return value
+            return _whole(name, value)
         if base is float:
+            if isinstance(value, bool):  # YAML's true/yes would otherwise become 1.0
+                raise ValueError(value)
             return float(value)
         if base is str:
             return str(value)
+    except ConfigError:
+        raise
     except (TypeError, ValueError):
         raise ConfigError(f"{name}={value!r} is not a valid {getattr(base, '__name__', base)}") from None
     return value
+
+
+def _whole(name: str, value: Any) -> int:
+    """An int field's value: an int, or a number written another way that is exactly whole
+    ("5e8", 1e3, "2_000"); "2.5e0" or 2.5 is an error rather than silently 2."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError(value)
+    if isinstance(value, int):
+        return value
+    try:
+        exact = decimal.Decimal(value.strip().replace("_", "") if isinstance(value, str) else value)
+    except decimal.InvalidOperation:
+        raise ValueError(value) from None
+    if not exact.is_finite():
+        raise ValueError(value)
+    if exact != exact.to_integral_value():
+        raise ConfigError(f"{name}={value!r} is not a whole number; {name.split('[')[0]} takes an integer, "
+                          f"e.g. {int(exact)}")
+    if abs(exact) >= 2**63:
+        raise ConfigError(f"{name}={value!r} does not fit a 64-bit integer; give a smaller value")
+    return int(exact)
 
 
 def set_field(cfg: RunConfig, section: str, name: str, value: Any) -> None:
@@ -130,6 +150,7 @@ def apply_deepspeed(cfg: RunConfig, path: str) -> None:
         if "activation_checkpointing" in data:
             cfg.activation_checkpointing = dataclasses.replace(
                 cfg.activation_checkpointing, **activation_fields_from_deepspeed(data["activation_checkpointing"]))
+        cfg.zero = dataclasses.replace(cfg.zero, **grad_accum_from_deepspeed(data))
         precision = precision_from_deepspeed(data)
     except ValueError as e:
         raise ConfigError(f"--deepspeed-config {path}: {e}") from None
@@ -159,11 +180,16 @@ def parse_config(argv: list[str] | None = None) -> RunConfig:
     cfg = RunConfig()
     if args.config:
         try:
-            data = yaml.safe_load(Path(args.config).read_text()) or {}
+            data = yaml.safe_load(Path(args.config).read_text())
         except FileNotFoundError:
             raise ConfigError(f"--config {args.config}: file not found") from None
+        except (IsADirectoryError, UnicodeDecodeError) as e:
+            raise ConfigError(f"--config {args.config}: not a readable YAML file ({e})") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"--config {args.config}: invalid YAML ({e})") from None
+        if data is None:  # an empty file (or only comments) is a mistake, not "all defaults"
+            raise ConfigError(f"--config {args.config}: the file is empty (no sections); write the run's "
+                              f"sections (see configs/tiny.yaml) or drop --config to run on the defaults")
         apply_mapping(cfg, data, args.config)
     if args.deepspeed_config:
         apply_deepspeed(cfg, args.deepspeed_config)

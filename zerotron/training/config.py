@@ -11,6 +11,7 @@ instead of leaving some of them waiting in a collective.
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass, field
 from typing import Any
@@ -92,10 +93,12 @@ class LoggingSection:
 
 @dataclass
 class CheckpointSection:
-    save: str | None = None  # directory; None: no checkpoints
+    save: str | None = None  # directory ("{run_dir}" = logging.run_dir); None: no checkpoints
     save_interval: int = 0  # steps; 0: only at the end (when save is set)
-    load: str | None = None
-    keep_last: int = 2
+    load: str | None = "auto"  # auto: this run's newest checkpoint in save, if any; a path; None: from scratch
+    keep_last: int = 2  # of this run's checkpoints (another run's are never pruned)
+    fallback: bool = False  # newest checkpoint corrupt: load the newest intact earlier one
+    override_schedule: bool = False  # resume although lr schedule / global batch / seed differ
 
 
 @dataclass
@@ -119,6 +122,7 @@ class RunConfig:
 
         The parallel sizes are checked against ``world_size`` and ``dp`` is filled in.
         """
+        _check_finite(self)
         _choice("training.precision", self.training.precision, PRECISIONS)
         _choice("optimizer.decay", self.optimizer.decay, ("cosine", "linear", "constant"))
         _choice("logging.wandb_mode", self.logging.wandb_mode, ("offline", "online", "disabled"))
@@ -133,6 +137,9 @@ class RunConfig:
         t = self.training
         for name in ("train_steps", "micro_batch_size", "global_batch_size"):
             _positive(f"training.{name}", getattr(t, name))
+        if not 0 <= t.seed < 2**62:
+            raise ConfigError(f"training.seed={t.seed} must be in [0, 2**62) (numpy refuses negative seeds); "
+                              f"e.g. 1234")
         if t.global_batch_size % (t.micro_batch_size * dp):
             raise ConfigError(
                 f"training.global_batch_size={t.global_batch_size} is not divisible by training.micro_batch_size*dp="
@@ -142,6 +149,8 @@ class RunConfig:
                               "parameters once per micro-batch); use zero.stage<=2 with pipelines")
         o = self.optimizer
         _positive("optimizer.lr", o.lr, allow_zero=True)
+        _positive("optimizer.eps", o.eps, fix="Adam's denominator guard; 1e-8 is the usual value")
+        _positive("optimizer.weight_decay", o.weight_decay, allow_zero=True, fix="use 0 to disable it")
         if not 0 <= o.min_lr <= o.lr:
             raise ConfigError(f"optimizer.min_lr={o.min_lr} must be between 0 and optimizer.lr={o.lr}")
         _positive("optimizer.warmup_steps", o.warmup_steps, allow_zero=True)
@@ -160,8 +169,16 @@ class RunConfig:
         lg = self.logging
         for name in ("log_interval", "eval_interval", "eval_steps"):
             _positive(f"logging.{name}", getattr(lg, name), allow_zero=name != "log_interval")
+        if lg.peak_tflops is not None:
+            _positive("logging.peak_tflops", lg.peak_tflops, fix="the device's peak TFLOP/s, or null for the table")
         _positive("checkpoint.save_interval", self.checkpoint.save_interval, allow_zero=True)
         _positive("checkpoint.keep_last", self.checkpoint.keep_last)
+        _positive("data.default_corpus_vocab", self.data.default_corpus_vocab)
+        for i, w in enumerate(self.data.data_weights):
+            _positive(f"data.data_weights[{i}]", w, allow_zero=True, fix="weights are sampling proportions")
+        if self.data.data_weights and not sum(self.data.data_weights) > 0:
+            raise ConfigError(f"data.data_weights={self.data.data_weights} sum to 0; give at least one path a "
+                              f"positive weight")
         if self.data.data_weights and len(self.data.data_weights) != len(self.data.data_path):
             raise ConfigError(f"data.data_weights has {len(self.data.data_weights)} entries but data.data_path has "
                               f"{len(self.data.data_path)}; give one weight per path or none")
@@ -181,7 +198,25 @@ def _choice(name: str, value: Any, allowed: tuple) -> None:
         raise ConfigError(f"{name}={value!r} is not one of {list(allowed)}")
 
 
-def _positive(name: str, value: Any, allow_zero: bool = False) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (value >= 0 if allow_zero else value > 0)
+def _positive(name: str, value: Any, allow_zero: bool = False, fix: str = "") -> None:
+    """A finite number, > 0 (``>= 0`` with ``allow_zero``); ``fix`` is appended to the error."""
+    ok = (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+          and (value >= 0 if allow_zero else value > 0))
     if not ok:
-        raise ConfigError(f"{name}={value!r} must be {'>= 0' if allow_zero else '> 0'}")
+        raise ConfigError(f"{name}={value!r} must be a finite number {'>= 0' if allow_zero else '> 0'}"
+                          + (f"; {fix}" if fix else ""))
+
+
+def _check_finite(cfg: "RunConfig") -> None:
+    """No NaN or infinity anywhere in the tree: range checks such as ``lr >= 0`` let ``inf`` through
+    and every comparison with NaN is false, so without this both would reach the optimizer."""
+    for section in dataclasses.fields(cfg):
+        sec = getattr(cfg, section.name)
+        for f in dataclasses.fields(sec):
+            value = getattr(sec, f.name)
+            for item in value if isinstance(value, (list, tuple)) else [value]:
+                if isinstance(item, float) and not math.isfinite(item):
+                    default = f.default if f.default is not dataclasses.MISSING else None
+                    hint = f" (the default is {default})" if isinstance(default, (int, float)) else ""
+                    raise ConfigError(f"{section.name}.{f.name}={value!r} is not a finite number; give a "
+                                      f"finite value{hint}")

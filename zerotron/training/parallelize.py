@@ -46,7 +46,8 @@ class ParallelGPT:
 
 def model_dtype(precision: str) -> torch.dtype:
     """The dtype a model is built in: its master weights' (float64 for fp64, else float32), from
-    which the ZeRO optimizer casts the parameters of a 16-bit run."""
+    which the ZeRO optimizer casts the parameters of a 16-bit run. Not the 16-bit dtype: the
+    optimizer takes the fp32 masters from the parameters' values, which would then be rounded."""
     return torch.promote_types(DTYPES[precision], torch.float32)
 
 

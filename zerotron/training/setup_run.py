@@ -47,7 +47,9 @@ def check_data(cfg: RunConfig, tokenizer_path: str | None, train: list[str], eva
     """Tokenizer and token files against the model's vocabulary; returns the vocabulary size.
 
     Raises ``ConfigError`` naming the field (``data.tokenizer``, ``data.data_path``,
-    ``data.eval_path``, ``model.vocab_size``), the file and the fix -- never a crash mid-run.
+    ``data.eval_path``, ``model.vocab_size``, ``model.seq_length``), the file and the fix -- never
+    a crash mid-run. A file must hold at least one sample (``seq_length + 1`` tokens: the inputs
+    and their shifted labels).
     """
     from zerotron.data import IndexedTokenDataset, Tokenizer
 
@@ -64,10 +66,14 @@ def check_data(cfg: RunConfig, tokenizer_path: str | None, train: list[str], eva
     if tok_vocab is not None and tok_vocab > vocab:
         raise ConfigError(f"data.tokenizer has {tok_vocab} tokens but model.vocab_size={vocab}; token ids would "
                           f"fall outside the embedding: raise model.vocab_size to >= {tok_vocab} or leave it unset")
+    seq = _seq_length(cfg)
     for field_name, prefixes in (("data.data_path", train), ("data.eval_path", evals)):
         for prefix in prefixes:
             try:
                 ds = IndexedTokenDataset(prefix)  # opening maps the files; the scan below reads them
+                if seq is not None and ds.num_tokens < seq + 1:
+                    raise ValueError(f"holds {ds.num_tokens} tokens, fewer than model.seq_length + 1 = {seq + 1} "
+                                     f"(one sample); use a larger corpus or a shorter model.seq_length")
                 key = (_file_identity(prefix), vocab)
                 if key in _CHECKED_FILES:  # preflight checked it; the trainer's start-up need not re-scan
                     continue
@@ -77,6 +83,17 @@ def check_data(cfg: RunConfig, tokenizer_path: str | None, train: list[str], eva
             except (OSError, ValueError) as e:
                 raise ConfigError(f"{field_name}={prefix}: {e}") from None
     return vocab
+
+
+def _seq_length(cfg: RunConfig) -> int | None:
+    """The run's sequence length: the override, else the preset's (None for an unknown preset,
+    which ``validate_model`` reports)."""
+    from zerotron.model.presets import PRESETS
+
+    if cfg.model.seq_length is not None:
+        return cfg.model.seq_length
+    preset = PRESETS.get(cfg.model.preset)
+    return preset.seq_length if preset is not None else None
 
 
 # Token files this process has scanned in full, by (path, size, mtime) of .bin and .idx and the
@@ -153,9 +170,63 @@ def validate_model(cfg: RunConfig, vocab_size: int | None = None):
 
 def preflight(cfg: RunConfig) -> None:
     """Everything checkable before ``init_process_group`` beyond ``RunConfig.validate``: the model,
-    and the user's data files (the built-in corpus is built after start-up by rank 0). Raises
-    ``ConfigError``."""
+    the user's data files (the built-in corpus is built after start-up by rank 0) and the
+    checkpoint directory. Raises ``ConfigError``."""
     vocab = None
     if cfg.data.data_path:
         vocab = check_data(cfg, cfg.data.tokenizer, list(cfg.data.data_path), list(cfg.data.eval_path))
-    validate_model(cfg, vocab)
+    mcfg = validate_model(cfg, vocab)
+    check_save_dir(cfg, mcfg)
+
+
+def checkpoint_bytes(cfg: RunConfig, mcfg) -> tuple[int, int, int]:
+    """``(bytes, parameters, bytes per parameter)`` of one checkpoint, summed over all ranks.
+
+    Per parameter: the master weight and Adam's two moments in the master dtype (fp32; fp64 for
+    fp64 runs) and one copy in the model's precision -- the 14-16 bytes of ZeRO §3.1's mixed
+    precision states, stored once over all ranks (TP splits, ZeRO partitions). With a pipeline
+    the tied word embedding lives on the first and the last stage."""
+    tp, pp = cfg.parallel.tp, cfg.parallel.pp
+    n = mcfg.exact_num_params(tp) + (mcfg.padded_vocab_size(tp) * mcfg.hidden_size if pp > 1 else 0)
+    model_bytes = {"fp16": 2, "bf16": 2, "fp32": 4, "fp64": 8}.get(cfg.training.precision, 4)
+    per = 3 * (8 if cfg.training.precision == "fp64" else 4) + model_bytes
+    return n * per, n, per
+
+
+def check_save_dir(cfg: RunConfig, mcfg) -> None:
+    """``checkpoint.save`` (when set) must be a directory this rank can write, on a file system
+    with room for one checkpoint -- found out now, not after hours of training. A directory not
+    yet created is judged by its nearest existing parent, which is where it will be made."""
+    import os
+    import shutil
+    import tempfile
+
+    from zerotron.training.resume import save_dir
+
+    path = save_dir(cfg)
+    if not path:
+        return
+    where = Path(path).absolute()
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    if not where.is_dir():
+        raise ConfigError(f"checkpoint.save={path}: {where} is a file, not a directory; point checkpoint.save "
+                          f"at a directory (or a path to create), or unset it to run without checkpoints")
+    try:
+        fd, probe = tempfile.mkstemp(dir=where, prefix=".zerotron-write-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ConfigError(f"checkpoint.save={path}: cannot write in {where} ({e.strerror}); choose a writable "
+                          f"directory or fix its permissions") from None
+    need, n, per = checkpoint_bytes(cfg, mcfg)
+    free = shutil.disk_usage(where).free
+    if free < need:
+        raise ConfigError(f"checkpoint.save={path}: one checkpoint needs about {_gib(need)} ({n:,} parameters x "
+                          f"{per} bytes: master weights, two Adam moments and a {cfg.training.precision} copy) but "
+                          f"{where} has {_gib(free)} free; free space, choose a larger file system, or unset "
+                          f"checkpoint.save")
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.1f} MiB"

@@ -1,5 +1,8 @@
 """The pretraining loop: micro-batches accumulated to the global batch, schedule, eval, logging,
 checkpoints and a graceful stop on SIGTERM (checkpoint, then exit) for preemptible clusters.
+
+Before any work the run takes its checkpoint directory's lock and decides which checkpoint it
+continues from (``resume.py``), so a refused or already finished run stops in seconds.
 """
 
 from __future__ import annotations
@@ -7,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import signal
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -14,12 +18,13 @@ import torch
 from zerotron.parallel import collectives as C
 from zerotron.parallel.runtime import DistEnv
 from zerotron.training import checkpoint as ckpt
-from zerotron.training import faults
+from zerotron.training import faults, resume
 from zerotron.training.config import RunConfig
 from zerotron.training.metrics import MetricsLogger, Throughput, peak_memory
 from zerotron.training.schedule import learning_rate
 from zerotron.training.parallelize import parallelize_gpt
 from zerotron.training.setup_run import build_grid, model_config, prepare_data
+from zerotron.training.step_memory import StepMemory
 from zerotron.zero.optimizer import DTYPES
 
 
@@ -29,16 +34,33 @@ class TrainingStopped(RuntimeError):
 
 class Trainer:
     def __init__(self, cfg: RunConfig, env: DistEnv):
+        self.cfg, self.env = cfg, env
+        self.grid = grid = build_grid(cfg)
+        cfg.checkpoint.save = resume.save_dir(cfg)
+        self.run_id = resume.run_id(cfg)
+        self.lock = None
+        try:  # the directory is ours and the checkpoint to continue from known before any work
+            if cfg.checkpoint.save:
+                self.lock = resume.take_lock(cfg.checkpoint.save, self.run_id, grid, env.device, self.log)
+            self.resume = resume.plan_resume(cfg, grid, env.device, self.log)
+            self._build(cfg, env, grid)
+        except BaseException:
+            self.release_lock()
+            grid.close()
+            raise
+
+    def _build(self, cfg: RunConfig, env: DistEnv, grid) -> None:
         from zerotron.data import GPTDataset, PretrainSampler, prepare_dataset_index
         from zerotron.model.flops import flops_per_iteration, peak_tflops
 
-        self.cfg, self.env = cfg, env
-        self.grid = grid = build_grid(cfg)
         self.data = prepare_data(cfg, grid)
         self.mcfg = model_config(cfg, self.data.vocab_size)
         t = cfg.training
-        plan = parallelize_gpt(cfg, self.mcfg, grid, device=env.device)
+        self.memory = StepMemory(cfg.logging.log_interval)
+        with self.memory.construction():
+            plan = parallelize_gpt(cfg, self.mcfg, grid, device=env.device)
         self.model, self.opt, self.activations = plan.model, plan.optimizer, plan.activations
+        self.memory.register(self.opt)
         seq = self.mcfg.seq_length
         num_samples = t.train_steps * t.global_batch_size
         ds_args = dict(seq_length=seq, seed=t.seed, cache_dir=cfg.data.cache_dir)
@@ -55,9 +77,10 @@ class Trainer:
             self.eval_ds = GPTDataset(self.data.eval_prefixes, None, num_samples=n_eval, **ds_args)
         self._sampler_cls = PretrainSampler
         self.step, self.consumed = 0, 0
-        if cfg.checkpoint.load:
-            state = ckpt.load_checkpoint(cfg.checkpoint.load, self.model, self.opt, grid,
-                                         model_config=self.model_config_dict(), log=self.log)
+        if self.resume.path is not None:
+            state = ckpt.load_checkpoint(str(self.resume.path), self.model, self.opt, grid,
+                                         model_config=self.model_config_dict(), log=self.log,
+                                         verified=self.resume.verified)
             self.step, self.consumed = state["step"], state["consumed_samples"]
             self._restore_rng(state["rng"])
         recompute = cfg.activation_checkpointing.checkpoint_activations
@@ -68,8 +91,13 @@ class Trainer:
         self.logger = MetricsLogger(cfg.logging.run_dir, cfg.to_dict(), enabled=grid.rank == 0,
                                     wandb_mode=cfg.logging.wandb_mode, project=cfg.logging.wandb_project,
                                     total_steps=t.train_steps, start_step=self.step)
-        self._stop_requested = False
+        self._stop_requested = self.stopped = False
         signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def release_lock(self) -> None:
+        """Give the checkpoint directory back (rank 0; a file removal, safe after a failed collective)."""
+        if self.lock is not None:
+            self.lock.release()
 
     # helpers ---------------------------------------------------------------------------------
     def log(self, text: str) -> None:
@@ -150,20 +178,28 @@ class Trainer:
         self.opt.set_lr(lr)
         self._inject_faults(self.step + 1)  # test hook: no-op unless ZEROTRON_FAULT is set
         batches = self._micro_batches(self.train_ds, self.consumed)
+        mem = self.memory
+        mem.begin_step(self.step + 1, self.opt)
         if self.grid.pp_size > 1:  # the schedule accumulates, syncs tied embeddings, reduces once
             from zerotron.model.stages import pipeline_step
 
             data = [self._batch(self.train_ds, indices) for indices in batches]
-            loss = float(pipeline_step(self.model, data, self.opt, schedule=cfg.parallel.pipeline_schedule).loss)
-            info = self.opt.step()
+            with mem.phase("forward_backward"):  # the schedule interleaves them
+                out = pipeline_step(self.model, data, self.opt, schedule=cfg.parallel.pipeline_schedule)
+            loss = float(out.loss)
+            with mem.phase("step"):
+                info = self.opt.step()
         else:
             total = 0.0
             for i, indices in enumerate(batches):
                 x, y = self._batch(self.train_ds, indices)
-                mb_loss = self.model(x, labels=y)
-                self.opt.backward(mb_loss / len(batches), last_microbatch=i == len(batches) - 1)
+                with mem.phase("forward"):
+                    mb_loss = self.model(x, labels=y)
+                with mem.phase("backward"):
+                    self.opt.backward(mb_loss / len(batches), last_microbatch=i == len(batches) - 1)
                 total += float(mb_loss.detach()) / len(batches)
-            info = self.opt.step()
+            with mem.phase("step"):
+                info = self.opt.step()
             loss = self._dp_mean(total)
         if not math.isfinite(loss):
             raise TrainingStopped(f"loss is {loss} at step {self.step + 1} (consumed samples {self.consumed}); "
@@ -192,13 +228,14 @@ class Trainer:
         loss = self._dp_mean(sum(losses) / len(losses))
         return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
 
-    def save(self) -> None:
+    def save(self) -> Path:
         c = self.cfg.checkpoint
         path = ckpt.save_checkpoint(c.save, self.step, self.model, self.opt, self.grid,
                                     consumed_samples=self.consumed, model_config=self.model_config_dict(),
                                     run_config=self.cfg.to_dict(), rng_states=self._rng_states(),
-                                    keep_last=c.keep_last)
+                                    run_id=self.run_id, keep_last=c.keep_last)
         self.log(f"[checkpoint] saved {path}")
+        return path
 
     def _stop_agreed(self) -> bool:
         flag = torch.tensor([1.0 if self._stop_requested else 0.0], device=self.env.device)
@@ -213,6 +250,8 @@ class Trainer:
                "comm_bytes": {g: b // window
                               for g, b in self.grid.stats.since(self._comm_mark).bytes_by_group().items()}}
         rec.update({f"model_state_{k}": v for k, v in self.opt.memory_report().items()})
+        if self.memory.active:  # this step was measured (MemoryTracker; parallel/memory_tracker.py)
+            rec.update(self.memory.record())
         if self.activations is not None:
             act = self.activations.step_report()
             rec.update(saved_activation_device_bytes=act["peak_saved_device_bytes"],
@@ -222,11 +261,12 @@ class Trainer:
         return rec
 
     def train(self) -> dict:
-        """Run to ``train_steps`` (or a SIGTERM); metrics and wandb are closed however it ends."""
+        """Run to ``train_steps`` (or a SIGTERM); metrics, wandb and the lock are closed however it ends."""
         try:
             return self._loop()
         finally:
             self.logger.close()
+            self.release_lock()
 
     def _loop(self) -> dict:
         t, lg, c = self.cfg.training, self.cfg.logging, self.cfg.checkpoint
@@ -246,10 +286,14 @@ class Trainer:
                 self.logger.log({"step": self.step, **ev})
                 last.update(ev)
             stop = self._stop_agreed()
+            path = None
             if c.save and ((c.save_interval and self.step % c.save_interval == 0) or stop
                            or self.step == t.train_steps):
-                self.save()
+                path = self.save()
             if stop:
-                self.log(f"[zerotron] SIGTERM: checkpoint written at step {self.step}; exiting")
+                self.stopped = True
+                self.log(f"[zerotron] SIGTERM: checkpoint written at step {self.step} ({path}); exiting" if path else
+                         f"[zerotron] SIGTERM: stopping at step {self.step}; no checkpoint written (checkpoint.save "
+                         f"is not set), so this run cannot be resumed from here")
                 break
         return last

@@ -9,7 +9,10 @@ Model states per rank, in bytes, with Ψ parameters, Nd DP ranks and 16-bit para
 
 In fp32 runs (on the device) the parameters *are* the fp32 master weights -- there is no second
 copy -- so K = 8 (the two Adam moments) and baseline DP holds 4Ψ + 4Ψ + 8Ψ = 16Ψ, not 20Ψ;
-``master_fp32`` then reports 0. 16-bit runs keep the paper's K = 12.
+``master_fp32`` then reports 0. 16-bit runs keep the paper's K = 12, and their gradients are
+accumulated in fp32 by default (``ZeroConfig.grad_accum_dtype``): 4 gradient bytes per parameter
+instead of the paper's 2, so baseline DP holds 2Ψ + 4Ψ + 12Ψ = 18Ψ and Pos+g 2Ψ + 16Ψ/Nd; with
+``grad_accum_dtype`` equal to the precision the table above holds as written.
 
 ``memory_report`` measures the tensors the optimizer actually holds (padding included) and
 reports the fixed buffers -- buckets, staging buffers (CB) -- separately, since they do not
@@ -29,16 +32,18 @@ def nbytes(t) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 
 
-def expected_model_state_bytes(psi: int, dp: int, stage: int, param_bytes: int = 2, k: int = 12) -> float:
-    """The paper's formula for one rank (ZeRO §5.4), for comparing with ``memory_report``."""
-    g = param_bytes
+def expected_model_state_bytes(psi: int, dp: int, stage: int, param_bytes: int = 2, k: int = 12,
+                               grad_bytes: int | None = None) -> float:
+    """The paper's formula for one rank (ZeRO §5.4), for comparing with ``memory_report``;
+    ``grad_bytes`` (default ``param_bytes``, the paper's) is 4 when 16-bit runs accumulate in fp32."""
+    p, g = param_bytes, param_bytes if grad_bytes is None else grad_bytes
     if stage == 0:
-        return (2 * g + k) * psi
+        return (p + g + k) * psi
     if stage == 1:
-        return 2 * g * psi + k * psi / dp
+        return (p + g) * psi + k * psi / dp
     if stage == 2:
-        return g * psi + (g + k) * psi / dp
-    return (2 * g + k) * psi / dp
+        return p * psi + (g + k) * psi / dp
+    return (p + g + k) * psi / dp
 
 
 MODEL_STATES = ("params", "grads", "master_fp32", "optimizer_moments", "secondary_params")

@@ -13,8 +13,11 @@ the model-parallel group only). Two kinds of parameter would be counted twice:
 A parameter without ``ShardInfo`` is an error (``zerotron.parallel.shard_info``): taking it for
 replicated would silently drop a split weight's other TP slices from the norm.
 
-The same all-reduce is the fp16 overflow check: an inf/NaN on any rank makes the sum non-finite
-on every rank, so every rank skips the step together.
+The same all-reduce is the fp16 overflow check, but the check does *not* de-duplicate: it also
+carries the squared norm of the gradients the norm skips (``norm_and_overflow``), so an inf/NaN in
+any local gradient -- a replicated LayerNorm on TP rank 1, the tied copy on the last stage -- makes
+the step non-finite on every rank and every rank skips it together. Were the skipped gradients
+left out, such an inf would reach AdamW on that rank alone and split its replicas apart.
 """
 
 from __future__ import annotations
@@ -46,11 +49,16 @@ def local_sq_norm(shards_and_segments, device: torch.device, dtype: torch.dtype 
     return total
 
 
-def global_norm(sq: torch.Tensor, group) -> float:
-    """All-reduce the squared norm over ``group``; returns the norm (inf/nan on overflow)."""
-    C.all_reduce(sq, group)
-    value = float(sq)
-    return math.sqrt(value) if math.isfinite(value) else value
+def norm_and_overflow(counted: torch.Tensor, uncounted: torch.Tensor, group) -> tuple[float, bool]:
+    """One all-reduce of ``[counted, uncounted]`` squared norms over ``group``: the global norm of the
+    counted gradients, and whether *any* local gradient was inf/NaN (then the norm is inf/NaN too)."""
+    both = torch.stack([counted, uncounted])
+    C.all_reduce(both, group)
+    total, other = both.tolist()
+    overflow = not (math.isfinite(total) and math.isfinite(other))
+    if not math.isfinite(total):
+        return total, True
+    return (other if overflow else math.sqrt(total)), overflow
 
 
 def clip_coef(norm: float, max_norm: float | None) -> float:

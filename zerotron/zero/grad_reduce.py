@@ -6,17 +6,29 @@ gradient, the chunk is averaged over DP and
 * all-reduced in place (stage 0, plain DP: 2Ψ, §7), or
 * reduce-scattered so each rank receives only the shard it owns (Pos / Pos+g, §5.1-5.2: Ψ).
 
-Two ways of holding gradients:
+Gradients are accumulated over micro-batches, reduced and held in the *accumulation dtype*
+(``ZeroConfig.grad_accum_dtype``: fp32 for 16-bit runs by default, as Megatron-LM's fp32
+``main_grad``), so a sum over micro-batches and DP ranks is not rounded to 16 bits at every add.
+Two ways of holding them:
 
-* **flat** (stages 0-1 with ``contiguous_gradients``, MD §6.3): every ``param.grad`` is a view of
-  one pre-allocated flat buffer, autograd accumulates into it, and the bucket *is* a slice of it.
+* **flat** (stages 0-1 with ``contiguous_gradients``, MD §6.3): one pre-allocated flat buffer.
+  When it has the parameters' dtype every ``param.grad`` is a view of it and autograd accumulates
+  into it; otherwise each backward's 16-bit gradient is added into the (fp32) view and freed at
+  once, so only one parameter's 16-bit gradient is alive at a time.
 * **packed** (stages 2-3, or ``contiguous_gradients=False``): autograd's gradient tensors are
   copied into a fixed bucket buffer, reduced, added to the contiguous gradient *partition*, and
   freed at once -- so a Pos+g rank never holds more than its partition plus the buckets in flight.
 
 Stages 0-1 reduce only after the last micro-batch; stages 2-3 on every backward (accumulating
-into the partition). With ``overlap_comm`` the collectives are asynchronous (gloo handles, NCCL
+into the partition; in a pipeline too, through ``ZeroOptimizer.pipeline_backward``). With ``overlap_comm`` the collectives are asynchronous (gloo handles, NCCL
 streams) and at most two buckets are in flight while backward continues.
+
+A gradient can arrive more than once in one backward: reentrant activation checkpointing runs
+every recomputed segment in a backward of its own, so a module used in two segments fires its
+hook twice. A parameter is therefore ready after as many arrivals as it had in the previous
+backward (one before the first), and an arrival after one of its buckets went out is taken apart
+by a tensor pre-hook (autograd adds zeros instead), reduced at the end of the backward as buckets
+of its own and *added* to what was reduced: the reduction is linear, so nothing is lost or early.
 
 How a bucket of stages 1-3 reaches its owners is the ``ReduceScatter`` strategy
 (``zero.strategies``): the plain reduce-scatter, or ZeRO++ qgZ (arXiv 2306.10209 §3.3), whose
@@ -32,17 +44,25 @@ from zerotron.zero.strategies import PlainReduceScatter, ReduceScatter
 
 
 class GradReducer:
+    """``dtype``: the accumulation and reduction dtype; ``param_dtype``: the parameters' (default: the same)."""
+
     def __init__(self, layout, params: list[torch.nn.Parameter], dp_group, stage: int, flat: bool,
-                 overlap: bool, dtype: torch.dtype, device: torch.device, scatter: ReduceScatter | None = None):
+                 overlap: bool, dtype: torch.dtype, device: torch.device, scatter: ReduceScatter | None = None,
+                 param_dtype: torch.dtype | None = None):
         self.layout, self.params, self.dp_group = layout, params, dp_group
         self.scatter = scatter or PlainReduceScatter(dp_group)
         self.stage, self.flat, self.overlap = stage, flat, overlap
         self.dtype, self.device = dtype, device
+        self.attached = flat and (param_dtype is None or param_dtype == dtype)  # param.grad views flat_grad
         chunks = layout.chunks
         self.expected = [len({pc.param for pc in c.pieces if params[pc.param].requires_grad}) for c in chunks]
         self.ready = [0] * len(chunks)
         self.reduced = [False] * len(chunks)
         self.packed_chunks = [0] * len(params)
+        self.arrivals = [1] * len(params)  # gradient arrivals per backward, learned from the last one
+        self.seen = [0] * len(params)      # arrivals in this round
+        self.late: dict[int, torch.Tensor] = {}  # arrivals after a bucket of theirs was reduced
+        self.taking: dict[int, bool] = {}        # arrival taken by the pre-hook -> free .grad after it
         self.inflight: list = []
         self.sync = True        # set by the optimizer: reduce in the hooks now?
         self.pending = False    # a backward ran whose gradients are not yet reduced
@@ -53,8 +73,9 @@ class GradReducer:
         if flat:
             # MD: one contiguous buffer; param.grad are views so autograd accumulates in place.
             self.flat_grad = torch.zeros(layout.full_numel, dtype=dtype, device=device)
-            for i, p in enumerate(params):
-                p.grad = layout.param_view(self.flat_grad, i)
+            if self.attached:
+                for i, p in enumerate(params):
+                    p.grad = layout.param_view(self.flat_grad, i)
         else:
             self.part_grad = torch.zeros(layout.part_numel, dtype=dtype, device=device)
         self.buckets = [] if flat else [torch.empty(max_chunk, dtype=dtype, device=device) for _ in range(n_buf)]
@@ -62,20 +83,50 @@ class GradReducer:
                            if stage >= 1 else [])
         self._next = 0
         self.index = {id(p): i for i, p in enumerate(params)}
-        self.handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params if p.requires_grad]
+        self.handles = []
+        for i, p in enumerate(params):
+            if p.requires_grad:
+                self.handles.append(p.register_hook(lambda grad, i=i: self._take_late(i, grad)))
+                self.handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The gradient storage this reducer owns (flat buffer or partition, buckets, shard buffers)."""
+        return [t for t in (self.flat_grad, self.part_grad, *self.buckets, *self.shard_bufs) if t is not None]
 
     # hooks ----------------------------------------------------------------------------------------
+    def _take_late(self, i: int, grad: torch.Tensor) -> torch.Tensor | None:
+        """Before autograd accumulates: an arrival for a parameter with an already reduced bucket is kept
+        apart for ``_reduce_late`` and replaced by zeros (a bucket sent out cannot take more)."""
+        if not (self.sync and any(self.reduced[ci] for ci in self.layout.param_chunks[i])):
+            return None
+        if i in self.late:
+            self.late[i].add_(grad)
+        else:
+            self.late[i] = grad.detach().to(self.dtype, copy=True)
+        self.taking[i] = self.params[i].grad is None
+        return torch.zeros_like(grad)
+
     def _on_grad(self, param: torch.nn.Parameter) -> None:
         i = self.index[id(param)]
+        if i in self.taking:  # autograd just added the zeros of a taken-apart arrival
+            if self.taking.pop(i):
+                param.grad = None
+            self.seen[i] += 1
+            return
         if self.flat:
             view = self.layout.param_view(self.flat_grad, i)
-            if param.grad is not view and param.grad.data_ptr() != view.data_ptr():
+            if not self.attached:
+                view.add_(param.grad)  # e.g. fp32 += this backward's 16-bit gradient
+                param.grad = None
+            elif param.grad is not view and param.grad.data_ptr() != view.data_ptr():
                 view.copy_(param.grad)  # someone replaced .grad (zero_grad(set_to_none)); re-attach
                 param.grad = view
-        if not self.sync:
-            self.pending = True
-            return
         self.pending = True
+        if not self.sync:
+            return
+        self.seen[i] += 1
+        if self.seen[i] != self.arrivals[i]:
+            return
         for ci in self.layout.param_chunks[i]:
             self.ready[ci] += 1
             if self.ready[ci] == self.expected[ci] and not self.reduced[ci]:
@@ -113,13 +164,16 @@ class GradReducer:
         work.wait()
         self._deliver(c, out)
 
-    def _deliver(self, c, out: torch.Tensor) -> None:
-        if self.flat:
-            if self.stage >= 1:
-                lo, hi = self.layout.own_range(c)
-                self.flat_grad[lo:hi].copy_(out)
-        else:
+    def _deliver(self, c, out: torch.Tensor, add: bool = False) -> None:
+        """The reduced bucket ``out`` into this rank's gradient: copied (flat), or added (packed, or ``add``)."""
+        if not self.flat:
             self.part_grad[c.part_offset:c.part_offset + c.shard].add_(out)
+            return
+        lo, hi = self.layout.own_range(c) if self.stage >= 1 else (c.offset, c.offset + c.numel)
+        if add:
+            self.flat_grad[lo:hi].add_(out)
+        elif self.stage >= 1:
+            self.flat_grad[lo:hi].copy_(out)
 
     def _pack(self, c, bucket: torch.Tensor) -> None:
         bucket.zero_()
@@ -132,6 +186,26 @@ class GradReducer:
                 p.grad = None  # Pos+g: the full gradient is gone as soon as it is in the bucket
                 self.packed_chunks[pc.param] = 0
 
+    def _reduce_late(self) -> None:
+        """Reduce the taken-apart arrivals, chunk by chunk through one temporary bucket (CB), and add them
+        to what their buckets already delivered. Every DP rank runs the same model, so the same chunks."""
+        for ci in sorted({ci for i in self.late for ci in self.layout.param_chunks[i]}):
+            c = self.layout.chunks[ci]
+            bucket = torch.zeros(c.numel, dtype=self.dtype, device=self.device)
+            for pc in c.pieces:
+                grad = self.late.get(pc.param)
+                if grad is not None:
+                    bucket[pc.offset:pc.offset + pc.end - pc.start].copy_(grad.reshape(-1)[pc.start:pc.end])
+            if self.dp_group.size > 1:
+                bucket.div_(self.dp_group.size)
+            if self.stage == 0:
+                out = C.all_reduce(bucket, self.dp_group)
+            else:
+                out = torch.empty(c.shard, dtype=self.dtype, device=self.device)
+                self.scatter.reduce_scatter(out, bucket, async_op=True).wait()
+            self._deliver(c, out, add=True)
+        self.late = {}
+
     def flush(self) -> None:
         """Reduce every chunk not yet reduced in this round (unused params count as zero), wait, reset."""
         if self.pending:
@@ -139,6 +213,10 @@ class GradReducer:
                 if not self.reduced[ci]:
                     self._reduce(ci)
         self.wait()
+        if self.late:
+            self._reduce_late()
+        self.arrivals = [s or a for s, a in zip(self.seen, self.arrivals)]
+        self.seen = [0] * len(self.seen)
         self.ready = [0] * len(self.ready)
         self.reduced = [False] * len(self.reduced)
         self.pending = False
@@ -149,7 +227,7 @@ class GradReducer:
 
     # reads for the optimizer step -------------------------------------------------------------------
     def grad_shard(self, c) -> torch.Tensor:
-        """This rank's reduced gradient for chunk ``c`` (``c.shard`` elements, model dtype)."""
+        """This rank's reduced gradient for chunk ``c`` (``c.shard`` elements, accumulation dtype)."""
         if self.flat:
             lo, hi = self.layout.own_range(c)
             return self.flat_grad[lo:hi]
@@ -159,11 +237,22 @@ class GradReducer:
         """Elements ``[lo, hi)`` of this rank's reduced gradient partition (stages 2-3, across chunks)."""
         return self.part_grad[lo:hi]
 
+    def local_grad(self, i: int) -> torch.Tensor:
+        """Parameter ``i``'s gradient accumulated here and not yet reduced (after ``no_sync`` backwards):
+        what tied copies of a weight sum over their group before the DP reduction."""
+        if self.flat:
+            return self.layout.param_view(self.flat_grad, i)
+        p = self.params[i]
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        return p.grad
+
     def zero(self) -> None:
         if self.flat:
             self.flat_grad.zero_()
         else:
             self.part_grad.zero_()
+        if not self.attached:
             for p in self.params:
                 p.grad = None
         self.packed_chunks = [0] * len(self.params)
@@ -172,7 +261,7 @@ class GradReducer:
         """(gradient bytes held as model state, fixed bucket bytes)."""
         grads = (self.flat_grad if self.flat else self.part_grad)
         held = grads.numel() * grads.element_size()
-        if not self.flat:
+        if not self.attached:  # autograd's own gradients not yet packed / added into the buffer
             held += sum(p.grad.numel() * p.grad.element_size() for p in self.params if p.grad is not None)
         fixed = sum(b.numel() * b.element_size() for b in self.buckets + self.shard_bufs)
         return held, fixed

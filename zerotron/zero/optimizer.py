@@ -8,10 +8,11 @@ strategies chosen once by ``strategies.build``, so the step below has one code p
 
 1. ``backward`` (per micro-batch): scaled loss backward; hooks reduce full buckets over DP
    (stage 0-1: only on the last micro-batch; stage 2-3: every time, into the gradient partition).
-2. ``step``: global squared norm of the reduced shards (one all-reduce; inf/NaN = fp16 overflow,
-   skipped on every rank), unscale and clip while staging each chunk's shard to fp32, AdamW on the
-   fp32 master shard, write the 16-bit shard back, all-gather the updated parameters (stages 1-2;
-   stage 3 gathers them lazily at the next forward). Comm volume: 2Ψ for stages 0-2, 3Ψ for 3 (§7).
+2. ``step``: global squared norm of the reduced shards (one all-reduce, which also carries the
+   gradients the norm de-duplicates away: inf/NaN in any = fp16 overflow, skipped on every rank),
+   unscale and clip while staging each chunk's shard to fp32, AdamW on the fp32 master shard,
+   write the 16-bit shard back, all-gather the updated parameters (stages 1-2; stage 3 gathers
+   them lazily at the next forward). Comm volume: 2Ψ for stages 0-2, 3Ψ for 3 (§7).
 
 In fp32 precision without offload the master weights are not a copy: ``self.masters[c]`` is this
 rank's shard of chunk ``c`` inside the parameter storage itself (the flat parameter buffer for
@@ -22,7 +23,6 @@ no master->parameter copy happens (K = 8 instead of 12). 16-bit runs keep a sepa
 from __future__ import annotations
 
 import contextlib
-import math
 
 import torch
 from torch import nn
@@ -31,12 +31,13 @@ from zerotron.parallel import collectives as C
 from zerotron.parallel.shard_info import shard_info
 from zerotron.zero import accounting, strategies
 from zerotron.zero.adam import FlatAdamW
-from zerotron.zero.clip import clip_coef, counts_in_norm, global_norm, local_sq_norm
+from zerotron.zero.clip import clip_coef, counts_in_norm, local_sq_norm, norm_and_overflow
 from zerotron.zero.config import ZeroConfig
 from zerotron.zero.grad_reduce import GradReducer
 from zerotron.zero.loss_scaler import LossScaler, make_loss_scaler
 from zerotron.zero.partition import Layout
-from zerotron.zero.stage3 import ParamGatherer, default_units, unit_params
+from zerotron.zero.plan import plan_groups
+from zerotron.zero.stage3 import ParamGatherer
 from zerotron.zero.state_io import PartitionStateIO
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "fp64": torch.float64}
@@ -54,8 +55,9 @@ class ZeroOptimizer(PartitionStateIO):
                  eps: float = 1e-8, weight_decay: float = 0.0, clip_grad: float | None = None,
                  stage3_units: list[nn.Module] | None = None, precision: str = "fp32",
                  loss_scaler: LossScaler | None = None):
-        """``precision``: fp32 | fp16 | bf16 | fp64 (``PRECISIONS``), the dtype of the parameters and
-        gradients; masters are ``promote_types(dtype, fp32)``. ``loss_scaler``: default
+        """``precision``: fp32 | fp16 | bf16 | fp64 (``PRECISIONS``), the dtype of the parameters;
+        masters are ``promote_types(dtype, fp32)``, gradients accumulate in ``cfg.grad_accum(precision)``
+        (fp32 for 16-bit runs unless ``grad_accum_dtype`` says otherwise). ``loss_scaler``: default
         ``make_loss_scaler(precision)`` (dynamic for fp16 with DeepSpeed's defaults)."""
         cfg.validate(precision=precision)
         if loss_scaler is not None and loss_scaler.dynamic != (precision == "fp16"):
@@ -75,16 +77,19 @@ class ZeroOptimizer(PartitionStateIO):
         self.num_params = sum(p.numel() for p in self.params)
         self.precision, self.dtype = precision, DTYPES[precision]
         self.master_dtype = torch.promote_types(self.dtype, torch.float32)  # 16-bit runs keep fp32 masters
+        self.grad_dtype = DTYPES[cfg.grad_accum(precision)]  # gradients accumulate and reduce in it
         self.device = self.params[0].device
         dp = grid.dp_group
         shards, rank = (dp.size, dp.rank_of(grid.rank)) if cfg.stage >= 1 else (1, 0)
-        groups, persistent, unit_mods, unit_groups = self._plan_groups(model, stage3_units)
+        groups, persistent, unit_mods, unit_groups = plan_groups(model, self.params, self.names, grid, cfg,
+                                                                 stage3_units)
         self.layout = Layout([p.shape for p in self.params], groups, shards, rank,
                              min(cfg.reduce_bucket_size, cfg.allgather_bucket_size), persistent)
         self.param_shapes = dict(zip(self.names, self.layout.shapes))
         no_decay = [len(shape) < 2 for shape in self.layout.shapes]  # params may be released (stage 3)
         self.decay_segments = [self.layout.segments(c, lambda i: not no_decay[i]) for c in self.layout.chunks]
-        plan = strategies.build(cfg, grid, self.layout, self.dtype, self.master_dtype, self.device, owner=self)
+        plan = strategies.build(cfg, grid, self.layout, self.dtype, self.master_dtype, self.device, owner=self,
+                                grad_dtype=self.grad_dtype)
         self.state, self.shards = plan.state, plan.shards
         self.adam = FlatAdamW(self.state.device)
         max_shard = max(c.shard for c in self.layout.chunks)
@@ -95,16 +100,17 @@ class ZeroOptimizer(PartitionStateIO):
         self._init_storage()  # a broadcast from DP rank 0 (build created the node groups before it)
         flat = cfg.stage <= 1 and cfg.contiguous_gradients
         self.reducer = GradReducer(self.layout, self.params, dp, cfg.stage, flat, cfg.overlap_comm,
-                                   self.dtype, self.device, scatter=plan.scatter)
+                                   self.grad_dtype, self.device, scatter=plan.scatter, param_dtype=self.dtype)
         self.gatherer = None
         if cfg.stage == 3:
             self.part_param = self.shards.adopt(self.part_param)  # empty when the partition went to a file
             self.gatherer = ParamGatherer(self.layout, self.params, unit_mods, unit_groups, model, self.shards,
                                           plan.gather, self.dtype, self.device, cfg.stage3_prefetch_bucket_size)
         self.scaler = loss_scaler or make_loss_scaler(precision)
-        tp_rank = grid.tp_rank
-        self.norm_segments = [self.layout.segments(c, lambda i: counts_in_norm(self.params[i], tp_rank, self.names[i]))
-                              for c in self.layout.chunks]
+        counted = [counts_in_norm(p, grid.tp_rank, n) for n, p in zip(self.names, self.params)]
+        self.norm_segments = [self.layout.segments(c, lambda i: counted[i]) for c in self.layout.chunks]
+        # what the norm de-duplicates away still decides an overflow (clip.norm_and_overflow)
+        self.skip_segments = [self.layout.segments(c, lambda i: not counted[i]) for c in self.layout.chunks]
         self.norm_group = grid.world_group if cfg.stage >= 1 else grid.mp_group
         self._no_sync = False
         self.reducer.sync = self._default_sync()
@@ -112,42 +118,6 @@ class ZeroOptimizer(PartitionStateIO):
         self.comm_per_step: dict = {}
 
     # construction helpers -------------------------------------------------------------------------
-    def _plan_groups(self, model, stage3_units):
-        n = len(self.params)
-        if self.stage < 3:  # reverse order: buckets fill in the order backward produces gradients
-            return [list(reversed(range(n)))], [False], [], []
-        units = list(stage3_units) if stage3_units is not None else default_units(model)
-        if not any(u is model for u in units):
-            units.insert(0, model)  # the root covers whatever the given units leave out
-        per_unit = unit_params(units, self.params)
-        owner = [-1] * n
-        for u, members in enumerate(per_unit):
-            for p in members:
-                if owner[p] < 0:
-                    owner[p] = u
-        missing = [self.names[i] for i in range(n) if owner[i] < 0]
-        if missing:
-            raise ValueError(f"stage3_units: parameter(s) {missing[:3]} belong to no unit; pass units that "
-                             f"cover every trainable parameter (or the model itself)")
-        threshold = self.cfg.stage3_param_persistence_threshold
-        small = [self.params[i].numel() <= threshold for i in range(n)]
-        groups, group_of_unit = [], {}
-        for u in range(len(units)):
-            members = [p for p in per_unit[u] if owner[p] == u and not small[p]]
-            if members:
-                group_of_unit[u] = len(groups)
-                groups.append(members)
-        persistent = [False] * len(groups)
-        if any(small):
-            groups.append([i for i in range(n) if small[i]])
-            persistent.append(True)
-        param_group = {}
-        for gi, members in enumerate(groups):
-            for p in members:
-                param_group[p] = gi
-        unit_groups = [sorted({param_group[p] for p in per_unit[u] if not small[p]}) for u in range(len(units))]
-        return groups, persistent, units, unit_groups
-
     def _init_storage(self) -> None:
         """Fill the master shard and the 16-bit storage from DP rank 0's fp32 values (one chunk at a time)."""
         lay, dp, st = self.layout, self.grid.dp_group, self.state
@@ -212,7 +182,8 @@ class ZeroOptimizer(PartitionStateIO):
 
     @contextlib.contextmanager
     def no_sync(self):
-        """Backward calls inside accumulate gradients locally with no communication (pipeline mode)."""
+        """Backward calls inside accumulate gradients locally with no communication (pipeline mode; but
+        see ``pipeline_backward``)."""
         self._no_sync, self.reducer.sync = True, False
         try:
             yield
@@ -220,11 +191,41 @@ class ZeroOptimizer(PartitionStateIO):
             self._no_sync = False
             self.reducer.sync = self._default_sync()
 
+    def pipeline_backward(self, tensors, grad_tensors=None) -> None:
+        """One micro-batch's backward of a pipeline schedule (inside ``no_sync``). Stages 0-1 accumulate
+        locally until ``reduce_gradients``; stage 2 reduces this backward's buckets into the gradient
+        partition as they fill (Pos+g, §5.2), so no full gradient outlives a micro-batch."""
+        self.reducer.sync = self.stage == 2
+        try:
+            torch.autograd.backward(tensors, grad_tensors)
+            if self.reducer.sync:
+                self.reducer.flush()
+        finally:
+            self.reducer.sync = self._default_sync()
+
     def reduce_gradients(self) -> None:
         """Reduce everything accumulated so far (once per step after ``no_sync`` backward calls)."""
         self.reducer.flush()
         if self.gatherer is not None:
             self.gatherer.release_all()
+
+    def tied_grad(self, param: nn.Parameter) -> torch.Tensor:
+        """What the tied copies of ``param`` sum over their group after a pipeline's backwards, in place
+        (``model.stages.sync_embedding_grads``): stages 0-1, the gradient accumulated here and not yet
+        reduced (not ``param.grad``, which fp32 accumulation of 16-bit parameters leaves empty); stage
+        2, this rank's reduced shard -- the same elements on every stage (``plan.tied_index``) -- since
+        summing the copies before or after the DP reduction is the same sum."""
+        i = next((i for i, p in enumerate(self.params) if p is param), None)
+        if i is None:
+            raise KeyError("tied_grad: not a trainable parameter of this optimizer")
+        if self.stage < 2:
+            return self.reducer.local_grad(i)
+        if self.stage == 3 or self.layout.groups[0].params != [i]:
+            raise ValueError(f"tied_grad({self.names[i]}): zero.stage={self.stage} sums tied copies only for "
+                             f"the pipeline's model.word_embedding_weight at stage 2; use zero.stage<=2 with pipelines")
+        self.reducer.flush()  # what no_sync backwards left unreduced
+        chunks = [self.layout.chunks[ci] for ci in self.layout.groups[0].chunks]
+        return self.reducer.grad_range(chunks[0].part_offset, chunks[-1].part_offset + chunks[-1].shard)
 
     def set_lr(self, lr: float) -> None:
         _check_hyper(lr, self.betas, self.eps, self.weight_decay, self.clip_grad)
@@ -235,10 +236,11 @@ class ZeroOptimizer(PartitionStateIO):
             self.reduce_gradients()
         self.reducer.wait()
         lay, st, scale = self.layout, self.state, self.scaler.scale
-        sq = local_sq_norm([(self.reducer.grad_shard(c), self.norm_segments[c.index]) for c in lay.chunks],
-                           self.device, self.master_dtype)
-        norm = global_norm(sq, self.norm_group) / scale
-        overflow = not math.isfinite(norm)
+        grads = [self.reducer.grad_shard(c) for c in lay.chunks]
+        sq, skipped = (local_sq_norm(zip(grads, segs), self.device, self.master_dtype)
+                       for segs in (self.norm_segments, self.skip_segments))
+        norm, overflow = norm_and_overflow(sq, skipped, self.norm_group)
+        norm /= scale
         if not overflow:
             coef = clip_coef(norm, self.clip_grad) / scale
             st.step += 1
@@ -276,6 +278,13 @@ class ZeroOptimizer(PartitionStateIO):
     # accounting -----------------------------------------------------------------------------------
     def memory_report(self) -> dict:
         return accounting.memory_report(self)
+
+    def live_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """Which live tensors hold parameters, gradients and optimizer states: their identities for
+        a memory tracker, which measures the storages itself (``parallel/memory_tracker.py``)."""
+        params = [t for t in (*self.params, self.flat_param, self.part_param) if t is not None]
+        grads = [p.grad for p in self.params if p.grad is not None] + self.reducer.tensors()
+        return {"parameters": params, "gradients": grads, "optimizer_states": self.state.resident()}
 
 
 def _check_hyper(lr, betas, eps, weight_decay, clip_grad) -> None:

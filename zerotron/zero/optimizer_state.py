@@ -90,6 +90,10 @@ class OptimizerState:
             out.mul_(coef)
         return out
 
+    def resident(self) -> list[torch.Tensor]:
+        return [t for t in (self.master if self.own_master else None, self.exp_avg, self.exp_avg_sq,
+                            self.grad_stage) if t is not None]
+
     def memory_report(self) -> dict:
         size = self.exp_avg.element_size()
         master = self.master.numel() * size if self.own_master else 0

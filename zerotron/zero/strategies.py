@@ -123,6 +123,9 @@ class OptimizerStateStore(Protocol):
     def tensors(self) -> dict[str, torch.Tensor]:
         """``master``, ``exp_avg``, ``exp_avg_sq`` of the whole partition (checkpoints)."""
 
+    def resident(self) -> list[torch.Tensor]:
+        """The tensors this state holds in memory now (device or host), for a memory tracker."""
+
     def memory_report(self) -> Report: ...
 
     def io_report(self) -> dict: ...
@@ -211,10 +214,11 @@ class Strategies:
 
 
 def build(cfg, grid, layout, dtype: torch.dtype, master_dtype: torch.dtype, device: torch.device,
-          owner) -> Strategies:
+          owner, grad_dtype: torch.dtype | None = None) -> Strategies:
     """The strategies ``cfg`` selects. Validates the ZeRO++ sizes against the DP size (on every rank,
     before any collective), then creates the node-local groups (``Grid.split_group``: collective).
-    ``owner``: the object whose lifetime the disk files follow."""
+    ``owner``: the object whose lifetime the disk files follow; ``grad_dtype``: the reduced gradients'
+    (default ``dtype``) -- in the master dtype on the device they need no fp32 staging buffer."""
     from zerotron.zero.zeropp.strategies import QuantizedGather, QuantizedReduceScatter, SecondaryGather
 
     dp = grid.dp_group
@@ -240,6 +244,7 @@ def build(cfg, grid, layout, dtype: torch.dtype, master_dtype: torch.dtype, devi
         # fp32 on the device: the parameters are the master weights (no 4-byte copy; K = 8, not 12),
         # except with the parameters on disk, whose file is derived from an authoritative master
         shared = dtype == master_dtype and cfg.optimizer_offload == "none" and cfg.offload_param_device == "none"
-        state = OptimizerState(layout.part_numel, max(c.shard for c in layout.chunks), device,
+        staged = (grad_dtype or dtype) != master_dtype or cfg.optimizer_offload == "cpu"
+        state = OptimizerState(layout.part_numel, max(c.shard for c in layout.chunks) if staged else 0, device,
                                cfg.optimizer_offload == "cpu", own_master=not shared, dtype=master_dtype)
     return Strategies(state, scatter, shards, gather)

@@ -147,6 +147,9 @@ class DiskOptimizerState:
             w.result()
 
     # accounting -----------------------------------------------------------------------------------
+    def resident(self) -> list[torch.Tensor]:
+        return list(self.cache.values())  # tiles in flight belong to the disk store's buffers
+
     def memory_report(self) -> dict:
         return {"disk": {"master_fp32": 4 * self.numel, "optimizer_moments": 2 * 4 * self.numel},
                 "host": {"fixed_buffers": self.store.buffer_count * 3 * 4 * self.tile}}

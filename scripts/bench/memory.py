@@ -1,0 +1,106 @@
+"""Memory of ZeRO stages 0-3 measured from the allocator's side, against the memory model.
+
+    .venv/bin/python scripts/bench/memory.py --ranks 4 --layers 12 --hidden 768 --steps 2
+
+A GPT where parameters dominate (default 12 layers x h 768, vocab 8192, seq 128, micro-batch 1,
+bf16), built by ``parallelize_gpt`` on ``--ranks`` gloo processes, one configuration at a time.
+Per stage it prints, from ``MemoryTracker`` (live storages, not the optimizer's own sizes): the
+peak by phase (construction, forward, backward, step) and by category at the step's peak; the
+memory model's prediction (``estimate``: model states + buffers + working memory, before its
+fragmentation margin) and measured/predicted; the OS peak RSS of the rank (``ru_maxrss``, which
+includes the interpreter and torch, ~the same for every stage) and ``memory_report``'s model
+states for comparison. Figures are the maximum over ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+
+from zerotron.testing.launch import spawn
+
+MiB = 1 << 20
+
+
+def worker(args, stage: int) -> dict:
+    import torch
+
+    from zerotron.model.config import GPTConfig
+    from zerotron.parallel import Grid, ParallelDims
+    from zerotron.training.config import RunConfig
+    from zerotron.training.parallelize import parallelize_gpt
+    from zerotron.training.step_memory import StepMemory
+
+    grid = Grid(ParallelDims())
+    cfg = GPTConfig(num_layers=args.layers, hidden_size=args.hidden, num_heads=max(1, args.hidden // 64),
+                    vocab_size=args.vocab, seq_length=args.seq)
+    run = RunConfig()
+    run.zero.stage, run.zero.reduce_bucket_size, run.zero.allgather_bucket_size = stage, args.bucket, args.bucket
+    run.zero.stage3_param_persistence_threshold = 0
+    run.training.precision, run.training.micro_batch_size = args.precision, 1
+    run.training.global_batch_size = grid.dp_size
+    mem = StepMemory(interval=1)
+    with mem.construction():
+        plan = parallelize_gpt(run.validate(grid.world_size), cfg, grid)
+    model, opt = plan.model, plan.optimizer
+    mem.register(opt)
+    g = torch.Generator().manual_seed(grid.rank)
+    for step in range(1, args.steps + 1):
+        ids = torch.randint(0, args.vocab, (1, args.seq), generator=g)
+        mem.begin_step(step, opt)
+        with mem.phase("forward"):
+            loss = model(ids, labels=ids)
+        with mem.phase("backward"):
+            opt.backward(loss)
+        with mem.phase("step"):
+            opt.step()
+    out = mem.record()
+    out["rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    out["model_states"] = opt.memory_report()["total_model_states"]
+    return out
+
+
+def predicted(args, stage: int) -> float:
+    from zerotron.estimate.memory_model import Setup, estimate
+    from zerotron.model.config import GPTConfig
+
+    cfg = GPTConfig(num_layers=args.layers, hidden_size=args.hidden, num_heads=max(1, args.hidden // 64),
+                    vocab_size=args.vocab, seq_length=args.seq)
+    e = estimate(Setup(cfg, dp=args.ranks, micro_batch=1, stage=stage, checkpoint_activations=False,
+                       contiguous_memory=False, precision=args.precision, bucket_size=args.bucket))
+    return e["total"] * (1 - e["fragmentation_margin"])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ranks", type=int, default=4)
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--hidden", type=int, default=768)
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--bucket", type=int, default=5_000_000)
+    ap.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
+    ap.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3])
+    args = ap.parse_args()
+    phases = ("construction", "forward", "backward", "step")
+    cats = ("parameters", "gradients", "optimizer_states", "activations", "temporaries", "other")
+    print(f"GPT {args.layers} x h{args.hidden}, vocab {args.vocab}, seq {args.seq}, micro-batch 1, {args.precision}, "
+          f"DP {args.ranks}; MiB, max over ranks; peak by category at the step's peak", flush=True)
+    print(f"{'stage':>5} " + " ".join(f"{p[:6]:>7}" for p in phases) + "  " + " ".join(f"{c[:6]:>7}" for c in cats)
+          + f" {'peak':>7} {'model':>7} {'ratio':>6} {'RSS':>7} {'states':>7}")
+    for stage in args.stages:
+        results = spawn(worker, args.ranks, args, stage, timeout=1800, store_dir="runs/bench")
+
+        def top(key):
+            return max(r.get(key, 0) for r in results) / MiB
+        pred = predicted(args, stage) / MiB
+        row = " ".join(f"{top(f'mem_{p}_peak_bytes'):7.1f}" for p in phases)
+        row += "  " + " ".join(f"{top(f'mem_peak_{c}'):7.1f}" for c in cats)
+        peak = top("mem_peak_bytes")
+        print(f"{stage:>5} {row} {peak:7.1f} {pred:7.1f} {peak / pred:6.2f} {top('rss_bytes'):7.0f} "
+              f"{top('model_states'):7.1f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

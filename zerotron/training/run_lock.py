@@ -1,0 +1,170 @@
+"""One run per checkpoint directory: a lock file that names its holder (host, pid, run id).
+
+Two runs writing into one directory would prune, overwrite and resume each other's
+checkpoints. Rank 0 therefore creates ``<save>/zerotron.lock`` (``O_CREAT | O_EXCL``) before any
+work and removes it when the run ends, however it ends. A second run finds the file and is
+refused with the holder's host and pid. A stale lock -- a crash, ``kill -9``, a node reboot --
+is taken over with a message, so ``torchrun --max-restarts`` or a requeued job continues by
+itself. On the holder's host, stale means its pid is not alive (or now belongs to a process
+started later). Another host cannot be probed, so the holder refreshes the file's mtime every
+``REFRESH_S`` from a thread, and a lock from another host is stale once it has not been
+refreshed for ``STALE_S`` (rank 0 of a restarted job often lands on another node).
+
+The check-then-take-over is serialized with ``flock`` on the directory, so two runs that find
+the same stale lock at once cannot both take it (where the file system has no ``flock``, the
+``O_EXCL`` create alone decides, with a short race window on takeovers only).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+
+from zerotron.training.checkpoint_io import CheckpointError
+
+LOCK_NAME = "zerotron.lock"
+REFRESH_S = 15.0  # the holder touches the lock this often
+STALE_S = 120.0  # a lock from another host not touched for this long belongs to a dead run
+
+
+class RunLockError(CheckpointError):
+    """The checkpoint directory belongs to another run that is still alive (or cannot be probed)."""
+
+
+def _start_ticks(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (``/proc/<pid>/stat`` field 22), or None.
+
+    Recorded in the lock so a pid reused by an unrelated process later does not look alive."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _alive(pid: int, start_ticks: int | None) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by another user
+        pass
+    now = _start_ticks(pid)
+    return start_ticks is None or now is None or now == start_ticks
+
+
+@contextlib.contextmanager
+def _serialized(directory: Path):
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        try:
+            import fcntl
+
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except (ImportError, OSError):  # no flock here: O_EXCL alone decides
+            pass
+        yield
+    finally:
+        os.close(fd)  # closing releases the flock
+
+
+def _idle_s(path: Path) -> float:
+    try:
+        return max(0.0, time.time() - path.stat().st_mtime)
+    except OSError:
+        return 0.0
+
+
+def _read(path: Path) -> dict | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def describe(holder: dict) -> str:
+    return (f"host {holder.get('host')}, pid {holder.get('pid')}, run id {holder.get('run_id')}, "
+            f"started {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(holder.get('started', 0)))}")
+
+
+class RunLock:
+    """The lock this process holds on a checkpoint directory; ``release()`` is idempotent."""
+
+    def __init__(self, path: Path, info: dict, note: str | None, refresh_s: float | None):
+        self.path, self.info, self.note = path, info, note
+        self._stop = threading.Event()
+        if refresh_s:
+            threading.Thread(target=self._refresh, args=(path, refresh_s), name="zerotron-lock", daemon=True).start()
+
+    def _refresh(self, path: Path, every: float) -> None:
+        while not self._stop.wait(every):
+            with contextlib.suppress(OSError):
+                os.utime(path)
+
+    @classmethod
+    def acquire(cls, directory: str | Path, run_id: str, refresh_s: float | None = REFRESH_S) -> "RunLock":
+        """Take ``directory``'s lock (creating the directory) or raise ``RunLockError`` naming the holder.
+
+        ``refresh_s``: how often a thread touches the lock while it is held (None: never; then a
+        run on another host takes it over after ``STALE_S``)."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / LOCK_NAME
+        pid = os.getpid()
+        info = {"host": socket.gethostname(), "pid": pid, "run_id": run_id, "started": time.time(),
+                "start_ticks": _start_ticks(pid)}
+        note = None
+        with _serialized(directory):
+            for _ in range(20):
+                try:
+                    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+                except FileExistsError:
+                    holder = _read(path)
+                    if holder is None:  # being written by its creator this instant, or garbage
+                        if _idle_s(path) < 5.0:
+                            time.sleep(0.25)
+                            continue
+                        holder = {}
+                    idle = _idle_s(path)
+                    if holder and holder.get("host") != info["host"] and idle < STALE_S:
+                        raise RunLockError(
+                            f"checkpoint.save={directory} is in use by a run on another host ({describe(holder)}; "
+                            f"{path}, refreshed {idle:.0f} s ago); wait for it to end or give this run another "
+                            f"checkpoint.save. If that run is gone, its lock is taken over once it has not "
+                            f"been refreshed for {STALE_S:.0f} s, or delete {path}")
+                    if holder and holder.get("host") == info["host"] and _alive(int(holder.get("pid", -1)),
+                                                                                holder.get("start_ticks")):
+                        raise RunLockError(
+                            f"checkpoint.save={directory} is in use by another run ({describe(holder)}; {path}); "
+                            f"wait for it to end or give this run another checkpoint.save (or logging.run_dir, "
+                            f"when checkpoint.save is under it)")
+                    why = ("process no longer running" if holder.get("host") == info["host"]
+                           else f"not refreshed for {idle:.0f} s") if holder else ""
+                    note = (f"took over the stale lock of {describe(holder)} ({why})" if holder
+                            else f"took over an unreadable lock file {path}")
+                    with contextlib.suppress(FileNotFoundError):
+                        path.unlink()
+                    continue
+                with os.fdopen(fd, "w") as f:
+                    json.dump(info, f)
+                    f.flush()
+                    os.fsync(f.fileno())
+                return cls(path, info, note, refresh_s)
+        raise RunLockError(f"could not take the lock {path}: it keeps changing; another run is starting on "
+                           f"checkpoint.save={directory}")
+
+    def release(self) -> None:
+        """Remove the lock file if it is still ours (never one another run took over meanwhile)."""
+        self._stop.set()
+        if self.path is None:
+            return
+        holder = _read(self.path)
+        if holder is not None and all(holder.get(k) == self.info[k] for k in ("host", "pid", "started")):
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
+        self.path = None
