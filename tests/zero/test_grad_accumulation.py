@@ -79,7 +79,7 @@ def check_accumulation_accuracy():
         if accum == "fp32":
             assert e <= bound, f"stage {stage} fp32 accumulation: error {e:.3g} > {bound:.3g} (errors {errors})"
         else:
-            assert e > 100 * bound, f"stage {stage} bf16 accumulation: error {e:.3g} not >> {bound:.3g}"
+            assert e > 10 * bound, f"stage {stage} bf16 accumulation: error {e:.3g} not >> {bound:.3g}"
     return errors
 
 
