@@ -96,10 +96,14 @@ class MemoryTracker(TorchDispatchMode):
             self._phase_peak = total
         if total > self.peak_bytes:
             self.peak_bytes = total
-            self.peak_by_category = {c: self.current.get(c, 0) for c in CATEGORIES}
+            self.peak_by_category = self.breakdown()
 
     def total(self) -> int:
         return sum(self.current.values())
+
+    def breakdown(self) -> dict[str, int]:
+        """Live bytes per category now."""
+        return {c: self.current.get(c, 0) for c in CATEGORIES}
 
     # phases ----------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -140,5 +144,5 @@ class MemoryTracker(TorchDispatchMode):
     def reset_peaks(self) -> None:
         """Start a new measurement window from what is alive now (keeps tracking the live storages)."""
         self.peak_bytes = self.total()
-        self.peak_by_category = {c: self.current.get(c, 0) for c in CATEGORIES}
+        self.peak_by_category = self.breakdown()
         self.by_phase = {}

@@ -24,6 +24,9 @@ from zerotron.zero.config import PRECISIONS, ZeroConfig
 from zerotron.zero.loss_scaler import check_loss_scaling
 
 
+RUN_DIR = "{run_dir}"  # in checkpoint.save: stands for logging.run_dir, so each run has its own checkpoints
+
+
 class ConfigError(ValueError):
     """A config value is invalid; the message names ``section.field``, the value and the fix."""
 
@@ -173,6 +176,8 @@ class RunConfig:
             _positive("logging.peak_tflops", lg.peak_tflops, fix="the device's peak TFLOP/s, or null for the table")
         _positive("checkpoint.save_interval", self.checkpoint.save_interval, allow_zero=True)
         _positive("checkpoint.keep_last", self.checkpoint.keep_last)
+        if self.checkpoint.save:  # resolved once here, so every reader sees the same directory
+            self.checkpoint.save = self.checkpoint.save.replace(RUN_DIR, self.logging.run_dir)
         _positive("data.default_corpus_vocab", self.data.default_corpus_vocab)
         for i, w in enumerate(self.data.data_weights):
             _positive(f"data.data_weights[{i}]", w, allow_zero=True, fix="weights are sampling proportions")

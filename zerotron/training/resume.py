@@ -43,7 +43,6 @@ IGNORED = ("training.train_steps", "logging.*", "checkpoint.load", "checkpoint.f
            "checkpoint.override_schedule", "checkpoint.keep_last", "checkpoint.save_interval")
 SCHEDULE = ("optimizer.lr", "optimizer.min_lr", "optimizer.warmup_steps", "optimizer.decay",
             "training.global_batch_size", "training.seed")
-RUN_DIR = "{run_dir}"  # in checkpoint.save: replaced by logging.run_dir
 
 
 class AlreadyComplete(Exception):
@@ -55,12 +54,6 @@ class ResumePlan:
     path: Path | None = None  # None: start from scratch
     step: int = 0
     verified: frozenset = field(default_factory=frozenset)  # shard files already hashed
-
-
-def save_dir(cfg) -> str | None:
-    """``checkpoint.save`` with ``{run_dir}`` replaced, so each run directory has its own checkpoints."""
-    save = cfg.checkpoint.save
-    return save.replace(RUN_DIR, cfg.logging.run_dir) if save else None
 
 
 def flatten(config: dict) -> dict[str, Any]:

@@ -201,9 +201,7 @@ def check_save_dir(cfg: RunConfig, mcfg) -> None:
     import shutil
     import tempfile
 
-    from zerotron.training.resume import save_dir
-
-    path = save_dir(cfg)
+    path = cfg.checkpoint.save
     if not path:
         return
     where = Path(path).absolute()

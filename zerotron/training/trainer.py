@@ -36,7 +36,6 @@ class Trainer:
     def __init__(self, cfg: RunConfig, env: DistEnv):
         self.cfg, self.env = cfg, env
         self.grid = grid = build_grid(cfg)
-        cfg.checkpoint.save = resume.save_dir(cfg)
         self.run_id = resume.run_id(cfg)
         self.lock = None
         try:  # the directory is ours and the checkpoint to continue from known before any work

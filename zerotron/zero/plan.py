@@ -34,11 +34,10 @@ def plan_groups(model, params, names, grid, cfg, stage3_units=None):
                          f"cover every trainable parameter (or the model itself)")
     threshold = cfg.stage3_param_persistence_threshold
     small = [params[i].numel() <= threshold for i in range(n)]
-    groups, group_of_unit = [], {}
+    groups = []
     for u in range(len(units)):
         members = [p for p in per_unit[u] if owner[p] == u and not small[p]]
         if members:
-            group_of_unit[u] = len(groups)
             groups.append(members)
     persistent = [False] * len(groups)
     if any(small):
