@@ -128,7 +128,7 @@ def one_step(cfg: RunConfig) -> float:
 
     cfg.validate(dist.get_world_size())
     trainer = Trainer(cfg, init_distributed())
-    loss = trainer.train_step()["loss"]
+    loss = float(trainer.train_step()["loss"])
     trainer.grid.close()
     return loss
 

@@ -55,7 +55,7 @@ def run_steps(run_dir, cache, steps, flags, kill_rank_at=None):
         if kill_rank_at is not None and trainer.step == kill_rank_at[1] and dist.get_rank() == kill_rank_at[0]:
             os.kill(os.getpid(), signal.SIGKILL)
         try:
-            losses.append(trainer.train_step()["loss"])
+            losses.append(float(trainer.train_step()["loss"]))
             if c.save and c.save_interval and trainer.step % c.save_interval == 0:
                 trainer.save()
         except Exception as e:  # a peer was killed: report instead of failing
@@ -238,7 +238,7 @@ def pipeline_16bit(run_dir, cache, precision):
     cfg = make_config(run_dir, cache, "--pp", "2", "--zero-stage", "1", "--precision", precision,
                       "--eval-interval", "2", "--logging.eval_steps", "1").validate(dist.get_world_size())
     trainer = Trainer(cfg, init_distributed())
-    losses = [trainer.train_step()["loss"] for _ in range(4)]
+    losses = [float(trainer.train_step()["loss"]) for _ in range(4)]
     return losses, trainer.evaluate()["eval_loss"]
 
 

@@ -13,11 +13,19 @@ s the sequence, h the hidden size, L the layers:
 * **activation checkpoints** (§3.2, §6.1): one b·s·h 16-bit tensor per checkpoint (the input of
   every ``checkpoint_every`` layers). Pa keeps 1/t of each on every MP rank; Pa+cpu (and
   ``cpu_checkpointing``) moves them to host memory, so the device holds none.
-* **recompute working memory**: in backward one layer at a time is re-run with its graph; its
-  activations are Korthikanti et al. 2022 (arXiv 2205.05198) eq. 2 with TP:
-  s·b·h·(10 + 24/t + 5·a·s/(h·t)) bytes (16-bit tensors, 1-byte dropout masks, a heads). The
-  head (logits and cross-entropy) is b·s·V/t elements held as 16-bit logits plus fp32
-  log-softmax and fp32 gradient, 10 bytes each. The larger of the two is live at a time.
+* **layer activations** without checkpointing: Korthikanti et al. 2022 (arXiv 2205.05198) eq. 2
+  with TP, s·b·h·(10 + 24/t + 5·a·s/(h·t)) bytes per layer (16-bit tensors, 1-byte dropout masks,
+  a heads); the a·s² term is the attention probabilities, which a fused attention kernel (SDPA's
+  flash / memory-efficient kernels on a GPU: ``fused_attention``) never stores.
+* **recompute working memory**: in backward one layer at a time is re-run with its graph, and
+  the peak comes when its recomputed forward is complete: the tensors it saved for backward
+  except its input (the checkpoint, counted below): LayerNorm outputs and the attention
+  residual, 2 + 2 + 2 bytes per s·b·h, two dropout masks 1 + 1, the TP-split tensors 24/t (and
+  the probabilities, unfused); plus what backward has in flight then: the gradient arriving from
+  the layer above, the recomputed output, and the last residual branch's output, 2 each --
+  s·b·h·(14 + 24/t) with a fused kernel, measured in zerotron by the dry run. The head (logits
+  and cross-entropy) is b·s·V/t elements held as 16-bit logits plus fp32 log-softmax and fp32
+  gradient, 10 bytes each. The larger of the two is live at a time.
 * **fixed buffers** (CB, §6.2): zerotron's reduce buckets, the DP shard buffers, the fp32
   staging shard, the all-gather input and (with Pa) the one-checkpoint all-gather target. They
   depend on the bucket size, not on the model (``fixed_buffer_bytes`` mirrors
@@ -38,7 +46,7 @@ from dataclasses import dataclass
 from zerotron.model.config import GPTConfig
 from zerotron.zero.accounting import expected_model_state_bytes
 
-BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
+BYTES = {"fp16": 2, "bf16": 2, "fp32": 4, "fp64": 8}
 ADAM_K = 12  # fp32 master + momentum + variance (§3.1)
 
 # The ZeRO configurations of Table 3 (§10.5). All use CB + MD; none uses Pos+g+p.
@@ -75,6 +83,7 @@ class Setup:
     bucket_size: int = 500_000_000  # min(reduce_bucket_size, allgather_bucket_size), elements
     overlap_comm: bool = False
     fragmentation: float | None = None  # None: 0.10 with MD, 0.30 without (§3.2)
+    fused_attention: bool = True  # a GPU's SDPA kernel; False: the CPU's math kernel keeps a·s² probabilities
     # bytes per accumulated gradient element: None = zerotron's default (fp32 accumulation,
     # ``zero.grad_accum_dtype``), 2 = the paper's 16-bit gradients (2 + 2 + K)
     grad_bytes: int | None = None
@@ -91,6 +100,21 @@ class Setup:
         if self.fragmentation is not None:
             return self.fragmentation
         return 0.10 if self.contiguous_memory else 0.30
+
+
+def setup_from_run_config(cfg, model: GPTConfig, gpus: int) -> Setup:
+    """The ``Setup`` of a validated ``RunConfig`` (``training.config``) on ``gpus`` GPUs: its model,
+    MP and DP degrees, micro-batch, ZeRO stage, buckets, gradient dtype and checkpointing."""
+    z, ac, t = cfg.zero, cfg.activation_checkpointing, cfg.training
+    mp = cfg.parallel.tp * cfg.parallel.pp
+    if gpus % mp:
+        raise ValueError(f"gpus={gpus} is not divisible by tp x pp = {mp}; use a multiple of it")
+    return Setup(model, tp=cfg.parallel.tp, dp=gpus // mp, micro_batch=t.micro_batch_size, stage=z.stage,
+                 checkpoint_activations=ac.checkpoint_activations, checkpoint_every=ac.checkpoint_every,
+                 partition_activations=ac.partition_activations, cpu_checkpointing=ac.cpu_checkpointing,
+                 contiguous_memory=ac.contiguous_memory_optimization, precision=t.precision,
+                 bucket_size=min(z.reduce_bucket_size, z.allgather_bucket_size), overlap_comm=z.overlap_comm,
+                 grad_bytes=BYTES[z.grad_accum(t.precision)])
 
 
 def params_per_rank(cfg: GPTConfig, tp: int = 1) -> int:
@@ -125,9 +149,16 @@ def checkpoint_bytes(b: int, s: int, h: int, layers: int, tp: int = 1, every: in
     return {"device": 0 if cpu else total, "host": total if cpu else 0}
 
 
-def layer_working_bytes(b: int, s: int, h: int, heads: int, tp: int = 1) -> float:
-    """Activations of one transformer layer while it is recomputed (Korthikanti 2022, eq. 2, TP t)."""
-    return s * b * h * (10 + 24 / tp + 5 * heads * s / (h * tp))
+def layer_working_bytes(b: int, s: int, h: int, heads: int, tp: int = 1, fused_attention: bool = False) -> float:
+    """Activations one transformer layer saves for backward (Korthikanti 2022, eq. 2, TP t)."""
+    probs = 0 if fused_attention else 5 * heads * s / (h * tp)
+    return s * b * h * (10 + 24 / tp + probs)
+
+
+def recompute_working_bytes(b: int, s: int, h: int, heads: int, tp: int = 1, fused_attention: bool = True) -> float:
+    """Peak of one checkpointed layer's backward beyond its checkpoint (module docstring)."""
+    probs = 0 if fused_attention else 5 * heads * s / (h * tp)
+    return s * b * h * (14 + 24 / tp + probs)
 
 
 def head_working_bytes(b: int, s: int, vocab: int, tp: int = 1) -> float:
@@ -170,10 +201,12 @@ def estimate(setup: Setup) -> dict:
     psi = params_per_rank(cfg, t)
     states = model_state_bytes(psi, nd, setup.stage, pb, gb)
     pa = setup.partition_activations and t > 1
-    layer = layer_working_bytes(b, s, h, cfg.num_heads, t) * pb / 2
+    fused = setup.fused_attention
+    layer = layer_working_bytes(b, s, h, cfg.num_heads, t, fused) * pb / 2
     if setup.checkpoint_activations:
         ckpt = checkpoint_bytes(b, s, h, l, t, setup.checkpoint_every, pa, setup.cpu_checkpointing, pb)
-        working = max(layer * setup.checkpoint_every, head_working_bytes(b, s, cfg.padded_vocab_size(t), t))
+        segment = recompute_working_bytes(b, s, h, cfg.num_heads, t, fused) + (setup.checkpoint_every - 1) * layer
+        working = max(segment * pb / 2, head_working_bytes(b, s, cfg.padded_vocab_size(t), t))
     else:  # every layer's activations stay alive until its backward
         ckpt = {"device": int(layer * l), "host": 0}
         working = head_working_bytes(b, s, cfg.padded_vocab_size(t), t)
@@ -190,6 +223,7 @@ def estimate(setup: Setup) -> dict:
         "fixed_buffers": fixed + pa_gather,
         "fragmentation_margin": setup.margin,
         "accounted": states + ckpt["device"] + fixed + pa_gather,
+        "before_margin": used,
         "total": used / (1 - setup.margin),
     }
 

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from zerotron.model.config import GPTConfig
+from zerotron.parallel import host_sync
 from zerotron.parallel.grid import Grid
 from zerotron.parallel.rng import TPRNG
 from zerotron.parallel.shard_info import ShardInfo, set_shard_info
@@ -45,6 +46,16 @@ def make_layernorm(hidden: int, eps: float, dtype, device) -> nn.Module:
     for p in ln.parameters():
         set_shard_info(p, ShardInfo(None, tuple(p.shape)))
     return ln
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
+    """``scaled_dot_product_attention``, causal. A GPU runs it as a fused kernel (flash on sm80+,
+    memory-efficient on V100) that keeps O(s) state per head for backward, where the CPU's math
+    kernel keeps the b·a·s² probabilities. A dry run's fake accelerator has no such dispatch, so
+    there the memory-efficient kernel is called by name: the dry run then holds what the GPU would."""
+    if host_sync.simulated() and q.device.type != "cpu":
+        return torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, dropout_p, True)[0]
+    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
 
 
 class ParallelAttention(nn.Module):
@@ -70,7 +81,7 @@ class ParallelAttention(nn.Module):
         p = self.dropout_p if self.training else 0.0
         region = self.rng.fork() if p > 0 else contextlib.nullcontext()
         with region:  # per-rank stream: each rank's heads get their own dropout masks
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+            y = causal_attention(q, k, v, p)
         y = y.transpose(1, 2).reshape(b, s, self.heads_per_rank * self.head_dim)
         return self.proj(y)
 

@@ -94,6 +94,7 @@ def pipeline_step(model: GPT, microbatches: Sequence, optimizer=None, schedule: 
     ``microbatches``: ``m`` pairs ``(token_ids [b, s], labels [b, s])`` for this DP rank (middle
     stages may pass None for both, then ``micro_batch_size`` is required). The tied-embedding
     gradients are all-reduced after the last backward and before the optimizer's reduction.
+    Nothing is read on the host: ``out.loss`` is a device tensor (``parallel.host_sync``).
     """
     b = micro_batch_size
     if b is None:

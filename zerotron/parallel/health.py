@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from zerotron.parallel import host_sync
+
 DESCRIPTOR_BYTES = 512
 MAX_CHAIN = 8  # ranks followed from "behind" to "behind" before giving up on finding the root
 _PARALLEL_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -108,7 +110,7 @@ class Health:
         self._store = self._default_store()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
-        if self._store is not None and world_size > 1:
+        if self._store is not None and world_size > 1 and not host_sync.simulated():  # no peers to watch
             self._publish()  # at once: a rank that dies in its first second is still "seen alive once"
             loops = [("heartbeat", self._beat)] + ([("watchdog", self._watch)] if timeout_s else [])
             for name, loop in loops:

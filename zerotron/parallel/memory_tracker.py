@@ -42,8 +42,11 @@ _PHASE_CATEGORY = {"forward": "activations", "backward": "temporaries", "step": 
 class MemoryTracker(TorchDispatchMode):
     """Use as ``with tracker.phase("forward"): ...``; read ``report()``. One tracker per rank."""
 
-    def __init__(self) -> None:
+    def __init__(self, device_type: str | None = None) -> None:
+        """``device_type`` (e.g. ``"cuda"``): count only storages on that kind of device -- a GPU's
+        memory, not the host buffers of CPU offload beside it. None counts every storage."""
         super().__init__()
+        self.device_type = device_type
         self._seen = WeakIdKeyDictionary()  # storage -> [nbytes, category]
         self._refs: dict[int, weakref.ref] = {}  # keeps the weak references (and their callbacks) alive
         self.current: dict[str, int] = defaultdict(int)
@@ -66,6 +69,10 @@ class MemoryTracker(TorchDispatchMode):
         try:
             st = t.untyped_storage()
         except (RuntimeError, NotImplementedError):  # sparse and other storage-less tensors
+            return
+        if t.device.type == "meta":  # shape only: a model built on meta holds no memory yet
+            return
+        if self.device_type is not None and t.device.type != self.device_type:  # a fake tensor's storage is meta
             return
         entry = self._seen.get(st)
         nbytes = st.nbytes()

@@ -42,7 +42,9 @@ SCHEDULES = ("1f1b", "afab")
 
 @dataclass
 class StepOutput:
-    """``loss``: global-batch mean loss (mean of micro-batch means, averaged over DP), on every rank.
+    """``loss``: global-batch mean loss (mean of micro-batch means, averaged over DP), on every rank:
+    a 0-dim tensor on the stage's device, never read here (``host_sync``: the trainer reads it
+    when it logs, so the schedule queues its work without waiting for the device).
 
     ``compute_s``: time this stage spent in forward/backward; ``wall_s``: the whole schedule
     (including ``after_backward`` and the gradient reduction). ``1 - compute_s / wall_s`` is the
@@ -204,8 +206,10 @@ def microbatches_in_flight(schedule: str, pp_size: int, pp_rank: int, num_microb
 
 @torch.no_grad()
 def eval_step(stage: nn.Module, microbatches: Sequence, grid: Grid, shape: Sequence[int], *,
-              dtype=torch.float32, device=None) -> float:
-    """Forward-only pass of ``m`` micro-batches through the pipeline; mean loss on every pp rank.
+              dtype=torch.float32, device=None) -> torch.Tensor:
+    """Forward-only pass of ``m`` micro-batches through the pipeline; mean loss on every pp rank,
+    as a 0-dim float64 tensor on ``device`` (the caller reads it once per evaluation,
+    ``host_sync.read``, instead of once per call).
 
     No backward, so no schedule is needed: each stage receives, computes and sends one
     micro-batch at a time (blocking p2p, which cannot deadlock in a chain).
@@ -221,4 +225,4 @@ def eval_step(stage: nn.Module, microbatches: Sequence, grid: Grid, shape: Seque
         else:
             p2p.send(out, grid.next_pp_rank, grid.pp_group)
     C.broadcast(total, grid.pp_group.ranks[-1], grid.pp_group)
-    return float(total.item()) / max(len(microbatches), 1)
+    return total[0] / max(len(microbatches), 1)

@@ -21,6 +21,8 @@ from typing import Iterator
 
 import torch
 
+from zerotron.parallel import host_sync
+
 TP_SEED_OFFSET = 2718
 PP_SEED_STRIDE = 100
 
@@ -74,6 +76,9 @@ class TPRNG:
         exactly where it stopped -- it is not advanced by anything drawn inside.
         """
         self._require_seeded()
+        if host_sync.simulated():  # a dry run draws nothing: fake tensors hold no values
+            yield
+            return
         cuda = _cuda_ready()
         if cuda and self._tp_cuda is None:  # CUDA came up after seed(): derive its stream now
             self._tp_cuda = self._fresh_cuda_state(self._tp_seed)
@@ -95,6 +100,8 @@ class TPRNG:
     def get_states(self) -> dict[str, torch.Tensor]:
         """Copies of every stream: ``shared_cpu``, ``tp_cpu`` and, with CUDA, ``shared_cuda``, ``tp_cuda``."""
         self._require_seeded()
+        if host_sync.simulated():
+            return {}
         states = {"shared_cpu": torch.get_rng_state(), "tp_cpu": self._tp_cpu.clone()}
         if _cuda_ready():
             if self._tp_cuda is None:

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zerotron.parallel import host_sync
 from zerotron.parallel.grid import Grid
 from zerotron.parallel.shard_info import ShardInfo, set_shard_info, shard_info
 from zerotron.parallel.tp_mappings import (
@@ -158,7 +159,7 @@ def init_sharded_(param: torch.Tensor, std: float, seed: int, name: str, tp_rank
     the master of a 16-bit parameter, or for a parameter of a shape-only (meta) model.
     """
     out = param if out is None else out
-    if out.is_meta:  # shape-only model (config checks, memory estimates): no data, nothing to draw
+    if out.is_meta or host_sync.simulated():  # shape-only model or a dry run: no data, nothing to draw
         return
     info = shard_info(param, name)
     if info.local_shape(tp_size) != tuple(param.shape):

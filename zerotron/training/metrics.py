@@ -3,6 +3,9 @@
 wandb works with no account: the default mode is ``offline`` (files under ``<run-dir>/wandb``,
 ``wandb sync`` uploads them later); ``online`` without credentials falls back to offline with a
 warning instead of prompting for a login on a cluster node.
+
+The training step leaves its values on the device (``parallel.host_sync``); a logged record is
+read to the host here, all its tensors in one read (``host_values``), at the log interval only.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from typing import Any
 
 import torch
 
+from zerotron.parallel import host_sync
+
 
 def peak_memory(device: torch.device) -> dict[str, int]:
     """Peak memory of this process: allocator peaks on GPU, peak resident set size on CPU."""
@@ -24,6 +29,26 @@ def peak_memory(device: torch.device) -> dict[str, int]:
     if device.type == "cuda":
         out["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
         out["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
+    return out
+
+
+def host_values(record: dict[str, Any]) -> dict[str, Any]:
+    """``record`` with its tensor values as Python numbers: the one-element tensors stacked and
+    read in a single host read (reason ``"log"``; exact through float64 for every float dtype and
+    integers below 2**53), any larger tensor read as a list."""
+    scalars = [k for k, v in record.items() if isinstance(v, torch.Tensor) and v.numel() == 1]
+    out = dict(record)
+    for k, v in record.items():
+        if isinstance(v, torch.Tensor) and v.numel() != 1:
+            out[k] = host_sync.read(v, "log", placeholder=[])
+    if not scalars:
+        return out
+    device = record[scalars[0]].device
+    stacked = torch.stack([record[k].detach().reshape(()).to(device=device, dtype=torch.float64) for k in scalars])
+    values = host_sync.read(stacked, "log", placeholder=[0.0] * len(scalars) if len(scalars) > 1 else 0.0)
+    for k, value in zip(scalars, values if len(scalars) > 1 else [values]):
+        dtype = record[k].dtype
+        out[k] = bool(value) if dtype == torch.bool else value if dtype.is_floating_point else int(value)
     return out
 
 
@@ -71,7 +96,7 @@ class MetricsLogger:
     def log(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        record = {k: (v.item() if isinstance(v, torch.Tensor) else v) for k, v in record.items()}
+        record = host_values(record)
         self._file.write(json.dumps(record) + "\n")
         if self._wandb is not None:
             flat = {k: v for k, v in record.items() if isinstance(v, (int, float))}

@@ -2,7 +2,8 @@
 
 1. **Pipeline stage** -- which layers this rank holds (``model.stages.build_stage``; the whole
    model when pp = 1). The word embedding lives on the first stage, the head and loss on the
-   last, with a tied copy of the embedding there (Megatron-LM).
+   last, with a tied copy of the embedding there (Megatron-LM). It is built on the meta device
+   in the working dtype: shapes only, until step 4 gives the parameters their storage.
 2. **Tensor parallelism** -- built into the layers (column/row-parallel linears, vocab-parallel
    embedding and loss; Megatron-LM §3), so it is decided by ``grid.tp_size`` when the stage is
    made: every parameter carries its ``ShardInfo`` from birth.
@@ -11,7 +12,11 @@
    which the pipeline schedule decides.
 4. **ZeRO-DP** (ZeRO §5) -- the optimizer partitions states, gradients and (stage 3) parameters
    over DP; stage 3 gathers in explicit units ``[model, *model.blocks]``: the root (embeddings,
-   final norm, head) for the whole forward and backward, each block only while it runs.
+   final norm, head) for the whole forward and backward, each block only while it runs. It
+   allocates the flat 16-bit buffer (stage 3: the partition) and the fp32 master shard and fills
+   them chunk by chunk from ``GPT.init_parameter_``, one parameter drawn in fp32 at a time
+   (``zero.materialize``), as DeepSpeed's ``zero.Init``: construction never holds an fp32 model
+   beside them, and every DP rank draws the same values, so nothing is broadcast.
 
 The trainer, the benchmarks and the paper scripts build through here, so they measure the
 model a run trains.
@@ -45,10 +50,11 @@ class ParallelGPT:
 
 
 def model_dtype(precision: str) -> torch.dtype:
-    """The dtype a model is built in: its master weights' (float64 for fp64, else float32), from
-    which the ZeRO optimizer casts the parameters of a 16-bit run. Not the 16-bit dtype: the
-    optimizer takes the fp32 masters from the parameters' values, which would then be rounded."""
-    return torch.promote_types(DTYPES[precision], torch.float32)
+    """The dtype a model is built in: the parameters' own (16 bits for fp16/bf16 runs). Building in
+    16 bits rounds nothing the masters need: the model is built on the meta device, without values,
+    and the optimizer draws every parameter's initial values in the master dtype
+    (``promote_types(dtype, float32)``), keeps them as the master and rounds them for the parameter."""
+    return DTYPES[precision]
 
 
 def parallelize_gpt(cfg: RunConfig, model_cfg: GPTConfig, grid: Grid, device: torch.device | None = None,
@@ -60,8 +66,8 @@ def parallelize_gpt(cfg: RunConfig, model_cfg: GPTConfig, grid: Grid, device: to
     device) instead of the same full weights for every (tp, pp) layout.
     """
     t, o = cfg.training, cfg.optimizer
-    dtype = model_dtype(t.precision)
-    model = build_stage(model_cfg, grid, dtype=dtype, device=device, seed=t.seed,
+    device = torch.get_default_device() if device is None else torch.device(device)
+    model = build_stage(model_cfg, grid, dtype=model_dtype(t.precision), device="meta", seed=t.seed,
                         layout_independent_init=layout_independent_init)
     in_flight = microbatches_in_flight(cfg.parallel.pipeline_schedule, grid.pp_size, grid.pp_rank,
                                        cfg.num_microbatches)
@@ -71,5 +77,6 @@ def parallelize_gpt(cfg: RunConfig, model_cfg: GPTConfig, grid: Grid, device: to
                               o.min_loss_scale)
     optimizer = ZeroOptimizer(model, grid, cfg.zero, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
                               weight_decay=o.weight_decay, clip_grad=o.clip_grad,
-                              stage3_units=[model, *model.blocks], precision=t.precision, loss_scaler=scaler)
+                              stage3_units=[model, *model.blocks], precision=t.precision, loss_scaler=scaler,
+                              master_init=model.init_parameter_, device=device)
     return ParallelGPT(model, optimizer, activations)

@@ -17,8 +17,8 @@ from zerotron.parallel.memory_tracker import CATEGORIES, MemoryTracker
 
 
 class StepMemory:
-    def __init__(self, interval: int):
-        self.tracker = MemoryTracker()
+    def __init__(self, interval: int, device_type: str | None = None):
+        self.tracker = MemoryTracker(device_type)
         self.interval = max(1, interval)
         self.active = False
         self._construction: int | None = None

@@ -3,6 +3,12 @@ checkpoints and a graceful stop on SIGTERM (checkpoint, then exit) for preemptib
 
 Before any work the run takes its checkpoint directory's lock and decides which checkpoint it
 continues from (``resume.py``), so a refused or already finished run stops in seconds.
+
+The step itself (``training.step.run_step``) reads nothing on the host, and neither does the
+trainer around it: the loss stays a device tensor, the first non-finite loss is remembered on
+the device (``_watch_loss``) and read at the log interval, before a checkpoint and at a stop;
+the metrics of a logged step are read in one go. What remains per step is the SIGTERM agreement
+(``_stop_agreed``) and, in fp16, the optimizer's overflow decision (``parallel.host_sync``).
 """
 
 from __future__ import annotations
@@ -16,14 +22,16 @@ import numpy as np
 import torch
 
 from zerotron.parallel import collectives as C
+from zerotron.parallel import host_sync
 from zerotron.parallel.runtime import DistEnv
 from zerotron.training import checkpoint as ckpt
 from zerotron.training import faults, resume
 from zerotron.training.config import RunConfig
-from zerotron.training.metrics import MetricsLogger, Throughput, peak_memory
+from zerotron.training.metrics import MetricsLogger, Throughput, host_values, peak_memory
 from zerotron.training.schedule import learning_rate
 from zerotron.training.parallelize import parallelize_gpt
 from zerotron.training.setup_run import build_grid, model_config, prepare_data
+from zerotron.training.step import run_step
 from zerotron.training.step_memory import StepMemory
 from zerotron.zero.optimizer import DTYPES
 
@@ -91,6 +99,9 @@ class Trainer:
                                     wandb_mode=cfg.logging.wandb_mode, project=cfg.logging.wandb_project,
                                     total_steps=t.train_steps, start_step=self.step)
         self._stop_requested = self.stopped = False
+        # first step whose loss was non-finite (-1: none yet) and that loss, kept on the device
+        self._bad_step = torch.full((), -1.0, dtype=torch.float64, device=env.device)
+        self._bad_loss = torch.zeros((), dtype=torch.float64, device=env.device)
         signal.signal(signal.SIGTERM, self._on_sigterm)
 
     def release_lock(self) -> None:
@@ -127,7 +138,10 @@ class Trainer:
         self.model.rng.set_states({k[len("model/"):]: v for k, v in rng.items() if k.startswith("model/")})
 
     def _batch(self, dataset, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        tokens = torch.from_numpy(np.stack([dataset[i] for i in indices]).astype(np.int64)).to(self.env.device)
+        """Tokens to the device; from pinned memory without waiting (a pageable copy syncs the stream)."""
+        tokens = torch.from_numpy(np.stack([dataset[i] for i in indices]).astype(np.int64))
+        pinned = host_sync.pinned(self.env.device)
+        tokens = (tokens.pin_memory() if pinned else tokens).to(self.env.device, non_blocking=pinned)
         return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
     def _micro_batches(self, dataset, consumed: int):
@@ -137,10 +151,11 @@ class Trainer:
         it = iter(sampler)
         return [next(it) for _ in range(self.cfg.num_microbatches)]
 
-    def _dp_mean(self, value: float) -> float:
-        x = torch.tensor([value], dtype=torch.float64, device=self.env.device)
+    def _dp_mean(self, value: torch.Tensor) -> torch.Tensor:
+        """The mean over DP of a 0-dim device value, as a 0-dim float64 device tensor (no host read)."""
+        x = value.detach().to(torch.float64).reshape(1).clone()
         C.all_reduce(x, self.grid.dp_group, op="sum")
-        return float(x.item()) / self.grid.dp_size
+        return x[0] / self.grid.dp_size
 
     # reliability ------------------------------------------------------------------
     MAX_SKIPS_AT_MIN_SCALE = 8  # consecutive overflowed (skipped) steps at the loss-scale floor
@@ -153,14 +168,36 @@ class Trainer:
             with torch.no_grad():
                 next(self.model.parameters()).fill_(float("nan"))
 
-    def _check_overflow_storm(self, info: dict, loss: float) -> None:
+    def _watch_loss(self, loss: torch.Tensor) -> None:
+        """Remember, on the device, the first step whose loss is non-finite and that loss."""
+        new = ~torch.isfinite(loss) & (self._bad_step < 0)
+        self._bad_step = torch.where(new, float(self.step + 1), self._bad_step)
+        self._bad_loss = torch.where(new, loss.to(torch.float64), self._bad_loss)
+
+    def _check_finite(self) -> None:
+        """Stop if a loss so far was non-finite, naming its step: one host read (``"nan"``), made
+        at the log interval, before every checkpoint and at a stop, never per step. The loss is
+        the same on every rank (DP mean, broadcast over the pipeline), so every rank agrees."""
+        flags = torch.stack([self._bad_step, self._bad_loss])
+        bad_step, loss = host_sync.read(flags, "nan", placeholder=[-1.0, 0.0])
+        if bad_step < 0:
+            return
+        step = int(bad_step)
+        consumed = self.consumed - (self.step - step + 1) * self.cfg.training.global_batch_size
+        raise TrainingStopped(f"loss is {loss} at step {step} (consumed samples {consumed}); "
+                              f"rerun from the last checkpoint with the same data position to reproduce")
+
+    def _check_overflow_storm(self, info: dict, loss: torch.Tensor) -> None:
         """An overflow at the minimum loss scale cannot be cured by scaling: after a few in a row the
-        run only burns compute skipping steps, so stop with the step, the scale and the fixes."""
+        run only burns compute skipping steps, so stop with the step, the scale and the fixes.
+        ``skipped`` is fp16's host-side decision (a constant scale never skips): nothing is read."""
         floor = self.cfg.optimizer.min_loss_scale
         scale = info.get("loss_scale")
         at_floor = bool(info.get("skipped")) and scale is not None and scale <= floor
         self._skips_at_floor = getattr(self, "_skips_at_floor", 0) + 1 if at_floor else 0
         if self._skips_at_floor >= self.MAX_SKIPS_AT_MIN_SCALE:
+            self._check_finite()  # a NaN loss explains the overflows: report it first
+            loss = host_sync.read(loss, "log", placeholder=0.0)
             raise TrainingStopped(
                 f"gradient overflow storm: {self._skips_at_floor} consecutive steps up to step {self.step + 1} "
                 f"overflowed (inf/NaN gradients; loss {loss:.4g}) and were skipped at the minimum loss scale "
@@ -170,42 +207,25 @@ class Trainer:
 
     # the loop --------------------------------------------------------------------------------
     def train_step(self) -> dict:
+        """One global batch: ``loss`` (the DP mean) and ``grad_norm`` are 0-dim device tensors.
+        Raises ``TrainingStopped`` at a log step (or the last) if a loss so far was non-finite."""
         cfg, t = self.cfg, self.cfg.training
         lr = learning_rate(self.step, lr=cfg.optimizer.lr, min_lr=cfg.optimizer.min_lr,
                            warmup_steps=cfg.optimizer.warmup_steps, total_steps=t.train_steps,
                            decay=cfg.optimizer.decay)
         self.opt.set_lr(lr)
         self._inject_faults(self.step + 1)  # test hook: no-op unless ZEROTRON_FAULT is set
-        batches = self._micro_batches(self.train_ds, self.consumed)
-        mem = self.memory
-        mem.begin_step(self.step + 1, self.opt)
-        if self.grid.pp_size > 1:  # the schedule accumulates, syncs tied embeddings, reduces once
-            from zerotron.model.stages import pipeline_step
-
-            data = [self._batch(self.train_ds, indices) for indices in batches]
-            with mem.phase("forward_backward"):  # the schedule interleaves them
-                out = pipeline_step(self.model, data, self.opt, schedule=cfg.parallel.pipeline_schedule)
-            loss = float(out.loss)
-            with mem.phase("step"):
-                info = self.opt.step()
-        else:
-            total = 0.0
-            for i, indices in enumerate(batches):
-                x, y = self._batch(self.train_ds, indices)
-                with mem.phase("forward"):
-                    mb_loss = self.model(x, labels=y)
-                with mem.phase("backward"):
-                    self.opt.backward(mb_loss / len(batches), last_microbatch=i == len(batches) - 1)
-                total += float(mb_loss.detach()) / len(batches)
-            with mem.phase("step"):
-                info = self.opt.step()
-            loss = self._dp_mean(total)
-        if not math.isfinite(loss):
-            raise TrainingStopped(f"loss is {loss} at step {self.step + 1} (consumed samples {self.consumed}); "
-                                  f"rerun from the last checkpoint with the same data position to reproduce")
+        data = [self._batch(self.train_ds, indices) for indices in self._micro_batches(self.train_ds, self.consumed)]
+        self.memory.begin_step(self.step + 1, self.opt)
+        res = run_step(self.model, self.opt, data, self.grid, cfg.parallel.pipeline_schedule, self.memory)
+        info = res.info
+        loss = res.loss_sum if res.dp_reduced else self._dp_mean(res.loss_sum)
+        self._watch_loss(loss)
         self._check_overflow_storm(info, loss)  # stop instead of skipping steps forever
         self.step += 1
         self.consumed += t.global_batch_size
+        if self.step % max(1, cfg.logging.log_interval) == 0 or self.step == t.train_steps:
+            self._check_finite()
         return {"loss": loss, "lr": lr, **info}
 
     @torch.no_grad()
@@ -213,21 +233,26 @@ class Trainer:
         from zerotron.parallel.pipeline import eval_step
 
         self.model.eval()
-        losses = []
+        total, count = torch.zeros((), dtype=torch.float64, device=self.env.device), 0
         t = self.cfg.training
         for k in range(self.cfg.logging.eval_steps):
             data = [self._batch(self.eval_ds, ix) for ix in self._micro_batches(self.eval_ds, k * t.global_batch_size)]
             if self.grid.pp_size > 1:
                 shape = (t.micro_batch_size, self.mcfg.seq_length, self.mcfg.hidden_size)
                 dtype = next(self.model.parameters()).dtype  # 16-bit after the optimizer cast them
-                losses.append(eval_step(self.model, data, self.grid, shape, dtype=dtype, device=self.env.device))
+                total = total + eval_step(self.model, data, self.grid, shape, dtype=dtype, device=self.env.device)
+                count += 1
             else:
-                losses.extend(float(self.model(x, labels=y)) for x, y in data)
+                for x, y in data:
+                    total = total + self.model(x, labels=y).to(torch.float64)
+                    count += 1
         self.model.train()
-        loss = self._dp_mean(sum(losses) / len(losses))
+        loss = host_sync.read(self._dp_mean(total / count), "eval", placeholder=0.0)  # once per evaluation
         return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
 
     def save(self) -> Path:
+        """Write a checkpoint of this step; a run whose loss went non-finite raises instead."""
+        self._check_finite()
         c = self.cfg.checkpoint
         path = ckpt.save_checkpoint(c.save, self.step, self.model, self.opt, self.grid,
                                     consumed_samples=self.consumed, model_config=self.model_config_dict(),
@@ -237,9 +262,10 @@ class Trainer:
         return path
 
     def _stop_agreed(self) -> bool:
-        flag = torch.tensor([1.0 if self._stop_requested else 0.0], device=self.env.device)
+        """Whether any rank got SIGTERM: the one host read of a bf16/fp32 step (``"stop"``)."""
+        flag = torch.full((1,), 1.0 if self._stop_requested else 0.0, device=self.env.device)
         C.all_reduce(flag, self.grid.world_group, op="max")
-        return bool(flag.item() > 0)
+        return host_sync.read(flag, "stop", placeholder=0.0) > 0
 
     def _record(self, out: dict, skipped: int, window: int) -> dict:
         """One metrics.jsonl object: loss, schedule, throughput, memory, comm bytes per step."""
@@ -257,7 +283,7 @@ class Trainer:
                        saved_activation_host_bytes=act["peak_saved_host_bytes"],
                        pa_allgather_bytes=act["pa_allgather_bytes"])
         self._comm_mark = self.grid.stats.snapshot()  # comm_bytes: per step over the last logging window
-        return rec
+        return host_values(rec)  # loss, grad_norm: one host read for the whole record
 
     def train(self) -> dict:
         """Run to ``train_steps`` (or a SIGTERM); metrics, wandb and the lock are closed however it ends."""
@@ -290,6 +316,7 @@ class Trainer:
                            or self.step == t.train_steps):
                 path = self.save()
             if stop:
+                self._check_finite()
                 self.stopped = True
                 self.log(f"[zerotron] SIGTERM: checkpoint written at step {self.step} ({path}); exiting" if path else
                          f"[zerotron] SIGTERM: stopping at step {self.step}; no checkpoint written (checkpoint.save "

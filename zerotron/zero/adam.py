@@ -35,7 +35,7 @@ class FlatAdamW:
                weight_decay: float, decay_segments) -> None:
         beta1, beta2 = betas
         if weight_decay and decay_segments:
-            views = [master[a:b] for a, b in decay_segments]
+            views = [master.narrow(0, a, b - a) for a, b in decay_segments]
             torch._foreach_mul_(views, 1.0 - lr * weight_decay)
         if self.apex is not None:
             kernel, applier = self.apex
@@ -44,7 +44,7 @@ class FlatAdamW:
                     lr, beta1, beta2, eps, step, 1, 1, 0.0)
             return
         if self.fused:
-            steps = [torch.tensor(float(step), device=master.device)]
+            steps = [torch.full((), float(step), dtype=torch.float32, device=master.device)]
             torch._fused_adamw_([master], [grad], [exp_avg], [exp_avg_sq], [], steps, lr=lr, beta1=beta1,
                                 beta2=beta2, weight_decay=0.0, eps=eps, amsgrad=False, maximize=False)
             return

@@ -81,7 +81,7 @@ class GradReducer:
         self.buckets = [] if flat else [torch.empty(max_chunk, dtype=dtype, device=device) for _ in range(n_buf)]
         self.shard_bufs = ([torch.empty(max_shard, dtype=dtype, device=device) for _ in range(n_buf)]
                            if stage >= 1 else [])
-        self._next = 0
+        self.slot_of: dict[int, int] = {}  # chunk still filling -> the bucket its gradients are staged in
         self.index = {id(p): i for i, p in enumerate(params)}
         self.handles = []
         for i, p in enumerate(params):
@@ -121,6 +121,8 @@ class GradReducer:
             elif param.grad is not view and param.grad.data_ptr() != view.data_ptr():
                 view.copy_(param.grad)  # someone replaced .grad (zero_grad(set_to_none)); re-attach
                 param.grad = view
+        elif self.sync:
+            self._stage(i, param)
         self.pending = True
         if not self.sync:
             return
@@ -132,35 +134,89 @@ class GradReducer:
             if self.ready[ci] == self.expected[ci] and not self.reduced[ci]:
                 self._reduce(ci)
 
+    # packed buckets: filled as gradients arrive ---------------------------------------------------
+    def _stage(self, i: int, param: torch.nn.Parameter) -> None:
+        """Add this arrival's gradient into the buckets of its chunks now and free it, as DeepSpeed's
+        contiguous gradients do, so no 16-bit gradient waits for its bucket to fill (a bucket of them
+        would be alive beside the bucket itself). Only when every chunk it touches holds a bucket;
+        otherwise it stays in ``.grad`` and ``_pack`` adds it when the chunk is reduced."""
+        chunks = self.layout.param_chunks[i]
+        slots = []
+        for ci in chunks:
+            slot = self.slot_of.get(ci)
+            if slot is None:
+                slot = self._claim_slot(ci)
+            if slot is None:
+                return
+            slots.append(slot)
+        flat = param.grad.view(-1)
+        for ci, slot in zip(chunks, slots):
+            bucket = self.buckets[slot]
+            for pc in self.layout.chunks[ci].pieces:
+                if pc.param == i:
+                    bucket.narrow(0, pc.offset, pc.end - pc.start).add_(flat.narrow(0, pc.start, pc.end - pc.start))
+        param.grad = None
+
+    def _claim_slot(self, ci: int) -> int | None:
+        """A bucket for chunk ``ci`` that no open chunk holds (waiting for a reduction still reading
+        it), zeroed; None when every bucket belongs to a chunk still filling."""
+        held = set(self.slot_of.values())
+        free = [s for s in range(self.n_buf) if s not in held]
+        if not free:
+            return None
+        slot = free[0]
+        while any(job[3] == slot for job in self.inflight):
+            self._finish(self.inflight.pop(0))
+        self.buckets[slot][:self.layout.chunks[ci].numel].zero_()
+        self.slot_of[ci] = slot
+        return slot
+
     # reduction ------------------------------------------------------------------------------------
     def _reduce(self, ci: int) -> None:
         c = self.layout.chunks[ci]
         self.reduced[ci] = True
-        slot = self._next
-        self._next = (self._next + 1) % self.n_buf
-        if self.overlap and len(self.inflight) >= 2:
-            self._finish(self.inflight.pop(0))
+        slot = None
         if self.flat:
             bucket = self.flat_grad[c.offset:c.offset + c.numel]
         else:
-            bucket = self.buckets[slot][:c.numel]
+            slot = self.slot_of.get(ci)
+            if slot is None:
+                slot = self._claim_slot(ci)
+            self.slot_of.pop(ci, None)
+            # every bucket held by a chunk still filling (gradients arrived out of layout order): a
+            # temporary one, rather than stall the open chunks
+            bucket = self.buckets[slot][:c.numel] if slot is not None else torch.zeros(
+                c.numel, dtype=self.dtype, device=self.device)
             self._pack(c, bucket)
+        if self.overlap and len(self.inflight) >= 2:
+            self._finish(self.inflight.pop(0))
         if self.dp_group.size > 1:
             bucket.div_(self.dp_group.size)  # average before summing keeps 16-bit sums in range
+        shard = None
         if self.stage == 0:
             out = bucket
             work = C.all_reduce(bucket, self.dp_group, async_op=self.overlap)
         else:
-            out = self.shard_bufs[slot][:c.shard]
+            shard = self._next_shard()
+            out = self.shard_bufs[shard][:c.shard]
             work = self.scatter.reduce_scatter(out, bucket, async_op=self.overlap)
-        job = (work, c, out)
+        job = (work, c, out, slot, shard)  # slot: the bucket it reads (None: flat or temporary)
         if self.overlap:
             self.inflight.append(job)
         else:
             self._deliver(c, out)
 
+    def _next_shard(self) -> int:
+        """A shard buffer no reduction in flight writes into (waiting for the oldest if none)."""
+        busy = {job[4] for job in self.inflight}
+        free = [s for s in range(len(self.shard_bufs)) if s not in busy]
+        if not free:
+            self._finish(self.inflight.pop(0))
+            return self._next_shard()
+        return free[0]
+
     def _finish(self, job) -> None:
-        work, c, out = job
+        work, c, out, _, _ = job
         work.wait()
         self._deliver(c, out)
 
@@ -176,11 +232,12 @@ class GradReducer:
             self.flat_grad[lo:hi].copy_(out)
 
     def _pack(self, c, bucket: torch.Tensor) -> None:
-        bucket.zero_()
+        """Add the gradients ``_stage`` could not take (and every one after ``no_sync`` backwards) to
+        the zeroed or partly staged ``bucket``; free each once all its chunks have it."""
         for pc in c.pieces:
             p = self.params[pc.param]
             if p.grad is not None:
-                bucket[pc.offset:pc.offset + pc.end - pc.start].copy_(p.grad.view(-1)[pc.start:pc.end])
+                bucket.narrow(0, pc.offset, pc.end - pc.start).add_(p.grad.view(-1).narrow(0, pc.start, pc.end - pc.start))
             self.packed_chunks[pc.param] += 1
             if self.packed_chunks[pc.param] == len(self.layout.param_chunks[pc.param]):
                 p.grad = None  # Pos+g: the full gradient is gone as soon as it is in the bucket

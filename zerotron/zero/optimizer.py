@@ -12,7 +12,9 @@ strategies chosen once by ``strategies.build``, so the step below has one code p
    gradients the norm de-duplicates away: inf/NaN in any = fp16 overflow, skipped on every rank),
    unscale and clip while staging each chunk's shard to fp32, AdamW on the fp32 master shard,
    write the 16-bit shard back, all-gather the updated parameters (stages 1-2; stage 3 gathers
-   them lazily at the next forward). Comm volume: 2Ψ for stages 0-2, 3Ψ for 3 (§7).
+   them lazily at the next forward). Comm volume: 2Ψ for stages 0-2, 3Ψ for 3 (§7). The norm
+   and the clipping coefficient stay 0-dim device tensors (``grad_norm`` in the step's dict too):
+   only fp16 reads the overflow flag, the one host read of its step (``parallel.host_sync``).
 
 In fp32 precision without offload the master weights are not a copy: ``self.masters[c]`` is this
 rank's shard of chunk ``c`` inside the parameter storage itself (the flat parameter buffer for
@@ -28,13 +30,15 @@ import torch
 from torch import nn
 
 from zerotron.parallel import collectives as C
+from zerotron.parallel import host_sync
 from zerotron.parallel.shard_info import shard_info
 from zerotron.zero import accounting, strategies
 from zerotron.zero.adam import FlatAdamW
-from zerotron.zero.clip import clip_coef, counts_in_norm, local_sq_norm, norm_and_overflow
+from zerotron.zero.clip import clip_coef, counts_in_norm, global_norm, local_sq_norm
 from zerotron.zero.config import ZeroConfig
 from zerotron.zero.grad_reduce import GradReducer
 from zerotron.zero.loss_scaler import LossScaler, make_loss_scaler
+from zerotron.zero.materialize import MasterInit, ParamDraws, bind_params, cast_frozen, check_meta, on_meta
 from zerotron.zero.partition import Layout
 from zerotron.zero.plan import plan_groups
 from zerotron.zero.stage3 import ParamGatherer
@@ -47,6 +51,7 @@ class ZeroOptimizer(PartitionStateIO):
     """The parameters' logical view: ``p.data`` is rebound to views of the flat buffers and, in stage 3,
     to an empty tensor between gathers, so ``p.shape`` holds only while ``p`` is gathered. The
     attribute ``param_shapes`` (name -> TP-local shape) and ``logical_shape(p)`` always tell the truth.
+    A model built on the meta device gets new parameter objects in its modules (``materialize``).
 
     The strategies are public: ``state`` (``OptimizerStateStore``) and ``shards`` (stage 3's
     ``ShardSource``, else None)."""
@@ -54,31 +59,42 @@ class ZeroOptimizer(PartitionStateIO):
     def __init__(self, model: nn.Module, grid, cfg: ZeroConfig, lr: float = 1e-3, betas=(0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, clip_grad: float | None = None,
                  stage3_units: list[nn.Module] | None = None, precision: str = "fp32",
-                 loss_scaler: LossScaler | None = None):
+                 loss_scaler: LossScaler | None = None, master_init: MasterInit | None = None,
+                 device: torch.device | str | None = None):
         """``precision``: fp32 | fp16 | bf16 | fp64 (``PRECISIONS``), the dtype of the parameters;
         masters are ``promote_types(dtype, fp32)``, gradients accumulate in ``cfg.grad_accum(precision)``
         (fp32 for 16-bit runs unless ``grad_accum_dtype`` says otherwise). ``loss_scaler``: default
-        ``make_loss_scaler(precision)`` (dynamic for fp16 with DeepSpeed's defaults)."""
+        ``make_loss_scaler(precision)`` (dynamic for fp16 with DeepSpeed's defaults).
+
+        ``master_init(name, out)`` (``materialize.MasterInit``, e.g. ``GPT.init_parameter_``): the
+        initial values come from it, drawn per parameter in the master dtype, instead of from the
+        parameters, which may then be on the meta device (built with no storage; they are replaced
+        by parameters over the optimizer's buffers, see ``materialize``). ``device``: where the
+        storage goes, default the parameters' device; required for a meta model."""
         cfg.validate(precision=precision)
         if loss_scaler is not None and loss_scaler.dynamic != (precision == "fp16"):
             raise ValueError(f"loss_scaler: a {'dynamic' if loss_scaler.dynamic else 'constant'} scaler with "
                              f"precision={precision!r}; only fp16 scales the loss dynamically -- use "
                              f"make_loss_scaler(precision, ...)")
         _check_hyper(lr, betas, eps, weight_decay, clip_grad)
+        check_meta(model, master_init)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError("ZeroOptimizer: the model has no parameter with requires_grad=True")
         self.model, self.grid, self.cfg, self.stage = model, grid, cfg, cfg.stage
         self.lr, self.betas, self.eps, self.weight_decay, self.clip_grad = lr, tuple(betas), eps, weight_decay, clip_grad
-        for name, p in named:  # sharding is declared where a parameter is made, never assumed here
-            shard_info(p, name)
-        self.names = [n for n, _ in named]
-        self.params = [p for _, p in named]
+        self.names, self.params = [n for n, _ in named], [p for _, p in named]
+        del named  # _init_storage replaces a meta model's parameters: hold them nowhere else
+        for i, name in enumerate(self.names):  # sharding is declared where a parameter is made, never assumed
+            shard_info(self.params[i], name)
         self.num_params = sum(p.numel() for p in self.params)
         self.precision, self.dtype = precision, DTYPES[precision]
         self.master_dtype = torch.promote_types(self.dtype, torch.float32)  # 16-bit runs keep fp32 masters
         self.grad_dtype = DTYPES[cfg.grad_accum(precision)]  # gradients accumulate and reduce in it
-        self.device = self.params[0].device
+        self.master_init = master_init
+        self.device = self.params[0].device if device is None else torch.device(device)
+        if self.device.type == "meta":
+            raise ValueError("ZeroOptimizer: the parameters are on the meta device; pass device= for their storage")
         dp = grid.dp_group
         shards, rank = (dp.size, dp.rank_of(grid.rank)) if cfg.stage >= 1 else (1, 0)
         groups, persistent, unit_mods, unit_groups = plan_groups(model, self.params, self.names, grid, cfg,
@@ -94,10 +110,8 @@ class ZeroOptimizer(PartitionStateIO):
         self.adam = FlatAdamW(self.state.device)
         max_shard = max(c.shard for c in self.layout.chunks)
         self.gather_in = torch.empty(max_shard, dtype=self.dtype, device=self.device) if 1 <= cfg.stage <= 2 else None
-        for _, p in model.named_parameters():
-            if not p.requires_grad and p.is_floating_point():
-                p.data = p.data.to(self.dtype)
-        self._init_storage()  # a broadcast from DP rank 0 (build created the node groups before it)
+        cast_frozen(model, self.dtype, self.master_dtype, self.device, master_init)
+        self._init_storage()  # may broadcast from DP rank 0 (build created the node groups before it)
         flat = cfg.stage <= 1 and cfg.contiguous_gradients
         self.reducer = GradReducer(self.layout, self.params, dp, cfg.stage, flat, cfg.overlap_comm,
                                    self.grad_dtype, self.device, scatter=plan.scatter, param_dtype=self.dtype)
@@ -109,7 +123,7 @@ class ZeroOptimizer(PartitionStateIO):
         self.scaler = loss_scaler or make_loss_scaler(precision)
         counted = [counts_in_norm(p, grid.tp_rank, n) for n, p in zip(self.names, self.params)]
         self.norm_segments = [self.layout.segments(c, lambda i: counted[i]) for c in self.layout.chunks]
-        # what the norm de-duplicates away still decides an overflow (clip.norm_and_overflow)
+        # what the norm de-duplicates away still decides an overflow (clip.global_norm)
         self.skip_segments = [self.layout.segments(c, lambda i: not counted[i]) for c in self.layout.chunks]
         self.norm_group = grid.world_group if cfg.stage >= 1 else grid.mp_group
         self._no_sync = False
@@ -119,8 +133,12 @@ class ZeroOptimizer(PartitionStateIO):
 
     # construction helpers -------------------------------------------------------------------------
     def _init_storage(self) -> None:
-        """Fill the master shard and the 16-bit storage from DP rank 0's fp32 values (one chunk at a time)."""
+        """Fill the master shard and the 16-bit storage one chunk at a time, from the fp32 values
+        ``master_init`` draws (the same on every DP rank: no communication) or else from DP rank 0's
+        parameters (a broadcast); then bind the parameters to that storage."""
         lay, dp, st = self.layout, self.grid.dp_group, self.state
+        draws = None if self.master_init is None else ParamDraws(
+            self.master_init, self.names, lay.shapes, self.master_dtype, self.device)
         self.flat_param = self.part_param = None
         if self.stage < 3:
             self.flat_param = torch.zeros(lay.full_numel, dtype=self.dtype, device=self.device)
@@ -131,10 +149,15 @@ class ZeroOptimizer(PartitionStateIO):
         with torch.no_grad():
             for c in lay.chunks:
                 buf = tmp[:c.numel].zero_()
-                for pc in c.pieces:
-                    buf[pc.offset:pc.offset + pc.end - pc.start].copy_(self.params[pc.param].reshape(-1)[pc.start:pc.end])
-                C.broadcast(buf, dp.ranks[0], dp)
                 lo, hi = lay.own_range(c)
+                for pc in c.pieces:
+                    at, n = pc.offset, pc.end - pc.start
+                    if draws is None:
+                        buf[at:at + n].copy_(self.params[pc.param].reshape(-1)[pc.start:pc.end])
+                    elif self.stage < 3 or (c.offset + at < hi and c.offset + at + n > lo):  # stage 3: own shard
+                        buf[at:at + n].copy_(draws(pc.param)[pc.start:pc.end])
+                if draws is None:
+                    C.broadcast(buf, dp.ranks[0], dp)
                 own = buf[lo - c.offset:hi - c.offset]
                 if self.stage < 3:
                     self.flat_param[c.offset:c.offset + c.numel].copy_(buf)
@@ -143,8 +166,11 @@ class ZeroOptimizer(PartitionStateIO):
                 st.part_slice("master", c.part_offset, c.shard).copy_(own)  # may be the storage just filled
         st.commit()
         if self.stage < 3:
-            for i, p in enumerate(self.params):
-                p.data = lay.param_view(self.flat_param, i)
+            self.params = bind_params(self.model, self.params, [lay.param_view(self.flat_param, i)
+                                                                for i in range(len(self.params))])
+        elif any(on_meta(p) for p in self.params):  # stage 3 binds them to its gathers (stage3.ParamGatherer)
+            empty = torch.empty(0, dtype=self.dtype, device=self.device)
+            self.params = bind_params(self.model, self.params, [empty] * len(self.params))
         self.masters = st.masters  # this rank's fp32 master shard per chunk
 
     def _param_shard(self, c) -> torch.Tensor:
@@ -239,10 +265,14 @@ class ZeroOptimizer(PartitionStateIO):
         grads = [self.reducer.grad_shard(c) for c in lay.chunks]
         sq, skipped = (local_sq_norm(zip(grads, segs), self.device, self.master_dtype)
                        for segs in (self.norm_segments, self.skip_segments))
-        norm, overflow = norm_and_overflow(sq, skipped, self.norm_group)
-        norm /= scale
+        norm, finite = global_norm(sq, skipped, self.norm_group)
+        if scale != 1.0:
+            norm = norm / scale
+        # fp16's skip decision is the step's one host read; a constant scale never skips, so
+        # bf16/fp32 read nothing and a non-finite gradient reaches the loss (the trainer's NaN stop)
+        overflow = self.scaler.dynamic and not host_sync.read(finite, "overflow", placeholder=True)
         if not overflow:
-            coef = clip_coef(norm, self.clip_grad) / scale
+            coef = clip_coef(norm, self.clip_grad, scale)
             st.step += 1
             st.update(self.reducer, self._adamw, coef)
             self._publish()

@@ -9,6 +9,8 @@ both copies go through fixed-size staging buffers one chunk at a time (CB), so o
 allocates model-sized temporaries. On CUDA the host tensors are pinned for fast async copies. On a
 CPU-only machine "device" and "host" are the same memory, but the path is the same: the state is
 allocated on ``torch.device("cpu")`` and every transfer is an explicit copy into a staging buffer.
+The clipping coefficient is computed on the accelerator; an offloaded state reads it once per
+step (``coef_for``), the one host read ZeRO-Offload adds to a bf16 step.
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ from __future__ import annotations
 import bisect
 
 import torch
+
+from zerotron.parallel import host_sync
+from zerotron.zero.clip import apply_coef
 
 
 class OptimizerState:
@@ -64,8 +69,9 @@ class OptimizerState:
         master = self.master if self.master is not None else torch.cat(self.masters)
         return {"master": master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
 
-    def update(self, grads, adamw, coef: float) -> None:
+    def update(self, grads, adamw, coef: torch.Tensor | float) -> None:
         """AdamW chunk by chunk, each reduced gradient shard staged to fp32 first (CB)."""
+        coef = coef_for(coef, self.device)
         for c in self.layout.chunks:
             lo, hi = c.part_offset, c.part_offset + c.shard
             grad = self.stage_grad(grads.grad_shard(c), coef)
@@ -75,20 +81,17 @@ class OptimizerState:
         """An own master still has to be copied into the parameters; a shared one is them."""
         return self.masters[c.index] if self.own_master else None
 
-    def stage_grad(self, grad_shard: torch.Tensor, coef: float) -> torch.Tensor:
-        """Copy (D2H when offloading) and cast one reduced gradient shard to fp32, scaled by ``coef``.
+    def stage_grad(self, grad_shard: torch.Tensor, coef: torch.Tensor | float) -> torch.Tensor:
+        """Copy (D2H when offloading) and cast one reduced gradient shard to fp32, scaled by ``coef``
+        (a tensor or a float in the state's memory: ``coef_for``).
 
         An fp32 shard already in the state's memory is scaled in place instead (no copy): the reduced
         gradient is consumed by this step and zeroed right after it."""
         if grad_shard.dtype == self.exp_avg.dtype and grad_shard.device == self.device:
-            if coef != 1.0:
-                grad_shard.mul_(coef)
-            return grad_shard
+            return apply_coef(grad_shard, coef)
         out = self.grad_stage[:grad_shard.numel()]
         out.copy_(grad_shard)  # blocking: the CPU Adam reads it next
-        if coef != 1.0:
-            out.mul_(coef)
-        return out
+        return apply_coef(out, coef)
 
     def resident(self) -> list[torch.Tensor]:
         return [t for t in (self.master if self.own_master else None, self.exp_avg, self.exp_avg_sq,
@@ -103,6 +106,21 @@ class OptimizerState:
 
     def io_report(self) -> dict:
         return {}
+
+
+def coef_for(coef: torch.Tensor | float, device: torch.device) -> torch.Tensor | float:
+    """The clipping coefficient where the update runs (``device``), moved once per step.
+
+    ZeRO-Offload keeps the state on the host while the norm is computed on the accelerator, so a
+    device coefficient is read once per step (``host_sync``, reason ``"offload_coef"``): a
+    device-to-host copy waits for the step's kernels whatever form it takes, and the gradient
+    shards' copies that follow would wait for them anyway. As a Python float it scales the fp32
+    shards exactly as the tensor would (both round it to fp32 once)."""
+    if not isinstance(coef, torch.Tensor) or coef.device == device:
+        return coef
+    if device.type == "cpu":
+        return host_sync.read(coef, "offload_coef", placeholder=1.0)
+    return coef.to(device, non_blocking=True)
 
 
 def _joined(views: list[torch.Tensor]) -> torch.Tensor | None:

@@ -145,4 +145,4 @@ class Layout:
         start = self.param_offset[p]
         if flat.numel() != self.full_numel:
             start -= self.groups[self.param_group[p]].offset
-        return flat[start:start + self.numels[p]].view(self.shapes[p])
+        return flat.narrow(0, start, self.numels[p]).view(self.shapes[p])  # narrow: no index parsing

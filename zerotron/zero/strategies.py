@@ -114,8 +114,9 @@ class OptimizerStateStore(Protocol):
     def commit(self) -> None:
         """Writes through ``part_slice`` take effect before the next ``update``."""
 
-    def update(self, grads: GradShards, adamw: AdamW, coef: float) -> None:
-        """One AdamW step over the partition, gradients scaled by ``coef``."""
+    def update(self, grads: GradShards, adamw: AdamW, coef: torch.Tensor | float) -> None:
+        """One AdamW step over the partition, gradients scaled by ``coef``: a 0-dim tensor on the
+        gradients' device (clipping on; reading it would sync the step) or a host float (off)."""
 
     def fresh(self, c) -> torch.Tensor | None:
         """Chunk ``c``'s master shard if the parameters do not hold it yet, else None."""

@@ -28,6 +28,7 @@ import weakref
 
 import torch
 
+from zerotron.zero.clip import apply_coef
 from zerotron.zero.infinity.disk_store import DiskTensorStore
 
 KEYS = ("master", "exp_avg", "exp_avg_sq")
@@ -125,8 +126,11 @@ class DiskOptimizerState:
         return self.cache["master"][c.part_offset:c.part_offset + c.shard] if "master" in self.cache else None
 
     # the step -----------------------------------------------------------------------------------
-    def update(self, grads, adamw, coef: float) -> None:
-        """AdamW over the partition, tile by tile: read i+1 ahead, update i, write i-1 behind."""
+    def update(self, grads, adamw, coef: torch.Tensor | float) -> None:
+        """AdamW over the partition, tile by tile: read i+1 ahead, update i, write i-1 behind.
+
+        The gradient tiles are scaled where the reduced gradients (and ``coef``, computed from
+        their norm) live, so the coefficient is never read on the host."""
         self.commit()
         tiles = list(self.tiles())
         reads = [self.store.read_ahead("state", 3 * tiles[0][0], 3 * tiles[0][1])]
@@ -136,9 +140,7 @@ class DiskOptimizerState:
             if i + 1 < len(tiles):  # read ahead (blocks only when buffer_count tiles are in memory)
                 reads.append(self.store.read_ahead("state", 3 * tiles[i + 1][0], 3 * tiles[i + 1][1]))
             master, exp_avg, exp_avg_sq = buf[0], buf[1], buf[2]
-            grad = grads.grad_range(a, b).float()
-            if coef != 1.0:
-                grad.mul_(coef)
+            grad = apply_coef(grads.grad_range(a, b).float(), coef)  # the coefficient's device
             segs = [(max(s, a) - a, min(e, b) - a) for s, e in self.decay if s < b and e > a]
             adamw(master, grad, exp_avg, exp_avg_sq, segs)
             self.params.write(a, master)

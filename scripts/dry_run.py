@@ -1,0 +1,154 @@
+"""Dry run at cluster scale: the real code, K training steps, as chosen ranks of a simulated world.
+
+    python scripts/dry_run.py --config configs/zero100b/table5/zero-100b.yaml --gpus 400
+    python scripts/dry_run.py --config configs/zero100b/table5/zero-100b.yaml --gpus 400 --ranks 0 399 --json
+    python scripts/dry_run.py --config configs/tiny.yaml --gpus 8 --parallel.tp 2 --parallel.pp 2
+
+Each chosen rank builds its grid, model, ZeRO optimizer and activation checkpointing exactly as
+the trainer does (``parallelize_gpt``), on fake tensors and torch's ``fake`` process group, and
+runs the trainer's step (``training.step.run_step``) on synthetic batches, then assembles its
+checkpoint shard and writes the shard's metadata (no tensor data) under ``--out``. Per rank it
+prints the peak of live device memory by category and phase (construction included), the
+collectives per step per group, host synchronisations per step, whether it fits ``--device-gb``,
+the memory model's figure for the same setup (``scripts/estimate_memory.py``) and a predicted
+step time (``zerotron.estimate.step_time``; link and GPU flags default to the paper's V100
+DGX-2 cluster). Nothing here needs a GPU; ``--device cuda`` (default) computes on a fake GPU.
+Exit 2 on bad input, before any work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from zerotron.estimate import memory_model, step_time  # noqa: E402
+from zerotron.model.flops import flops_per_iteration  # noqa: E402
+from zerotron.training.cli import parse_config  # noqa: E402
+from zerotron.training.config import ConfigError  # noqa: E402
+from zerotron.training.dry_run import simulate_rank  # noqa: E402
+from zerotron.training.setup_run import validate_model  # noqa: E402
+
+GB = 1e9
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", required=True, help="YAML run config, e.g. configs/zero100b/table5/zero-100b.yaml")
+    p.add_argument("--gpus", type=int, required=True, help="world size to simulate; DP = gpus / (tp x pp)")
+    p.add_argument("--ranks", type=int, nargs="+", help="global ranks to simulate (default: first and last)")
+    p.add_argument("--steps", type=int, default=1, help="training steps per rank (default 1)")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="fake device kind (default cuda)")
+    p.add_argument("--device-gb", type=float, default=32.0, help="device memory a rank must fit (V100: 32)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    p.add_argument("--out", default="runs/dry_run", help="where each rank's checkpoint metadata goes")
+    g = p.add_argument_group("predicted step time (defaults: V100 DGX-2 nodes, ZeRO paper §10.1)")
+    g.add_argument("--peak-tflops", type=float, default=125.0, help="per-GPU 16-bit peak (V100: 125)")
+    g.add_argument("--efficiency", type=float, default=0.5, help="fraction of peak the GEMMs reach")
+    g.add_argument("--gpus-per-node", type=int, default=16)
+    g.add_argument("--intra-node-gbps", type=float, default=150.0, help="NVSwitch GB/s per GPU per direction")
+    g.add_argument("--inter-node-gbps", type=float, default=100.0, help="InfiniBand GB/s per node (8 x EDR)")
+    g.add_argument("--intra-latency-us", type=float, default=5.0)
+    g.add_argument("--inter-latency-us", type=float, default=10.0)
+    p.epilog = "Any other --section.field value overrides the config, as in scripts/pretrain_gpt.py."
+    return p
+
+
+def load(a, overrides: list[str]):
+    """The validated run config and model for ``--gpus``; raises ``ConfigError`` naming the field."""
+    cfg = parse_config(["--config", a.config, *overrides])
+    cfg.validate(a.gpus)
+    ranks = a.ranks if a.ranks else sorted({0, a.gpus - 1})
+    bad = [r for r in ranks if not 0 <= r < a.gpus]
+    if bad:
+        raise ConfigError(f"--ranks {bad}: a rank of a {a.gpus}-GPU world is in [0, {a.gpus - 1}]")
+    if a.steps < 1:
+        raise ConfigError(f"--steps {a.steps}: simulate at least 1 step")
+    return cfg, validate_model(cfg), ranks
+
+
+def model_figures(cfg, mcfg, gpus: int) -> dict:
+    """The memory model's bytes for this setup (``scripts/estimate_memory.py``'s breakdown)."""
+    e = memory_model.estimate(memory_model.setup_from_run_config(cfg, mcfg, gpus))
+    return {k: e[k] for k in ("model_states", "checkpoints_device", "working", "fixed_buffers", "accounted")} | {
+        "before_margin": e["before_margin"], "total": e["total"]}
+
+
+def predict(a, cfg, mcfg, rep) -> dict:
+    t = cfg.training
+    recompute = cfg.activation_checkpointing.checkpoint_activations
+    flops = flops_per_iteration(mcfg, t.global_batch_size, mcfg.seq_length, recompute=recompute) / a.gpus
+    link = step_time.LinkModel(gpus_per_node=a.gpus_per_node, intra_node_gbps=a.intra_node_gbps,
+                               inter_node_gbps=a.inter_node_gbps, intra_latency_us=a.intra_latency_us,
+                               inter_latency_us=a.inter_latency_us)
+    pred = step_time.predict_step(flops, rep.comm_ops, rep.group_ranks, link=link, peak_tflops=a.peak_tflops,
+                                  efficiency=a.efficiency,
+                                  overlap=step_time.default_overlap(cfg.zero.overlap_comm, cfg.zero.stage),
+                                  overlap_window=0.75 if recompute else 2 / 3)
+    return pred.as_dict()
+
+
+def rank_entry(a, rep, model: dict, pred: dict) -> dict:
+    peak = max(rep.peak_bytes, rep.construction_peak_bytes)
+    return {"peak_bytes": rep.peak_bytes, "construction_peak_bytes": rep.construction_peak_bytes,
+            "by_category": rep.by_category, "by_phase": rep.by_phase, "comm": rep.comm, "comm_ops": rep.comm_ops,
+            "host_syncs_per_step": rep.host_syncs_per_step, "host_sync_reasons": rep.host_sync_reasons,
+            "host_tensor_bytes_per_step": rep.host_tensor_bytes_per_step, "coords": rep.coords,
+            "checkpoint_shard_bytes": rep.checkpoint_shard_bytes, "num_params": rep.num_params,
+            "device": rep.device, "fits": peak <= a.device_gb * GB,
+            "model_bytes": model["before_margin"], "measured_vs_model": rep.peak_bytes / model["before_margin"],
+            "predicted": pred, "seconds": round(rep.seconds, 1)}
+
+
+def print_rank(r: int, e: dict, a) -> None:
+    print(f"\nrank {r} {e['coords']}: {e['seconds']} s simulated")
+    print(f"  peak live device memory   {e['peak_bytes'] / GB:8.2f} GB (step)   "
+          f"{e['construction_peak_bytes'] / GB:8.2f} GB (construction)   fits {a.device_gb:g} GB: {e['fits']}")
+    print("  " + "  ".join(f"{k} {v / GB:.2f}" for k, v in e["by_category"].items()) + "  (GB at the peak)")
+    print("  by phase: " + "  ".join(f"{k} {v / GB:.2f}" for k, v in e["by_phase"].items()) + " GB")
+    print(f"  memory model (before the fragmentation margin) {e['model_bytes'] / GB:.2f} GB: "
+          f"measured / model = {e['measured_vs_model']:.3f}")
+    print("  comm per step: " + "  ".join(f"{g} {c['calls']} calls {c['bytes'] / GB:.2f} GB"
+                                          for g, c in sorted(e["comm"].items())))
+    reasons = ", ".join(f"{k} {v:g}" for k, v in e["host_sync_reasons"].items()) or "none"
+    print(f"  host syncs per step {e['host_syncs_per_step']:g} ({reasons}); "
+          f"host tensors {e['host_tensor_bytes_per_step'] / GB:.2f} GB/step")
+    p = e["predicted"]
+    print(f"  predicted step {p['step_s']:.2f} s = compute {p['compute_s']:.2f} s + exposed comm "
+          f"{p['exposed_comm_s']:.2f} s -> {p['tflops_per_gpu']:.1f} TFLOPs/GPU "
+          f"(peak {a.peak_tflops:g} x efficiency {a.efficiency:g})")
+
+
+def main(argv=None) -> dict:
+    a, overrides = build_parser().parse_known_args(argv)
+    try:
+        cfg, mcfg, ranks = load(a, overrides)
+    except (ConfigError, ValueError) as e:
+        print(f"dry_run: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    model = model_figures(cfg, mcfg, a.gpus)
+    out = {"world": a.gpus, "config": a.config, "model": model, "ranks": {}}
+    meta_dir = Path(a.out) / Path(a.config).stem / "checkpoint"
+    for r in ranks:
+        print(f"[dry-run] rank {r} of {a.gpus}: building and running {a.steps} step(s) ...", file=sys.stderr,
+              flush=True)
+        start = time.perf_counter()
+        rep = simulate_rank(cfg, mcfg, a.gpus, r, steps=a.steps, device_kind=a.device, metadata_dir=meta_dir)
+        out["ranks"][str(r)] = rank_entry(a, rep, model, predict(a, cfg, mcfg, rep))
+        print(f"[dry-run] rank {r} done in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+    if a.json:
+        print(json.dumps(out, indent=1))
+        return out
+    print(f"{a.config} on {a.gpus} simulated GPUs (TP {cfg.parallel.tp} x PP {cfg.parallel.pp} x "
+          f"DP {cfg.parallel.dp}), stage {cfg.zero.stage}, {cfg.training.precision}; checkpoint metadata in {meta_dir}")
+    for r, e in out["ranks"].items():
+        print_rank(int(r), e, a)
+    return out
+
+
+if __name__ == "__main__":
+    main()

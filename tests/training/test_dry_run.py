@@ -1,0 +1,85 @@
+"""The dry run (scripts/dry_run.py) on 8 simulated ranks, TP 2 x PP 2 x DP 2, on the fake accelerator.
+
+The counts below are derived by hand from the model and the parallel plan, not read from the
+code: a test of what the real step communicates and how often it stops for the host.
+
+Per micro-batch of b x s tokens and hidden h on a stage of n blocks (CommStats volumes: an
+all-reduce of N elements counts 2N, an all-gather of an N-element result N):
+
+* TP all-reduce: 2 per block forward (g after the attention and MLP output projections), 2 again
+  in the recomputed forward, 2 backward (f before QKV and fc1): 6 · 2bsh per block. The first
+  stage adds the vocab-parallel embedding's forward all-reduce (2bsh), the last the head's f
+  backward (2bsh) and the vocab-parallel cross-entropy's three per-token all-reduces (max, sum of
+  exponentials, target logit: 3 · 2bs).
+* TP all-gather (Pa): each block's checkpoint is gathered once, for its recompute: bsh.
+* DP: the gradient reduce-scatter and the parameter all-gather, Ψ elements each (2Ψ, ZeRO §7);
+  under a pipeline, stage 2 reduce-scatters every micro-batch's gradients as its backward ends
+  (Pos+g holds no full gradient between micro-batches): m·Ψ.
+* host syncs per step: none in bf16; fp16's overflow decision is the one read (the trainer adds
+  its SIGTERM agreement, outside ``run_step``).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+B, S, H, VOCAB, LAYERS, MICRO = 8, 128, 64, 1024, 4, 2  # configs/tiny.yaml, global 32 / (8 x DP 2)
+
+
+def dry_run(tmp_path, precision: str, stage: int) -> dict:
+    cmd = [sys.executable, str(ROOT / "scripts" / "dry_run.py"), "--config", str(ROOT / "configs" / "tiny.yaml"),
+           "--gpus", "8", "--ranks", "0", "7", "--json", "--out", str(tmp_path),
+           "--parallel.tp", "2", "--parallel.pp", "2", "--training.precision", precision, "--zero.stage", str(stage),
+           "--activation_checkpointing.checkpoint_activations", "true",
+           "--activation_checkpointing.partition_activations", "true", "--model.vocab_size", str(VOCAB)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)
+
+
+@pytest.mark.parametrize("precision,stage", [("bf16", 1), ("bf16", 2), ("fp16", 1), ("fp16", 2)])
+def test_tp2_pp2_dp2(tmp_path, precision, stage):
+    out = dry_run(tmp_path, precision, stage)
+    assert out["world"] == 8
+    bsh, bs, blocks = B * S * H, B * S, LAYERS // 2
+    for rank, first in (("0", True), ("7", False)):
+        e = out["ranks"][rank]
+        assert e["device"] != "cpu", e["device"]  # the step ran on a (fake) accelerator, not the host
+        assert e["coords"]["pp"] == (0 if first else 1)
+        ops = e["comm_ops"]
+        edge = 2 * bsh if first else 2 * bsh + 3 * 2 * bs
+        assert ops["all_reduce/tp"]["elements"] == MICRO * (blocks * 6 * 2 * bsh + edge)
+        assert ops["all_reduce/tp"]["calls"] == MICRO * (blocks * 6 + (1 if first else 4))
+        assert ops["all_gather/tp"]["elements"] == MICRO * blocks * bsh
+        psi = e["num_params"]
+        reduced = MICRO * psi if stage == 2 else psi  # tiny's chunks need no padding at DP 2
+        assert ops["reduce_scatter/dp"]["elements"] == reduced
+        assert ops["all_gather/dp"]["elements"] == psi
+        assert ops["reduce_scatter/dp"]["bytes"] == 4 * reduced  # fp32 gradient accumulation (the default)
+        assert ops["all_gather/dp"]["bytes"] == 2 * psi  # 16-bit parameters
+        # the tied word embedding's gradient (this TP rank's vocab half), summed over the first and
+        # last stage once per step: whole at stage 1, this DP rank's reduced half at stage 2
+        emb = (VOCAB // 2) * H
+        assert ops["all_reduce/embedding"]["elements"] == 2 * (emb // 2 if stage == 2 else emb)
+        want = {"bf16": {}, "fp16": {"overflow": 1.0}}[precision]
+        assert e["host_sync_reasons"] == want
+        assert e["host_syncs_per_step"] == sum(want.values())
+        assert e["host_tensor_bytes_per_step"] == 0
+        assert e["fits"] and 0 < e["peak_bytes"] < 32e9
+        for category in ("parameters", "gradients", "optimizer_states"):
+            assert e["by_category"][category] > 0
+    meta = json.loads((tmp_path / "tiny" / "checkpoint" / "rank_00007.json").read_text())
+    assert meta["rank"] == 7 and meta["index"] and "master" in meta["tensors"]
+
+
+def test_bad_rank_exits_2(tmp_path):
+    cmd = [sys.executable, str(ROOT / "scripts" / "dry_run.py"), "--config", str(ROOT / "configs" / "tiny.yaml"),
+           "--gpus", "8", "--ranks", "8", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 2 and "--ranks [8]" in proc.stderr
