@@ -68,12 +68,30 @@ def load(a, overrides: list[str]):
         raise ConfigError(f"--ranks {bad}: a rank of a {a.gpus}-GPU world is in [0, {a.gpus - 1}]")
     if a.steps < 1:
         raise ConfigError(f"--steps {a.steps}: simulate at least 1 step")
+    for flag, value in (("--peak-tflops", a.peak_tflops), ("--device-gb", a.device_gb)):
+        if not value > 0:
+            raise ConfigError(f"{flag} {value}: must be > 0")
+    if not 0 < a.efficiency <= 1:
+        raise ConfigError(f"--efficiency {a.efficiency}: a fraction of peak in (0, 1], e.g. 0.5")
+    link(a)  # raises ValueError naming the bad link flag
     return cfg, validate_model(cfg), ranks
 
 
-def model_figures(cfg, mcfg, gpus: int) -> dict:
-    """The memory model's bytes for this setup (``scripts/estimate_memory.py``'s breakdown)."""
-    e = memory_model.estimate(memory_model.setup_from_run_config(cfg, mcfg, gpus))
+def link(a) -> step_time.LinkModel:
+    return step_time.LinkModel(gpus_per_node=a.gpus_per_node, intra_node_gbps=a.intra_node_gbps,
+                               inter_node_gbps=a.inter_node_gbps, intra_latency_us=a.intra_latency_us,
+                               inter_latency_us=a.inter_latency_us)
+
+
+def model_figures(cfg, mcfg, gpus: int) -> dict | None:
+    """The memory model's bytes for this setup (``scripts/estimate_memory.py``'s breakdown), or None
+    for a setup it does not cover (pipelines, offload): then there is nothing to compare."""
+    try:
+        setup = memory_model.setup_from_run_config(cfg, mcfg, gpus)
+    except ValueError as e:
+        print(f"[dry-run] no memory-model comparison: {e}", file=sys.stderr)
+        return None
+    e = memory_model.estimate(setup)
     return {k: e[k] for k in ("model_states", "checkpoints_device", "working", "fixed_buffers", "accounted")} | {
         "before_margin": e["before_margin"], "total": e["total"]}
 
@@ -81,13 +99,12 @@ def model_figures(cfg, mcfg, gpus: int) -> dict:
 def predict(a, cfg, mcfg, rep) -> dict:
     t = cfg.training
     recompute = cfg.activation_checkpointing.checkpoint_activations
-    flops = flops_per_iteration(mcfg, t.global_batch_size, mcfg.seq_length, recompute=recompute) / a.gpus
-    link = step_time.LinkModel(gpus_per_node=a.gpus_per_node, intra_node_gbps=a.intra_node_gbps,
-                               inter_node_gbps=a.inter_node_gbps, intra_latency_us=a.intra_latency_us,
-                               inter_latency_us=a.inter_latency_us)
-    pred = step_time.predict_step(flops, rep.comm_ops, rep.group_ranks, link=link, peak_tflops=a.peak_tflops,
-                                  efficiency=a.efficiency,
-                                  overlap=step_time.default_overlap(cfg.zero.overlap_comm, cfg.zero.stage),
+    flops = flops_per_iteration(mcfg, t.global_batch_size, mcfg.seq_length, recompute=recompute,
+                                tp=cfg.parallel.tp) / a.gpus
+    overlap = step_time.default_overlap(cfg.zero.overlap_comm, cfg.zero.stage,
+                                        microbatches=cfg.num_microbatches, pipeline=cfg.parallel.pp > 1)
+    pred = step_time.predict_step(flops, rep.comm_ops, rep.group_ranks, link=link(a), peak_tflops=a.peak_tflops,
+                                  efficiency=a.efficiency, overlap=overlap,
                                   overlap_window=0.75 if recompute else 2 / 3)
     return pred.as_dict()
 
@@ -100,7 +117,8 @@ def rank_entry(a, rep, model: dict, pred: dict) -> dict:
             "host_tensor_bytes_per_step": rep.host_tensor_bytes_per_step, "coords": rep.coords,
             "checkpoint_shard_bytes": rep.checkpoint_shard_bytes, "num_params": rep.num_params,
             "device": rep.device, "fits": peak <= a.device_gb * GB,
-            "model_bytes": model["before_margin"], "measured_vs_model": rep.peak_bytes / model["before_margin"],
+            "model_bytes": model["before_margin"] if model else None,
+            "measured_vs_model": rep.peak_bytes / model["before_margin"] if model else None,
             "predicted": pred, "seconds": round(rep.seconds, 1)}
 
 
@@ -110,8 +128,9 @@ def print_rank(r: int, e: dict, a) -> None:
           f"{e['construction_peak_bytes'] / GB:8.2f} GB (construction)   fits {a.device_gb:g} GB: {e['fits']}")
     print("  " + "  ".join(f"{k} {v / GB:.2f}" for k, v in e["by_category"].items()) + "  (GB at the peak)")
     print("  by phase: " + "  ".join(f"{k} {v / GB:.2f}" for k, v in e["by_phase"].items()) + " GB")
-    print(f"  memory model (before the fragmentation margin) {e['model_bytes'] / GB:.2f} GB: "
-          f"measured / model = {e['measured_vs_model']:.3f}")
+    if e["model_bytes"] is not None:
+        print(f"  memory model (before the fragmentation margin) {e['model_bytes'] / GB:.2f} GB: "
+              f"measured / model = {e['measured_vs_model']:.3f}")
     print("  comm per step: " + "  ".join(f"{g} {c['calls']} calls {c['bytes'] / GB:.2f} GB"
                                           for g, c in sorted(e["comm"].items())))
     reasons = ", ".join(f"{k} {v:g}" for k, v in e["host_sync_reasons"].items()) or "none"
@@ -127,7 +146,7 @@ def main(argv=None) -> dict:
     a, overrides = build_parser().parse_known_args(argv)
     try:
         cfg, mcfg, ranks = load(a, overrides)
-    except (ConfigError, ValueError) as e:
+    except (ConfigError, ValueError, TypeError) as e:
         print(f"dry_run: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     model = model_figures(cfg, mcfg, a.gpus)

@@ -57,9 +57,9 @@ def jobs(only: str | None) -> list[dict]:
             paper = header(path, r"~([\d.]+) TFLOPs/GPU")
             out.append({"name": name, "config": str(path), "gpus": gpus, "overrides": [],
                         "paper_tflops": float(paper) if paper else None})
-    if not only or only == "ablations":
-        for model, (base, extra) in ABLATION_MODELS.items():
-            for c in ("c1", "c2", "c3", "c4", "c5"):
+    for model, (base, extra) in ABLATION_MODELS.items():
+        for c in ("c1", "c2", "c3", "c4", "c5"):
+            if not only or only == "ablations" or f"{c.upper()} {model}".startswith(only):
                 out.append({"name": f"{c.upper()} {model}", "config": str(CONFIGS / base), "gpus": 400,
                             "overrides": extra + ablation_overrides(c), "paper_tflops": None})
     return out
@@ -102,7 +102,7 @@ def table(results: list[dict]) -> str:
 
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--only", help="a prefix: table5, table6, table10 or ablations")
+    p.add_argument("--only", help="a prefix: table5, table6, table10, ablations, or a name (C5, C4 100B)")
     p.add_argument("--jobs", type=int, default=2, help="dry runs at once (one CPU core each)")
     p.add_argument("--out", default="runs/dry_run/sweep", help="where sweep.json and sweep.md go")
     a = p.parse_args(argv)

@@ -28,6 +28,7 @@ import weakref
 
 import torch
 
+from zerotron.parallel import host_sync
 from zerotron.parallel import collectives as C
 
 
@@ -125,7 +126,7 @@ class CheckpointStore:
     def _target(self, n: int, dtype, device: torch.device):
         """Fresh storage for a piece of ``n`` elements: an MD slot or a new tensor, on device or host."""
         place = torch.device("cpu") if self.offload else device
-        pin = self.offload and device.type == "cuda"
+        pin = self.offload and host_sync.pinned(device)
         if not self.contiguous:
             return None, torch.empty(n, dtype=dtype, device=place, pin_memory=pin)
         b = self.buffer
@@ -149,8 +150,8 @@ class CheckpointStore:
             slot, data = self._target(n, flat.dtype, x.device)
             if piece.numel() < n:  # the last TP rank's slice is padded to equal size for all-gather
                 data[piece.numel():].zero_()
-            if self.offload and x.is_cuda:  # async device-to-host on the side stream, overlapping compute
-                side = self._stream(x.device)
+            side = self._stream(x.device) if self.offload else None
+            if side is not None:  # async device-to-host on the side stream, overlapping compute
                 side.wait_stream(torch.cuda.current_stream(x.device))
                 with torch.cuda.stream(side):
                     data[:piece.numel()].copy_(piece, non_blocking=True)
@@ -158,7 +159,7 @@ class CheckpointStore:
             else:
                 data[:piece.numel()].copy_(piece)
         saved = Saved(self, data, slot, x.shape, numel, x.device, "host" if self.offload else "device")
-        if self.offload and x.is_cuda:
+        if self.offload and self._side is not None:
             saved.ready = torch.cuda.Event()
             saved.ready.record(self._side)
         self.acct.add(saved.placement, saved.nbytes)
@@ -167,8 +168,9 @@ class CheckpointStore:
 
     # load (backward) -----------------------------------------------------------------------------
     def _stream(self, device):
+        """The side stream of host copies; None without one (not CUDA, or a dry run): copy in order."""
         if self._side is None:
-            self._side = torch.cuda.Stream(device=device)
+            self._side = host_sync.stream(device)
         return self._side
 
     def _fetch(self, saved: Saved) -> None:
@@ -182,8 +184,10 @@ class CheckpointStore:
         self.acct.add("device", saved.nbytes, count=0)
 
     def _piece_on_device(self, saved: Saved) -> torch.Tensor:
-        if not (self.offload and saved.device.type == "cuda"):
+        if not self.offload or saved.device.type == "cpu":
             return saved.data  # on CPU runs the host copy is used in place
+        if self._stream(saved.device) is None:  # an accelerator without a side stream: copy in order
+            return saved.data.to(saved.device)
         self._fetch(saved)
         current = torch.cuda.current_stream(saved.device)
         current.wait_event(saved.ready)

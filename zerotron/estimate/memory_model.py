@@ -79,6 +79,7 @@ class Setup:
     partition_activations: bool = False
     cpu_checkpointing: bool = False
     contiguous_memory: bool = True  # MD
+    contiguous_gradients: bool = True  # zero.contiguous_gradients: stages 0-1 reduce from one flat buffer
     precision: str = "fp16"
     bucket_size: int = 500_000_000  # min(reduce_bucket_size, allgather_bucket_size), elements
     overlap_comm: bool = False
@@ -106,6 +107,10 @@ def setup_from_run_config(cfg, model: GPTConfig, gpus: int) -> Setup:
     """The ``Setup`` of a validated ``RunConfig`` (``training.config``) on ``gpus`` GPUs: its model,
     MP and DP degrees, micro-batch, ZeRO stage, buckets, gradient dtype and checkpointing."""
     z, ac, t = cfg.zero, cfg.activation_checkpointing, cfg.training
+    if cfg.parallel.pp > 1 or z.optimizer_offload != "none" or z.offload_param_device != "none":
+        raise ValueError("the memory model covers pp = 1 without ZeRO-Offload/Infinity (the paper's setups); "
+                         f"this run has parallel.pp={cfg.parallel.pp}, zero.offload_optimizer_device="
+                         f"{z.optimizer_offload}, zero.offload_param_device={z.offload_param_device}")
     mp = cfg.parallel.tp * cfg.parallel.pp
     if gpus % mp:
         raise ValueError(f"gpus={gpus} is not divisible by tp x pp = {mp}; use a multiple of it")
@@ -113,6 +118,7 @@ def setup_from_run_config(cfg, model: GPTConfig, gpus: int) -> Setup:
                  checkpoint_activations=ac.checkpoint_activations, checkpoint_every=ac.checkpoint_every,
                  partition_activations=ac.partition_activations, cpu_checkpointing=ac.cpu_checkpointing,
                  contiguous_memory=ac.contiguous_memory_optimization, precision=t.precision,
+                 contiguous_gradients=z.contiguous_gradients,
                  bucket_size=min(z.reduce_bucket_size, z.allgather_bucket_size), overlap_comm=z.overlap_comm,
                  grad_bytes=BYTES[z.grad_accum(t.precision)])
 
@@ -149,7 +155,7 @@ def checkpoint_bytes(b: int, s: int, h: int, layers: int, tp: int = 1, every: in
     return {"device": 0 if cpu else total, "host": total if cpu else 0}
 
 
-def layer_working_bytes(b: int, s: int, h: int, heads: int, tp: int = 1, fused_attention: bool = False) -> float:
+def layer_working_bytes(b: int, s: int, h: int, heads: int, tp: int = 1, fused_attention: bool = True) -> float:
     """Activations one transformer layer saves for backward (Korthikanti 2022, eq. 2, TP t)."""
     probs = 0 if fused_attention else 5 * heads * s / (h * tp)
     return s * b * h * (10 + 24 / tp + probs)
@@ -167,7 +173,7 @@ def head_working_bytes(b: int, s: int, vocab: int, tp: int = 1) -> float:
 
 
 def fixed_buffer_bytes(stage: int, bucket: int, nd: int, psi: int, param_bytes: int = 2,
-                       overlap: bool = False, grad_bytes: int | None = None) -> int:
+                       overlap: bool = False, grad_bytes: int | None = None, contiguous: bool = True) -> int:
     """CB (§6.2): ZeRO buffers sized by the bucket, not the model (mirrors zerotron's optimizer).
 
     C = the bucket rounded down to a multiple of Nd (capped by the padded model); per stage:
@@ -175,6 +181,7 @@ def fixed_buffer_bytes(stage: int, bucket: int, nd: int, psi: int, param_bytes: 
     2: + a 16-bit bucket of C; 3: bucket, shard buffer and staging (no all-gather input).
     ``overlap`` doubles the bucket and shard buffers (two in flight). Buckets and shard buffers
     hold gradients (``grad_bytes``, default ``param_bytes``); fp32 gradients need no fp32 staging.
+    Stages 0-1 without ``contiguous`` gradients (no MD) reduce through packed buckets too.
     """
     g = param_bytes if grad_bytes is None else grad_bytes
     staging = 0 if g == 4 else 4
@@ -182,14 +189,15 @@ def fixed_buffer_bytes(stage: int, bucket: int, nd: int, psi: int, param_bytes: 
     c = bucket - bucket % shards
     c = min(c, -(-psi // shards) * shards)
     shard, nbuf = c // shards, 2 if overlap else 1
+    packed = 0 if (stage >= 2 or contiguous) else nbuf * g * c
     if stage == 0:
-        return staging * c
+        return staging * c + packed
     out = nbuf * g * shard + staging * shard
     if stage <= 2:
         out += param_bytes * shard
     if stage >= 2:
         out += nbuf * g * c
-    return out
+    return out + packed
 
 
 def estimate(setup: Setup) -> dict:
@@ -205,12 +213,15 @@ def estimate(setup: Setup) -> dict:
     layer = layer_working_bytes(b, s, h, cfg.num_heads, t, fused) * pb / 2
     if setup.checkpoint_activations:
         ckpt = checkpoint_bytes(b, s, h, l, t, setup.checkpoint_every, pa, setup.cpu_checkpointing, pb)
-        segment = recompute_working_bytes(b, s, h, cfg.num_heads, t, fused) + (setup.checkpoint_every - 1) * layer
-        working = max(segment * pb / 2, head_working_bytes(b, s, cfg.padded_vocab_size(t), t))
+        segment = recompute_working_bytes(b, s, h, cfg.num_heads, t, fused) * pb / 2 + (setup.checkpoint_every - 1) * layer
+        working = max(segment, head_working_bytes(b, s, cfg.padded_vocab_size(t), t))
     else:  # every layer's activations stay alive until its backward
         ckpt = {"device": int(layer * l), "host": 0}
         working = head_working_bytes(b, s, cfg.padded_vocab_size(t), t)
-    fixed = fixed_buffer_bytes(setup.stage, setup.bucket_size, nd, psi, pb, setup.overlap_comm, gb)
+    fixed = fixed_buffer_bytes(setup.stage, setup.bucket_size, nd, psi, pb, setup.overlap_comm, gb,
+                               setup.contiguous_gradients)
+    if setup.stage == 1 and not setup.contiguous_gradients:  # 16-bit .grad until the last micro-batch
+        states += pb * psi - gb * psi + gb * -(-psi // nd)
     pa_gather = -(-b * s * h // t) * t * pb if pa and setup.checkpoint_activations else 0
     used = states + ckpt["device"] + working + fixed + pa_gather
     return {

@@ -154,7 +154,7 @@ def collective_time(op: str, calls: int, nbytes: float, span: GroupSpan, link: L
     return latency, ring * nbytes / ring_bandwidth(span, link, concurrent)
 
 
-def default_overlap(overlap_comm: bool, stage: int) -> dict[str, float]:
+def default_overlap(overlap_comm: bool, stage: int, microbatches: int = 1, pipeline: bool = False) -> dict[str, float]:
     """Fraction of each ``"op/group"``'s time zerotron hides behind compute, for a ZeRO ``stage``.
 
     * TP all-reduces sit between the GEMMs that need their result (Megatron-LM §3: g after the
@@ -171,10 +171,16 @@ def default_overlap(overlap_comm: bool, stage: int) -> dict[str, float]:
     A bare ``"dp"`` entry serves ``comm`` given as group totals: the share of the DP volume that
     is hideable with one micro-batch per step -- all of it at stages 0 and 3, the reduce-scatter's
     Ψ of the 2Ψ at stages 1-2 (§7.2.1). Per-op keys are exact; prefer them.
+
+    Stages 0-1 reduce only in the last micro-batch's backward, so at most 1/``microbatches`` of
+    the reduction has compute beside it (the window is the whole step's backward); in a pipeline
+    they reduce after the schedule (``reduce_gradients``), with nothing to hide behind.
     """
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"zero.stage={stage!r}: must be 0, 1, 2 or 3")
     hide = 1.0 if overlap_comm else 0.0
+    if stage <= 1:
+        hide = 0.0 if pipeline else hide / max(1, microbatches)
     out = {"tp": 0.0, "pp": 0.0, "embedding": 0.0, "world": 0.0, "mp": 0.0, "all_gather/dp": 0.0}
     if stage == 0:
         out["all_reduce/dp"] = out["dp"] = hide

@@ -66,8 +66,9 @@ def accelerator(kind: str = "cuda") -> torch.device:
 
 
 def fake_mode():
-    """A ``FakeTensorMode`` that refuses real tensors as inputs: a real tensor inside a simulated
-    step is a tensor made outside it (e.g. by numpy) that a real run would copy to the device."""
+    """A ``FakeTensorMode`` that takes real tensors as inputs (host RNG states, numpy data) as fake
+    ones on their own device: a real CPU tensor meeting a device tensor still fails with torch's
+    device-mismatch error, and the dry run watches for host tensors made inside the step."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     return FakeTensorMode(allow_non_fake_inputs=True)

@@ -58,16 +58,17 @@ def _param_info(model, opt, grid) -> dict[str, dict]:
     return info
 
 
-def shard_contents(model, opt, grid, rng_states: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict]:
-    """What this rank's shard holds: its tensors (fp32 masters and moments, RNG states) and the
-    metadata that places them (``index``, every parameter's global shape). The dry run writes the
-    metadata alone, from the same function the save uses."""
+def shard_contents(model, opt, grid, rng_states: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict, dict]:
+    """What this rank's shard holds: its tensors (fp32 masters and moments, RNG states), the
+    metadata that places them (``index``, every parameter's global shape) and the optimizer's
+    ``partition_state``. The dry run writes the metadata alone, from the same function the save uses."""
     names = canonical_names(model)
     state = opt.partition_state()
     index = [[names[n], grid.tp_rank, int(s), int(e), int(off)] for n, s, e, off in opt.partition_index()]
     tensors = {k: state[k] for k in ("master", "exp_avg", "exp_avg_sq")}
     tensors.update({f"rng/{k}": v for k, v in rng_states.items()})
-    return tensors, {"rank": grid.rank, "coords": grid.coords, "index": index, "params": _param_info(model, opt, grid)}
+    meta = {"rank": grid.rank, "coords": grid.coords, "index": index, "params": _param_info(model, opt, grid)}
+    return tensors, meta, state
 
 
 def save_checkpoint(save: str, step: int, model, opt, grid, *, consumed_samples: int, model_config: dict,
@@ -84,8 +85,7 @@ def save_checkpoint(save: str, step: int, model, opt, grid, *, consumed_samples:
         tmp.mkdir(parents=True)
         (tmp / OWNER).write_text(run_id)
     C.barrier(grid.world_group)
-    tensors, meta = shard_contents(model, opt, grid, rng_states)
-    state = opt.partition_state()
+    tensors, meta, state = shard_contents(model, opt, grid, rng_states)
     filename = f"rank_{grid.rank:05d}.safetensors"
     sha = write_shard(tmp / filename, tensors, {"rank": grid.rank, "coords": grid.coords})
     atomic_write_json(tmp / f"rank_{grid.rank:05d}.json", {"sha256": sha, **meta})

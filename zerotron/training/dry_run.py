@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakIdKeyDictionary
 
 from zerotron.model import GPTConfig
 from zerotron.parallel import host_sync, simulation
@@ -47,12 +48,14 @@ class DryRunError(RuntimeError):
 
 
 class HostTensors(TorchDispatchMode):
-    """Records every operator output that lands on the CPU while the rank computes on a device."""
+    """Records every operator that makes a CPU tensor while the rank computes on a device, and the
+    bytes of the host storages they create (each counted once, however often it is written)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.ops: dict[str, int] = {}
         self.bytes = 0
+        self._seen = WeakIdKeyDictionary()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -60,7 +63,10 @@ class HostTensors(TorchDispatchMode):
             if isinstance(t, torch.Tensor) and t.device.type == "cpu":
                 name = str(func.overloadpacket)
                 self.ops[name] = self.ops.get(name, 0) + 1
-                self.bytes += t.numel() * t.element_size()
+                storage = t.untyped_storage()
+                if storage not in self._seen:
+                    self._seen[storage] = True
+                    self.bytes += storage.nbytes()
         return out
 
 
@@ -121,8 +127,11 @@ def _per_step(snapshot: dict, steps: int) -> tuple[dict, dict]:
 
 
 def _group_ranks(grid: Grid) -> dict[str, list[int]]:
+    """Members of every group this rank communicates in, ZeRO++'s node-split groups included."""
     groups = {"tp": grid.tp_group, "dp": grid.dp_group, "pp": grid.pp_group, "mp": grid.mp_group,
               "world": grid.world_group, "embedding": grid.embedding_group}
+    for split in grid._split_cache.values():
+        groups.update({g.name: g for g in split})
     return {name: list(g.ranks) for name, g in groups.items() if g is not None}
 
 
@@ -145,29 +154,29 @@ def simulate_rank(cfg: RunConfig, mcfg: GPTConfig, world_size: int, rank: int, s
             construction = memory.tracker.by_phase["construction"]
             memory.tracker.reset_peaks()
             mark = grid.stats.snapshot()
-            host = HostTensors()
+            host, worst = HostTensors(), None
             with host_sync.counting() as syncs:
                 for k in range(steps):
                     batches = synthetic_batches(cfg, mcfg, device)
                     memory.begin_step(k + 1, plan.optimizer)
                     with host:
                         run_step(plan.model, plan.optimizer, batches, grid, cfg.parallel.pipeline_schedule, memory)
-                    if k == 0:
-                        first = memory.tracker.report()
-            if host.ops and not offloads(cfg):
+                    step_report = memory.tracker.report()  # begin_step starts each step's peak afresh
+                    if worst is None or step_report["peak_bytes"] > worst["peak_bytes"]:
+                        worst = step_report
+            if host.ops and device.type != "cpu" and not offloads(cfg):
                 raise DryRunError(f"rank {rank}: the step made tensors on the host without any offload configured "
                                   f"({host.ops}); on a GPU each is a device-to-host copy in the hot path")
             comm, comm_ops = _per_step(grid.stats.since(mark).snapshot(), steps)
-            tensors, meta = shard_contents(plan.model, plan.optimizer, grid, {})
+            tensors, meta, _ = shard_contents(plan.model, plan.optimizer, grid, {})
             shard_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
             if metadata_dir is not None:
                 metadata_dir.mkdir(parents=True, exist_ok=True)
                 meta["tensors"] = {k: {"dtype": str(t.dtype), "shape": list(t.shape)} for k, t in tensors.items()}
                 (metadata_dir / f"rank_{rank:05d}.json").write_text(json.dumps(meta))
-            report = memory.tracker.report() if steps > 1 else first
             return RankReport(
-                rank=rank, coords=dict(grid.coords), peak_bytes=max(report["peak_bytes"], first["peak_bytes"]),
-                by_category=report["by_category"], by_phase=report["by_phase"],
+                rank=rank, coords=dict(grid.coords), peak_bytes=worst["peak_bytes"],
+                by_category=worst["by_category"], by_phase=worst["by_phase"],
                 construction_peak_bytes=construction, comm=comm, comm_ops=comm_ops,
                 host_syncs_per_step=syncs.total / steps,
                 host_sync_reasons={r: n / steps for r, n in syncs.by_reason.items()},

@@ -102,6 +102,7 @@ class Trainer:
         # first step whose loss was non-finite (-1: none yet) and that loss, kept on the device
         self._bad_step = torch.full((), -1.0, dtype=torch.float64, device=env.device)
         self._bad_loss = torch.zeros((), dtype=torch.float64, device=env.device)
+        self._bad_norm = torch.zeros((), dtype=torch.float64, device=env.device)
         signal.signal(signal.SIGTERM, self._on_sigterm)
 
     def release_lock(self) -> None:
@@ -168,23 +169,31 @@ class Trainer:
             with torch.no_grad():
                 next(self.model.parameters()).fill_(float("nan"))
 
-    def _watch_loss(self, loss: torch.Tensor) -> None:
-        """Remember, on the device, the first step whose loss is non-finite and that loss."""
-        new = ~torch.isfinite(loss) & (self._bad_step < 0)
+    def _watch_loss(self, loss: torch.Tensor, grad_norm=None) -> None:
+        """Remember, on the device, the first step whose loss -- or, where no overflow skips the step
+        (bf16, fp32), gradient norm -- is non-finite, and that loss: a non-finite gradient reaches
+        the weights there, and a checkpoint of them must never be written."""
+        bad = ~torch.isfinite(loss)
+        if isinstance(grad_norm, torch.Tensor) and not self.opt.scaler.dynamic:
+            bad = bad | ~torch.isfinite(grad_norm)
+        new = bad & (self._bad_step < 0)
         self._bad_step = torch.where(new, float(self.step + 1), self._bad_step)
         self._bad_loss = torch.where(new, loss.to(torch.float64), self._bad_loss)
+        if isinstance(grad_norm, torch.Tensor):
+            self._bad_norm = torch.where(new, grad_norm.to(torch.float64), self._bad_norm)
 
     def _check_finite(self) -> None:
         """Stop if a loss so far was non-finite, naming its step: one host read (``"nan"``), made
         at the log interval, before every checkpoint and at a stop, never per step. The loss is
         the same on every rank (DP mean, broadcast over the pipeline), so every rank agrees."""
-        flags = torch.stack([self._bad_step, self._bad_loss])
-        bad_step, loss = host_sync.read(flags, "nan", placeholder=[-1.0, 0.0])
+        flags = torch.stack([self._bad_step, self._bad_loss, self._bad_norm])
+        bad_step, loss, norm = host_sync.read(flags, "nan", placeholder=[-1.0, 0.0, 0.0])
         if bad_step < 0:
             return
         step = int(bad_step)
         consumed = self.consumed - (self.step - step + 1) * self.cfg.training.global_batch_size
-        raise TrainingStopped(f"loss is {loss} at step {step} (consumed samples {consumed}); "
+        what = f"loss is {loss}" if not math.isfinite(loss) else f"gradient norm is {norm} (loss {loss:.4g})"
+        raise TrainingStopped(f"{what} at step {step} (consumed samples {consumed}); "
                               f"rerun from the last checkpoint with the same data position to reproduce")
 
     def _check_overflow_storm(self, info: dict, loss: torch.Tensor) -> None:
@@ -220,7 +229,7 @@ class Trainer:
         res = run_step(self.model, self.opt, data, self.grid, cfg.parallel.pipeline_schedule, self.memory)
         info = res.info
         loss = res.loss_sum if res.dp_reduced else self._dp_mean(res.loss_sum)
-        self._watch_loss(loss)
+        self._watch_loss(loss, info.get("grad_norm"))
         self._check_overflow_storm(info, loss)  # stop instead of skipping steps forever
         self.step += 1
         self.consumed += t.global_batch_size

@@ -164,7 +164,8 @@ class GradReducer:
         free = [s for s in range(self.n_buf) if s not in held]
         if not free:
             return None
-        slot = free[0]
+        idle = [s for s in free if all(job[3] != s for job in self.inflight)]
+        slot = (idle or free)[0]  # a bucket no reduction still reads keeps two of them in flight
         while any(job[3] == slot for job in self.inflight):
             self._finish(self.inflight.pop(0))
         self.buckets[slot][:self.layout.chunks[ci].numel].zero_()
@@ -200,7 +201,7 @@ class GradReducer:
             shard = self._next_shard()
             out = self.shard_bufs[shard][:c.shard]
             work = self.scatter.reduce_scatter(out, bucket, async_op=self.overlap)
-        job = (work, c, out, slot, shard)  # slot: the bucket it reads (None: flat or temporary)
+        job = (work, c, out, slot, shard, bucket)  # slot: the bucket read (None: flat or temporary)
         if self.overlap:
             self.inflight.append(job)
         else:
@@ -216,7 +217,7 @@ class GradReducer:
         return free[0]
 
     def _finish(self, job) -> None:
-        work, c, out, _, _ = job
+        work, c, out = job[:3]
         work.wait()
         self._deliver(c, out)
 
@@ -313,6 +314,7 @@ class GradReducer:
             for p in self.params:
                 p.grad = None
         self.packed_chunks = [0] * len(self.params)
+        self.slot_of = {}  # a backward that raised part-way must not leave a half-filled bucket
 
     def buffer_bytes(self) -> tuple[int, int]:
         """(gradient bytes held as model state, fixed bucket bytes)."""
