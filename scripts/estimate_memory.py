@@ -3,6 +3,7 @@
     python scripts/estimate_memory.py                       # paper Tables 1 and 2, C1-C5 max model
     python scripts/estimate_memory.py --preset zero-100b --tp 16 --gpus 400 --batch 32 --config-name C4
     python scripts/estimate_memory.py --config configs/zero100b/table5/zero-100b.yaml --gpus 400
+    python scripts/estimate_memory.py --config configs/tiny.yaml --gpus 4
     python scripts/estimate_memory.py --layers 40 --hidden 4096 --heads 32 --tp 4 --gpus 64 --json
 
 Prints the ZeRO paper's Table 1 (model states per device for 7.5B, 128B and 1T at Nd 1…1024)
@@ -10,6 +11,11 @@ and Table 2 (theoretical largest model per MP degree, 32 GB, 64-way DP) exactly 
 prints them, a per-term breakdown of any preset, run config or custom shape, and the largest
 GPT each ZeRO configuration C1–C5 (Table 3) fits on ``--device-gb`` GPUs. ``--json`` writes
 one JSON object instead, for machines.
+
+A breakdown needs the world size: ``--gpus``, or with ``--config`` the config's own when it fixes
+``parallel.dp`` (world = tp x pp x dp). There is no default, because every per-rank term but the
+activations divides by it and a guessed one gives a plausible-looking wrong answer. Exit codes:
+0 printed, 2 a bad or incomplete request (the message names the flag or field and the fix).
 """
 
 from __future__ import annotations
@@ -19,39 +25,82 @@ import dataclasses
 import json
 
 from zerotron.model import GPTConfig, get_preset
-from zerotron.estimate.memory_model import C_CONFIGS, Setup, estimate, max_model
+from zerotron.estimate.memory_model import C_CONFIGS, Setup, estimate, max_model, setup_from_run_config
 from zerotron.estimate.paper_tables import c_config_max_models, table1, table1_text, table2, table2_text
 
 GB = 1e9
 
 
+class UsageError(Exception):
+    """A request the estimate cannot answer as given; main() prints it and exits 2."""
+
+
+def _config_setup(a) -> Setup:
+    """The run config's setup (``setup_from_run_config``, as the dry run and the trainer see it);
+    ``--tp``/``--batch``/``--stage``/``--seq``/``--pa``/``--cpu`` override its fields."""
+    from zerotron.training.cli import parse_config
+    from zerotron.training.config import ConfigError
+    from zerotron.training.setup_run import validate_model
+
+    overrides = {"--parallel.tp": a.tp, "--training.micro_batch_size": a.batch, "--zero.stage": a.stage,
+                 "--model.seq_length": a.seq, "--activation_checkpointing.partition_activations": a.pa or None,
+                 "--activation_checkpointing.cpu_checkpointing": a.cpu or None}
+    argv = ["--config", a.config] + [str(x) for k, v in overrides.items() if v is not None for x in (k, v)]
+    try:
+        cfg = parse_config(argv)
+        p = cfg.parallel
+        gpus = a.gpus
+        if gpus is None and p.dp not in (None, -1):
+            gpus = p.tp * p.pp * p.dp
+        if gpus is None:
+            raise UsageError(f"--config {a.config} does not fix the world size (parallel.dp is unset: DP is what "
+                             f"the launcher's processes leave after tp x pp = {p.tp * p.pp}); pass --gpus N, the "
+                             f"number of processes the run starts (torchrun --nnodes x --nproc-per-node)")
+        cfg.validate(gpus)
+        return setup_from_run_config(cfg, validate_model(cfg), gpus)
+    except (ConfigError, ValueError) as e:
+        raise UsageError(f"--config {a.config}: {e}") from None
+
+
 def build_setup(a) -> Setup | None:
     """The setup to break down: from --config, --preset or --layers/--hidden/--heads; None if none given."""
-    tp, batch, stage, pa, cpu, md = a.tp, a.batch, a.stage, a.pa, a.cpu, True
     if a.config:
-        from zerotron.training.cli import parse_config
-        cfg = parse_config(["--config", a.config])
-        model = get_preset(cfg.model.preset, **{k: v for k, v in dataclasses.asdict(cfg.model).items()
-                                                  if k != "preset" and v is not None})
-        ac = cfg.activation_checkpointing
-        tp, batch, stage = cfg.parallel.tp, cfg.training.micro_batch_size, cfg.zero.stage
-        pa, cpu, md = ac.partition_activations, ac.cpu_checkpointing, ac.contiguous_memory_optimization
-        ckpt = ac.checkpoint_activations
-    elif a.preset:
-        model, ckpt = get_preset(a.preset), True
-    elif a.layers and a.hidden and a.heads:
-        model = GPTConfig(num_layers=a.layers, hidden_size=a.hidden, num_heads=a.heads, vocab_size=50257,
-                          seq_length=a.seq or 1024)
-        ckpt = True
+        setup = _config_setup(a)
     else:
-        return None
-    if a.seq:
-        model = dataclasses.replace(model, seq_length=a.seq)
-    if a.gpus % tp:
-        raise SystemExit(f"--gpus {a.gpus} is not divisible by the MP degree {tp}; use a multiple of it")
-    setup = Setup(model, tp=tp, dp=a.gpus // tp, micro_batch=batch, stage=stage, checkpoint_activations=ckpt,
-                  partition_activations=pa, cpu_checkpointing=cpu, contiguous_memory=md)
+        if a.preset:
+            model = get_preset(a.preset)
+        elif a.layers and a.hidden and a.heads:
+            model = GPTConfig(num_layers=a.layers, hidden_size=a.hidden, num_heads=a.heads, vocab_size=50257,
+                              seq_length=a.seq or 1024)
+        else:
+            return None
+        if a.seq:
+            model = dataclasses.replace(model, seq_length=a.seq)
+        tp = a.tp or 1
+        if a.gpus is None:
+            raise UsageError(f"a breakdown needs the world size: pass --gpus N (a multiple of the MP degree {tp})")
+        if a.gpus < 1 or a.gpus % tp:
+            raise UsageError(f"--gpus {a.gpus} is not a positive multiple of the MP degree --tp {tp}; use a multiple")
+        setup = Setup(model, tp=tp, dp=a.gpus // tp, micro_batch=a.batch or 4,
+                      stage=2 if a.stage is None else a.stage, checkpoint_activations=True,
+                      partition_activations=a.pa, cpu_checkpointing=a.cpu)
     return setup.with_config(a.config_name) if a.config_name else setup
+
+
+def count(n: float) -> str:
+    """A parameter count a person reads at a glance at any scale: 213.5 K, 1.56 B, 1.00 T."""
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f}"
+
+
+def size(n: float) -> str:
+    """Bytes in the unit that shows them (decimal, as the paper's GB): never a tiny model's 0.00 GB."""
+    for unit, scale in (("TB", 1e12), ("GB", GB), ("MB", 1e6), ("KB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
 
 
 def fmt_table(rows: list[list[str]]) -> str:
@@ -65,14 +114,15 @@ def main(argv=None) -> dict:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--config", help="YAML run config (its model, MP, batch, ZeRO and checkpointing)")
     p.add_argument("--preset", help="zerotron.model preset name, e.g. zero-100b")
-    p.add_argument("--layers", type=int)
-    p.add_argument("--hidden", type=int)
-    p.add_argument("--heads", type=int)
-    p.add_argument("--seq", type=int, help="sequence length (default: the preset's, 1024)")
-    p.add_argument("--tp", type=int, default=1, help="MP (tensor-parallel) degree")
-    p.add_argument("--gpus", type=int, default=400, help="total GPUs; DP = gpus / tp")
-    p.add_argument("--batch", type=int, default=4, help="micro-batch per DP rank")
-    p.add_argument("--stage", type=int, default=2, choices=[0, 1, 2, 3])
+    p.add_argument("--layers", type=int, help="custom GPT: number of transformer layers (with --hidden, --heads)")
+    p.add_argument("--hidden", type=int, help="custom GPT: hidden size")
+    p.add_argument("--heads", type=int, help="custom GPT: attention heads")
+    p.add_argument("--seq", type=int, help="sequence length (default: the config's or preset's; 1024 for a custom GPT)")
+    p.add_argument("--tp", type=int, help="MP (tensor-parallel) degree (default: the config's parallel.tp, else 1)")
+    p.add_argument("--gpus", type=int, help="world size, required for a breakdown unless the --config fixes "
+                                            "parallel.dp; DP = gpus / (tp x pp)")
+    p.add_argument("--batch", type=int, help="micro-batch per DP rank (default: the config's, else 4)")
+    p.add_argument("--stage", type=int, choices=[0, 1, 2, 3], help="ZeRO stage (default: the config's, else 2)")
     p.add_argument("--pa", action="store_true", help="Pa: partition activation checkpoints over MP")
     p.add_argument("--cpu", action="store_true", help="Pa+cpu: checkpoints in host memory")
     p.add_argument("--config-name", choices=sorted(C_CONFIGS), help="apply C1..C5 (Table 3) to the setup")
@@ -83,10 +133,14 @@ def main(argv=None) -> dict:
     a = p.parse_args(argv)
 
     out: dict = {"table1": table1(), "table2": table2()}
-    setup = build_setup(a)
+    try:
+        setup = build_setup(a)
+    except UsageError as e:
+        p.exit(2, f"{p.prog}: error: {e}\n")
     if setup is not None:
         out["breakdown"] = {"model": setup.model.name or f"{setup.model.num_layers}x{setup.model.hidden_size}",
-                            "tp": setup.tp, "dp": setup.dp, "micro_batch": setup.micro_batch, "stage": setup.stage,
+                            "gpus": setup.tp * setup.dp, "tp": setup.tp, "dp": setup.dp,
+                            "micro_batch": setup.micro_batch, "stage": setup.stage,
                             "pa": setup.partition_activations, "cpu": setup.cpu_checkpointing,
                             **estimate(setup), "fits": estimate(setup)["total"] <= a.device_gb * GB,
                             "max_model": max_model(setup, a.device_gb * GB)}
@@ -102,12 +156,12 @@ def main(argv=None) -> dict:
     print(fmt_table(table2_text()))
     if setup is not None:
         b = out["breakdown"]
-        print(f"\nBreakdown per GPU: {b['model']}, MP {b['tp']} x DP {b['dp']}, micro-batch {b['micro_batch']}, "
-              f"stage {b['stage']}, Pa {b['pa']}, Pa+cpu {b['cpu']}")
+        print(f"\nBreakdown per GPU: {b['model']} on {b['gpus']} GPUs, MP {b['tp']} x DP {b['dp']}, micro-batch "
+              f"{b['micro_batch']}, stage {b['stage']}, Pa {b['pa']}, Pa+cpu {b['cpu']}")
         for key in ("params_total", "params_per_rank"):
-            print(f"  {key:22s} {b[key] / 1e9:10.3f} B")
+            print(f"  {key:22s} {count(b[key]):>10s}")
         for key in ("model_states", "checkpoints_device", "checkpoints_host", "working", "fixed_buffers", "total"):
-            print(f"  {key:22s} {b[key] / GB:10.2f} GB")
+            print(f"  {key:22s} {size(b[key]):>10s}")
         print(f"  fragmentation margin   {b['fragmentation_margin']:10.0%}   fits {a.device_gb:g} GB: {b['fits']}")
         m = b["max_model"]
         print(f"  largest GPT that fits: {m['layers']} layers x {m['hidden']} hidden = {m['params'] / 1e9:.1f}B")

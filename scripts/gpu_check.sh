@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# One prepared GPU check for a lent single-GPU machine (device tool: 15 minutes of device time in
-# all). Installs nothing: it uses the machine's own torch and runs zerotron from this checkout.
-# ~1.3B GPT (24 layers, hidden 2048, seq 1024) in bf16: ZeRO stages 0-3, activation checkpointing,
-# Pa+cpu offload; prints TFLOP/s, MFU, peak memory and pinned host<->device bandwidth. ~5-8 min.
+# The one prepared check for a lent single-GPU machine (device time is short: one run, <= 8 min).
+# Installs nothing: it uses the machine's own torch and runs zerotron from this checkout.
+# scripts/checks/gpu_check.py: fp32 GPU-vs-CPU loss parity, then a ~1.3B GPT in bf16 through ZeRO
+# stages 0-3 with and without activation checkpointing, Pa+cpu and optimizer offload; one table of
+# step time, TFLOP/s, MFU, HFU, peak vs predicted memory and the SDPA kernel, then pinned
+# host<->device bandwidth. Exits non-zero on any mismatch (the reasons are printed as FAIL lines).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1

@@ -7,9 +7,13 @@ Example:
 
 Inputs are anything ``datasets`` reads: local text / json / jsonl / parquet / arrow files or
 directories, a ``save_to_disk`` directory, or a hub name. ``--streaming`` reads row by row
-(bounded memory, no Arrow cache on disk): use it for corpora larger than memory. A progress bar
-shows tokens/s; the final report gives throughput and peak resident memory. Every document ends
-with the tokenizer's end-of-document id. On any error no output file is written.
+(bounded memory, no Arrow cache on disk): use it for corpora larger than memory; without it the
+Arrow cache goes to .cache/zerotron/datasets (or $HF_DATASETS_CACHE). Progress shows documents
+(of the total, with an ETA, when the reader knows it), documents/s and tokens/s: a bar on a
+terminal, a plain line every 10 s in a log file. The final report gives throughput and peak
+resident memory. Every document ends with the tokenizer's end-of-document id.
+Exit codes: 0 written; 2 bad input (a missing file, malformed JSON named by file and line, a
+missing text field), and then no output file is written.
 """
 
 from __future__ import annotations
@@ -22,20 +26,26 @@ import sys
 
 from zerotron.data import Tokenizer, iter_texts, load_source
 from zerotron.data.preprocess import tokenize_to_file
+from zerotron.data.sources import known_rows
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("inputs", nargs="+", help="files, directories, globs, or one hub dataset name")
-    ap.add_argument("--text-field", default="text")
-    ap.add_argument("--tokenizer", required=True, help="SentencePiece .model file")
-    ap.add_argument("--output-prefix", required=True)
-    ap.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1))
-    ap.add_argument("--streaming", action="store_true")
-    ap.add_argument("--split", default="train")
-    ap.add_argument("--batch-size", type=int, default=256, help="documents per worker task")
+    ap.add_argument("--text-field", default="text",
+                    help="the column holding each document's text (default: %(default)s)")
+    ap.add_argument("--tokenizer", required=True, help="SentencePiece .model file (scripts/train_tokenizer.py)")
+    ap.add_argument("--output-prefix", required=True,
+                    help="writes PREFIX.bin and PREFIX.idx; pass PREFIX as --data.data_path to training")
+    ap.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1),
+                    help="encoding processes (default: the CPU count - 1 = %(default)s)")
+    ap.add_argument("--streaming", action="store_true",
+                    help="read row by row: bounded memory and no Arrow cache, for corpora larger than memory")
+    ap.add_argument("--split", default="train",
+                    help="dataset split of a hub or save_to_disk input (default: %(default)s)")
+    ap.add_argument("--batch-size", type=int, default=256, help="documents per worker task (default: %(default)s)")
     ap.add_argument("--no-eod", action="store_true", help="do not append the end-of-document id")
-    ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--no-progress", action="store_true", help="print no progress bar or progress lines")
     ap.add_argument("--json", action="store_true", help="print the report as one JSON line")
     args = ap.parse_args(argv)
     if args.workers < 1:
@@ -45,7 +55,8 @@ def main(argv=None) -> int:
         ds = load_source(args.inputs, args.text_field, streaming=args.streaming, split=args.split)
         stats = tokenize_to_file(iter_texts(ds, args.text_field), tok, args.output_prefix,
                                  workers=args.workers, append_eod=not args.no_eod,
-                                 batch_size=args.batch_size, progress=not args.no_progress)
+                                 batch_size=args.batch_size, progress=not args.no_progress,
+                                 total_docs=known_rows(ds))
     except (FileNotFoundError, KeyError, ValueError, TypeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

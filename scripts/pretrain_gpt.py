@@ -5,11 +5,7 @@
 
 Every field of the config can be overridden with --<section>.<field> VALUE; see --help.
 
-Exit codes: 0 done (also: the checkpoint it would resume is already at training.train_steps);
-2 bad input (config, data, checkpoint), a checkpoint directory another run holds, or a run that
-cannot go on (NaN loss, overflow storm) -- the message names the field/file/step and the fix;
-3 a collective failed (a peer rank died or is stuck; the message names it) -- torchrun then
-stops the remaining ranks.
+Exit codes: ``EXIT_CODES`` below (also the end of --help).
 
 Checkpoints: ``checkpoint.load=auto`` (the default) resumes this run's newest checkpoint in
 ``checkpoint.save`` when there is one, so ``torchrun --max-restarts N`` continues a crashed job.
@@ -18,6 +14,7 @@ Checkpoints: ``checkpoint.load=auto`` (the default) resumes this run's newest ch
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -27,11 +24,19 @@ from zerotron.training.checkpoint_io import CheckpointError
 from zerotron.training.cli import parse_config
 from zerotron.training.config import ConfigError
 
+EXIT_CODES = """exit codes:
+  0  done; also a run stopped by SIGTERM after writing its checkpoint (or saying it had none to
+     write), and a run whose checkpoint to resume is already at training.train_steps
+  2  bad input (config, data, checkpoint), a checkpoint directory another run holds, or a run that
+     cannot go on (NaN loss, overflow storm): the message names the field/file/step and the fix
+  3  a collective failed (a peer rank died or is stuck; the message names it); torchrun then
+     stops the remaining ranks"""
+
 
 def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", 0))
     try:
-        cfg = parse_config(argv)
+        cfg = parse_config(argv, EXIT_CODES)
         cfg.validate(int(os.environ.get("WORLD_SIZE", 1)))  # on every rank, before any process group
         from zerotron.training.setup_run import preflight
 
@@ -90,6 +95,9 @@ def main(argv: list[str] | None = None) -> int:
 COLLECTIVE_FAILED = 3
 
 if __name__ == "__main__":
+    # a launcher may hand SIGTERM down ignored (scripts/slurm/pretrain_gpt.sbatch keeps torchrun out
+    # of it); until the trainer installs its checkpoint-and-exit handler, SIGTERM ends the process
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     code = main()
     if code == COLLECTIVE_FAILED:  # skip interpreter teardown: destroying a broken group can hang
         sys.stdout.flush()

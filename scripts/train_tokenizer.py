@@ -8,6 +8,8 @@ Example:
 Writes ``<model-prefix>.model`` (pass it to preprocess_data.py --tokenizer) and ``.vocab``.
 SentencePiece keeps every training sentence in memory, so cap a large corpus with
 ``--max-documents`` (a few million lines are plenty for a 32k-50k vocabulary).
+Exit codes: 0 written; 2 bad input (a missing file, malformed JSON named by file and line, a
+missing text field, an empty corpus).
 """
 
 from __future__ import annotations
@@ -24,14 +26,20 @@ from zerotron.data import iter_texts, load_source, train_tokenizer
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("inputs", nargs="+", help="files, directories, globs, or one hub dataset name")
-    ap.add_argument("--text-field", default="text")
-    ap.add_argument("--model-prefix", required=True)
-    ap.add_argument("--vocab-size", type=int, required=True)
-    ap.add_argument("--model-type", choices=["bpe", "unigram"], default="bpe")
-    ap.add_argument("--no-byte-fallback", action="store_true")
-    ap.add_argument("--max-documents", type=int, default=None)
-    ap.add_argument("--split", default="train")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--text-field", default="text",
+                    help="the column holding each document's text (default: %(default)s)")
+    ap.add_argument("--model-prefix", required=True, help="writes PREFIX.model and PREFIX.vocab")
+    ap.add_argument("--vocab-size", type=int, required=True,
+                    help="pieces in the vocabulary, the model's vocab_size (e.g. 32000)")
+    ap.add_argument("--model-type", choices=["bpe", "unigram"], default="bpe",
+                    help="SentencePiece algorithm (default: %(default)s)")
+    ap.add_argument("--no-byte-fallback", action="store_true",
+                    help="map characters unseen in training to <unk> instead of their UTF-8 bytes (loses text)")
+    ap.add_argument("--max-documents", type=int, default=None,
+                    help="train on the first N documents only (default: all; SentencePiece holds them in memory)")
+    ap.add_argument("--split", default="train",
+                    help="dataset split of a hub or save_to_disk input (default: %(default)s)")
+    ap.add_argument("--threads", type=int, default=2, help="SentencePiece trainer threads (default: %(default)s)")
     args = ap.parse_args(argv)
     try:
         ds = load_source(args.inputs, args.text_field, streaming=True, split=args.split)

@@ -30,19 +30,24 @@ def _run(kw, steps, shape):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--ranks", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--vocab", type=int, default=4096)
-    ap.add_argument("--seq", type=int, default=64)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ranks", type=int, default=2, help="gloo CPU ranks (DP size) (default: %(default)s)")
+    ap.add_argument("--steps", type=int, default=6,
+                    help="training steps per configuration; the first is excluded (default: %(default)s)")
+    ap.add_argument("--layers", type=int, default=4, help="GPT layers (default: %(default)s)")
+    ap.add_argument("--hidden", type=int, default=256, help="GPT hidden size (default: %(default)s)")
+    ap.add_argument("--vocab", type=int, default=4096, help="GPT vocabulary size (default: %(default)s)")
+    ap.add_argument("--seq", type=int, default=64, help="sequence length (default: %(default)s)")
     ap.add_argument("--nvme-path", default=None,
                     help="directory for the offloaded files (default: a fresh one under runs/bench/infinity)")
-    ap.add_argument("--sub-group-size", type=int, default=1_000_000)
-    ap.add_argument("--buffer-count", type=int, default=4)
-    ap.add_argument("--param-buffer-count", type=int, default=5)
-    ap.add_argument("--probe-mb", type=int, default=256)
+    ap.add_argument("--sub-group-size", type=int, default=1_000_000,
+                    help="zero.sub_group_size: elements of one optimizer-step tile (default: %(default)s)")
+    ap.add_argument("--buffer-count", type=int, default=4,
+                    help="zero.offload_optimizer_buffer_count: optimizer tiles in flight (default: %(default)s)")
+    ap.add_argument("--param-buffer-count", type=int, default=5,
+                    help="zero.offload_param_buffer_count: parameter buffers read ahead (default: %(default)s)")
+    ap.add_argument("--probe-mb", type=int, default=256,
+                    help="MiB written and read to measure the disk's bandwidth (default: %(default)s)")
     a = ap.parse_args()
     if a.nvme_path is None:  # under the checkout's runs/, never the system temp dir (often RAM-backed tmpfs)
         (ROOT / "runs" / "bench" / "infinity").mkdir(parents=True, exist_ok=True)

@@ -1,13 +1,25 @@
-"""Measured pipeline bubble per stage against theory, (pp-1)/(m+pp-1) (GPipe §2.2, Megatron-LM §2.2).
+"""Pipeline schedules measured against their formulas: the bubble and the peak activation memory
+of every stage, for AFAB, 1F1B and interleaved 1F1B (v = 2, 4), and what freeing sent outputs saves.
 
-    python scripts/bench/pipeline.py --pp 4 --micro 4 8 16
+    python scripts/bench/pipeline.py --pp 4 --micro 4 8 16 --virtual 1 2 4
 
-Forks ``pp`` gloo ranks on CPU. Each stage is a stack of layers whose compute is an artificial
-cost -- a sleep of ``--forward-ms`` per layer forward and twice that backward -- so the numbers
-mean something on a small CPU machine where real kernels of several ranks would fight for the
-cores (a sleep holds no core). Activations are tiny, so p2p time is negligible and the idle
-fraction of a stage, ``1 - compute / step time``, should approach the theoretical bubble for
-both schedules (1F1B has the same bubble as AFAB; it saves activation memory, not time).
+Forks ``pp`` gloo ranks on CPU. Each rank holds ``--layers-per-stage`` layers (a linear layer
+followed by an artificial cost: a sleep of ``--forward-ms`` per layer forward and twice that
+backward), as ``v`` model chunks of ``layers / v`` layers; a sleep holds no core, so the numbers
+mean something on a small CPU machine where the real kernels of several ranks would fight for
+the cores. Activations are small, so p2p time is negligible and a stage's measured idle
+fraction, ``1 - compute / step time``, should approach (p-1)/(v·m+p-1) (AFAB and 1F1B: v = 1).
+
+Memory: ``MemoryTracker`` (allocator-side: every storage alive) runs through the step, each
+forward and backward in its phase; a stage's peak *activations* (storages made by forwards and
+still alive) is reported in units of one layer's saved input, A = b·s·h·4 bytes. The formula:
+every chunk-forward in flight (``microbatches_in_flight``) keeps one input per layer of the
+chunk, (layers / v) A. At the peak a stage also holds the output it is computing and one layer's
+matmul result before its copy (+2 A), and the last rank the loss's input of each forward of its
+last chunk in flight. A stage's output is not saved by autograd: it is held only until it is
+sent, then freed (``parallel.pipeline``). The last table runs 1F1B with outputs kept and freed:
+the peak drops by every output already sent at that moment -- all in flight but the one being
+computed.
 """
 
 from __future__ import annotations
@@ -17,15 +29,18 @@ import time
 
 from zerotron.testing.launch import spawn
 
-HIDDEN, SEQ, BATCH, VOCAB = 8, 4, 2, 16
+HIDDEN, SEQ, BATCH, VOCAB = 64, 16, 4, 64
+A_BYTES = BATCH * SEQ * HIDDEN * 4  # one layer's saved input (fp32)
 
 
-def make_stage(grid, layers: int, forward_s: float):
+def make_chunks(grid, layers: int, v: int, forward_s: float):
+    """This rank's v model chunks: linear + cost layers, the embedding on virtual stage 0 and a
+    loss (mean square of the hidden state) on the last."""
     import torch
     from torch import nn
 
     class Cost(torch.autograd.Function):
-        """Identity whose forward takes ``forward_s`` and backward ``2 * forward_s``."""
+        """Identity (a copy) whose forward takes ``forward_s`` and backward ``2 * forward_s``."""
 
         @staticmethod
         def forward(ctx, x):
@@ -37,22 +52,21 @@ def make_stage(grid, layers: int, forward_s: float):
             time.sleep(2 * forward_s)
             return grad
 
-    class Stage(nn.Module):
-        def __init__(self):
+    class Chunk(nn.Module):
+        def __init__(self, first: bool, last: bool):
             super().__init__()
-            self.embed = nn.Embedding(VOCAB, HIDDEN) if grid.is_first_stage else None
-            self.layers = nn.ModuleList(nn.Linear(HIDDEN, HIDDEN) for _ in range(layers))
-            self.head = nn.Linear(HIDDEN, VOCAB) if grid.is_last_stage else None
+            self.embed = nn.Embedding(VOCAB, HIDDEN) if first else None
+            self.layers = nn.ModuleList(nn.Linear(HIDDEN, HIDDEN) for _ in range(layers // v))
+            self.last = last
 
         def forward(self, x, labels=None):
             x = self.embed(x) if self.embed is not None else x
             for layer in self.layers:
                 x = Cost.apply(layer(x))
-            if self.head is None:
-                return x
-            return nn.functional.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+            return x.pow(2).mean() if self.last else x
 
-    return Stage()
+    p, r = grid.pp_size, grid.pp_rank
+    return [Chunk(c == 0 and r == 0, c == v - 1 and r == p - 1) for c in range(v)]
 
 
 def worker(args) -> list:
@@ -60,25 +74,39 @@ def worker(args) -> list:
 
     from zerotron.parallel import Grid, ParallelDims
     from zerotron.parallel import collectives as C
+    from zerotron.parallel.memory_tracker import MemoryTracker
     from zerotron.parallel.pipeline import train_step
 
     grid = Grid(ParallelDims(tp=1, pp=args.pp))
-    stage = make_stage(grid, args.layers_per_stage, args.forward_ms / 1000)
     g = torch.Generator().manual_seed(0)
+    runs = [("afab", 1, True), ("1f1b", 1, True)] + [("1f1b", v, True) for v in args.virtual if v > 1]
+    runs += [("1f1b", 1, False)]  # outputs kept: the baseline of the freeing
     rows = []
-    for schedule in ("afab", "1f1b"):
+    for schedule, v, free in runs:
+        chunks = make_chunks(grid, args.layers_per_stage, v, args.forward_ms / 1000)
+        params = [q for c in chunks for q in c.parameters()]
         for m in args.micro:
-            mbs = [(torch.randint(0, VOCAB, (BATCH, SEQ), generator=g),
-                    torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)) for _ in range(m)]
-            idle, wall = [], []
-            for step in range(args.steps + 1):  # step 0 warms up
+            if v > 1 and m % args.pp or (not free and m != max(args.micro)):
+                continue
+            mbs = [(torch.randint(0, VOCAB, (BATCH, SEQ), generator=g), None) for _ in range(m)]
+            idle, wall, peak = [], [], 0
+            for step in range(args.steps + 1):  # step 0 warms up (and is the one measured for memory)
                 C.barrier(grid.world_group)
-                out = train_step(stage, mbs, grid, (BATCH, SEQ, HIDDEN), schedule=schedule)
-                stage.zero_grad(set_to_none=True)
-                if step:
+                tracker = MemoryTracker() if step == 0 else None
+                if tracker is not None:
+                    tracker.register("parameters", params)
+                    tracker.register("gradients", [q.grad for q in params])
+                    with tracker:
+                        train_step(chunks, mbs, grid, (BATCH, SEQ, HIDDEN), schedule=schedule,
+                                   free_outputs=free, memory=tracker)
+                    peak = tracker.category_peaks["activations"]
+                else:
+                    out = train_step(chunks, mbs, grid, (BATCH, SEQ, HIDDEN), schedule=schedule, free_outputs=free)
                     idle.append(1 - out.compute_s / out.wall_s)
                     wall.append(out.wall_s)
-            rows.append((schedule, m, sum(idle) / len(idle), sum(wall) / len(wall)))
+                for q in params:
+                    q.grad = None
+            rows.append((schedule, v, free, m, sum(idle) / len(idle), sum(wall) / len(wall), peak))
     return rows
 
 
@@ -86,24 +114,51 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pp", type=int, default=4)
     parser.add_argument("--micro", type=int, nargs="+", default=[4, 8, 16])
-    parser.add_argument("--layers-per-stage", type=int, default=2)
-    parser.add_argument("--forward-ms", type=float, default=10.0, help="artificial forward cost per layer")
+    parser.add_argument("--virtual", type=int, nargs="+", default=[1, 2, 4], help="model chunks per rank (v)")
+    parser.add_argument("--layers-per-stage", type=int, default=4)
+    parser.add_argument("--forward-ms", type=float, default=25.0, help="artificial forward cost per layer")
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args()
-    if args.pp < 2 or min(args.micro) < 1:
-        parser.error("--pp must be >= 2 and every --micro >= 1")
-    results = dict(enumerate(spawn(worker, args.pp, args, timeout=600, store_dir="runs/bench")))
-    per_mb = args.layers_per_stage * 3 * args.forward_ms  # forward + backward of one micro-batch, ms
-    print(f"pp={args.pp}, {args.layers_per_stage} layers/stage, {args.forward_ms} ms fwd + "
-          f"{2 * args.forward_ms} ms bwd per layer (artificial cost), {args.steps} timed steps")
-    print(f"{'schedule':8} {'m':>3} {'theory':>7} " + " ".join(f"{'stage' + str(r):>7}" for r in range(args.pp))
-          + f" {'mean':>7} {'step ms':>8} {'ideal ms':>8}")
-    for i, (schedule, m, _, _) in enumerate(results[0]):
-        theory = (args.pp - 1) / (m + args.pp - 1)
-        idle = [results[r][i][2] for r in range(args.pp)]
-        wall = max(results[r][i][3] for r in range(args.pp)) * 1000
-        print(f"{schedule:8} {m:>3} {theory:7.3f} " + " ".join(f"{x:7.3f}" for x in idle)
-              + f" {sum(idle) / len(idle):7.3f} {wall:8.1f} {(m + args.pp - 1) * per_mb:8.1f}")
+    if args.pp < 2 or min(args.micro) < 1 or any(args.layers_per_stage % v for v in args.virtual):
+        parser.error("--pp must be >= 2, every --micro >= 1 and --layers-per-stage a multiple of every --virtual")
+    from zerotron.parallel.pipeline_schedules import bubble_fraction, microbatches_in_flight
+
+    p, layers = args.pp, args.layers_per_stage
+    results = spawn(worker, p, args, timeout=1200, store_dir="runs/bench")
+    print(f"pp={p}, {layers} layers/stage, {args.forward_ms} ms fwd + {2 * args.forward_ms} ms bwd per layer "
+          f"(artificial cost), {args.steps} timed steps; memory in A = b*s*h*4 = {A_BYTES} B")
+    stages = " ".join(f"{'s' + str(r):>6}" for r in range(p))
+    print(f"\nbubble (idle fraction per stage)\n{'schedule':10} {'m':>3} {'theory':>6} {stages} {'mean':>6} "
+          f"{'step ms':>8} {'ideal ms':>8}")
+    for i, (schedule, v, free, m, _, _, _) in enumerate(results[0]):
+        if not free:
+            continue
+        idle = [results[r][i][4] for r in range(p)]
+        wall = max(results[r][i][5] for r in range(p)) * 1000
+        ideal = (v * m + p - 1) * layers * 3 * args.forward_ms / v
+        name = schedule if v == 1 else f"{schedule} v={v}"
+        print(f"{name:10} {m:>3} {bubble_fraction(schedule, p, m, v):6.3f} " + " ".join(f"{x:6.3f}" for x in idle)
+              + f" {sum(idle) / p:6.3f} {wall:8.1f} {ideal:8.1f}")
+    print(f"\npeak activations per stage, measured / formula (in-flight chunk-forwards x layers per chunk), in A\n"
+          f"{'schedule':10} {'m':>3} " + " ".join(f"{'s' + str(r):>11}" for r in range(p)))
+    for i, (schedule, v, free, m, _, _, _) in enumerate(results[0]):
+        if not free:
+            continue
+        cells = []
+        for r in range(p):
+            formula = microbatches_in_flight(schedule, p, r, m, v) * layers // v
+            cells.append(f"{results[r][i][6] / A_BYTES:5.1f}/{formula:<5d}")
+        print(f"{schedule if v == 1 else f'{schedule} v={v}':10} {m:>3} " + " ".join(cells))
+    kept = next(i for i, row in enumerate(results[0]) if not row[2])
+    m = results[0][kept][3]
+    freed = next(i for i, row in enumerate(results[0]) if row[:4] == ("1f1b", 1, True, m))
+    print(f"\n1F1B m={m}, outputs kept vs freed after their send (in A)\n{'stage':>5} {'kept':>6} {'freed':>6} "
+          f"{'drop':>6} {'in flight':>9} {'sent outputs at peak':>20}")
+    for r in range(p):
+        a, b = results[r][kept][6] / A_BYTES, results[r][freed][6] / A_BYTES
+        n = microbatches_in_flight("1f1b", p, r, m)
+        sent = 0 if r == p - 1 else n - 1  # the last stage sends none; the newest is being computed
+        print(f"{r:>5} {a:6.1f} {b:6.1f} {a - b:6.1f} {n:>9} {sent:>20}")
 
 
 if __name__ == "__main__":

@@ -1,130 +1,243 @@
-"""One-GPU check: a ~1.3B GPT in bf16 with ZeRO stages 0-3, activation checkpointing and Pa+cpu.
+"""One-GPU check: does zerotron compute right and fast on a real GPU? Exits 1 on any mismatch.
 
-    bash scripts/gpu_check.sh            # on the lent GPU machine; installs nothing
-    python scripts/checks/gpu_check.py --tiny   # the same code path on CPU with a tiny model (smoke test)
+    bash scripts/gpu_check.sh                        # on a one-GPU machine; installs nothing, <= 8 min
+    python scripts/checks/gpu_check.py --tiny        # the same code on CPU with a tiny model (CI smoke test)
 
-Prints, per configuration: step time, TFLOP/s per device, MFU, peak allocated/reserved memory
-and model-state bytes; then the measured host<->device bandwidth of pinned copies (what Pa+cpu
-and optimizer offload move). With one GPU the DP degree is 1, so stages 1-3 partition over one
-rank: the figures show their overheads, not their savings (those need DP > 1).
+What it asserts, one table row per run, through the trainer's own step (``training.step.run_step``)
+and plan (``parallelize_gpt``):
+
+1. **fp32 parity**: a small GPT for a few steps on the GPU in strict fp32 (TF32 off) has the
+   losses of the same run on the CPU, rtol 1e-4 (same initial weights: they are drawn on the host).
+2. **bf16, ZeRO stages 0-3, each with and without activation checkpointing, Pa+cpu and optimizer
+   CPU offload** on a ~1.3B GPT: every loss finite and within 2% of stage 0's (on one rank the
+   stages partition over one member: same arithmetic, different code paths). Reported: median
+   step time, hardware TFLOP/s, MFU (model FLOPs) and HFU (recompute included) against the
+   device's peak (``model.flops``; MFU and HFU must be <= 100%), peak allocated memory against the
+   memory model's prediction (``estimate.memory_model``; it must lie between half the prediction
+   and the prediction with its fragmentation margin), and the attention kernel SDPA really ran,
+   recorded from the dispatched aten ops (flash or cuDNN expected in bf16 on sm80+).
+3. **pinned host<->device bandwidth** (what Pa+cpu and offload move): at least 5 GB/s each way.
+
+With one GPU the DP degree is 1, so every collective returns before reaching NCCL; the stages
+show their overheads, not their savings, and NCCL is not exercised (that needs two GPUs).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import math
+import statistics
+import sys
 import time
+import warnings
 
 import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from zerotron.estimate import memory_model
 from zerotron.model import GPTConfig
-from zerotron.model.flops import flops_per_iteration, peak_tflops
+from zerotron.model.flops import device_peak_tflops, flops_per_iteration
 from zerotron.parallel import Grid, ParallelDims, init_distributed, shutdown
 from zerotron.training.config import RunConfig
 from zerotron.training.parallelize import parallelize_gpt
+from zerotron.training.step import run_step
+from zerotron.zero.optimizer import DTYPES
 
-CONFIGS = [  # (name, zero stage, activation checkpointing, Pa+cpu)
-    ("stage0", 0, False, False),
-    ("stage1", 1, False, False),
-    ("stage2", 2, False, False),
-    ("stage3", 3, False, False),
-    ("stage2+ckpt", 2, True, False),
-    ("stage2+ckpt+cpu", 2, True, True),
+ROWS = [  # name, zero stage, activation checkpointing, Pa+cpu, optimizer CPU offload
+    *((f"s{s}", s, False, False, False) for s in range(4)),
+    *((f"s{s}+ckpt", s, True, False, False) for s in range(4)),
+    ("s2+ckpt+Pa+cpu", 2, True, True, False),
+    ("s2+offload", 2, False, False, True),
 ]
+PARITY_RTOL, LOSS_RTOL, MIN_GBPS = 1e-4, 0.02, 5.0
+FUSED_BF16 = ("flash", "cudnn")
 
 
-def bandwidth(device: torch.device, mbytes: int) -> dict[str, float]:
-    if device.type != "cuda":
-        return {}
-    host = torch.empty(mbytes << 20, dtype=torch.uint8).pin_memory()
-    dev = torch.empty_like(host, device=device)
-    out = {}
-    for name, dst, src in (("h2d_GBps", dev, host), ("d2h_GBps", host, dev)):
-        dst.copy_(src, non_blocking=True)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(5):
-            dst.copy_(src, non_blocking=True)
-        torch.cuda.synchronize()
-        out[name] = 5 * mbytes / 1024 / (time.perf_counter() - t0)
-    return out
+class AttentionKernel(TorchDispatchMode):
+    """Records which SDPA kernel the dispatcher picked: the fused ones are aten ops of their own,
+    the math fallback decomposes into matmuls and softmax before it reaches this mode."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__
+        if "attention" in name and "backward" not in name:
+            self.seen.add(name)
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def backend(self) -> str:
+        for kind in ("flash_attention_for_cpu", "flash", "efficient", "cudnn"):
+            if any(kind in n for n in self.seen):
+                return {"flash_attention_for_cpu": "flash_cpu"}.get(kind, kind)
+        return "math"
 
 
-def run(name, stage, ckpt, offload, cfg, grid, device, args) -> dict:
-    run_cfg = RunConfig()
-    run_cfg.zero.stage = stage
-    run_cfg.activation_checkpointing.checkpoint_activations = ckpt
-    run_cfg.activation_checkpointing.cpu_checkpointing = offload
-    t, o = run_cfg.training, run_cfg.optimizer
-    t.precision, t.seed = ("bf16" if device.type == "cuda" else "fp32"), 1
-    t.micro_batch_size, t.global_batch_size = args.micro_batch, args.micro_batch * grid.dp_size
-    o.lr, o.beta1, o.beta2, o.weight_decay, o.clip_grad = 1e-4, 0.9, 0.95, 0.1, 1.0
-    plan = parallelize_gpt(run_cfg.validate(grid.world_size), cfg, grid, device=device,
-                           layout_independent_init=False)
-    model, opt = plan.model, plan.optimizer
-    ids = torch.randint(0, cfg.vocab_size, (args.micro_batch, cfg.seq_length), device=device)
-    times = []
-    if device.type == "cuda":
+def run_config(cfg: RunConfig) -> RunConfig:
+    o = cfg.optimizer
+    o.lr, o.beta1, o.beta2, o.eps, o.weight_decay, o.clip_grad = 1e-4, 0.9, 0.95, 1e-8, 0.1, 1.0
+    return cfg.validate(1)
+
+
+def train(mcfg: GPTConfig, grid, device, precision: str, stage: int, ckpt: bool, pa_cpu: bool, offload: bool,
+          args) -> dict:
+    """``args.warmup + args.steps`` steps of ``args.micro`` micro-batches; times, losses, memory, kernel."""
+    cfg = RunConfig()
+    cfg.zero.stage, cfg.zero.offload_optimizer = stage, offload
+    ac = cfg.activation_checkpointing
+    ac.checkpoint_activations, ac.partition_activations, ac.cpu_checkpointing = ckpt, pa_cpu, pa_cpu
+    t = cfg.training
+    t.precision, t.seed, t.micro_batch_size = precision, 1, args.micro_batch
+    t.global_batch_size = args.micro_batch * args.micro
+    cfg = run_config(cfg)
+    plan = parallelize_gpt(cfg, mcfg, grid, device=device, layout_independent_init=False)
+    g = torch.Generator().manual_seed(7)
+    tokens = [torch.randint(0, mcfg.vocab_size, (args.micro_batch, mcfg.seq_length + 1), generator=g)
+              for _ in range(args.micro)]
+    batches = [(x[:, :-1].contiguous().to(device), x[:, 1:].contiguous().to(device)) for x in tokens]
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
+    kernel, times, losses = AttentionKernel(), [], []
     for step in range(args.warmup + args.steps):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
         t0 = time.perf_counter()
-        loss = model(ids, labels=ids)
-        opt.backward(loss, last_microbatch=True)
-        opt.step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        if step == 0:
+            with kernel:
+                res = run_step(plan.model, plan.optimizer, batches, grid)
+        else:
+            res = run_step(plan.model, plan.optimizer, batches, grid)
+        losses.append(float(res.loss_sum))  # a host read: the step is done
         if step >= args.warmup:
             times.append(time.perf_counter() - t0)
-    step_s = sorted(times)[len(times) // 2]
-    tflops = flops_per_iteration(cfg, args.micro_batch, cfg.seq_length, recompute=ckpt) / step_s / 1e12
-    peak = args.peak_tflops or peak_tflops(torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")
-    row = {"config": name, "step_s": step_s, "tflops": tflops, "mfu": tflops / peak if peak else None,
-           "loss": float(loss.detach()), "model_states_GB": opt.memory_report()["total_model_states"] / 2**30}
-    if device.type == "cuda":
-        row["peak_alloc_GB"] = torch.cuda.max_memory_allocated(device) / 2**30
-        row["peak_reserved_GB"] = torch.cuda.max_memory_reserved(device) / 2**30
-    del model, opt
-    gc.collect()
-    if device.type == "cuda":
+    row = {"step_s": statistics.median(times), "losses": losses, "sdpa": kernel.backend,
+           "peak_GB": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None, "predicted": None}
+    try:
+        row["predicted"] = memory_model.estimate(memory_model.setup_from_run_config(cfg, mcfg, gpus=1))
+    except ValueError:  # offload: outside the memory model
+        pass
+    hardware = flops_per_iteration(mcfg, t.global_batch_size, recompute=ckpt)
+    model = flops_per_iteration(mcfg, t.global_batch_size, recompute=False)
+    peak = args.peak_tflops or device_peak_tflops(device, DTYPES[precision])
+    row["tflops"] = hardware / row["step_s"] / 1e12
+    row["mfu"] = model / row["step_s"] / 1e12 / peak if peak else None
+    row["hfu"] = row["tflops"] / peak if peak else None
+    del plan, batches
+    if cuda:  # the next run's peak must not see this one's memory
+        gc.collect()
         torch.cuda.empty_cache()
     return row
 
 
-def main() -> None:
+def bandwidth(device: torch.device, mbytes: int) -> dict[str, float]:
+    host = torch.empty(mbytes << 20, dtype=torch.uint8).pin_memory()
+    dev = torch.empty_like(host, device=device)
+    out = {}
+    for name, dst, src in (("h2d", dev, host), ("d2h", host, dev)):
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(5):
+            dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize(device)
+        out[name] = 5 * mbytes / 1024 / (time.perf_counter() - t0)
+    return out
+
+
+def check_row(name: str, r: dict, ref_loss: float | None, device: torch.device, failures: list[str]) -> None:
+    if not all(math.isfinite(x) for x in r["losses"]):
+        failures.append(f"{name}: non-finite loss {r['losses']}")
+    elif ref_loss is not None and abs(r["losses"][-1] - ref_loss) > LOSS_RTOL * abs(ref_loss):
+        failures.append(f"{name}: loss {r['losses'][-1]:.5f} is not within {LOSS_RTOL:.0%} of stage 0's {ref_loss:.5f}")
+    for key in ("mfu", "hfu"):
+        if r[key] is not None and not 0 < r[key] <= 1:
+            failures.append(f"{name}: {key.upper()} {r[key]:.1%} is impossible (FLOP count or timing is wrong)")
+    if device.type != "cuda":
+        return
+    major, _ = torch.cuda.get_device_capability(device)
+    expected = FUSED_BF16 if major >= 8 else ("efficient",)
+    if r["sdpa"] not in expected:
+        failures.append(f"{name}: SDPA ran {r['sdpa']!r} in bf16, expected one of {expected} on sm{major}x")
+    e = r["predicted"]
+    if e is not None:
+        low, high = 0.5 * e["before_margin"] / 2**30, e["total"] / 2**30
+        if not low <= r["peak_GB"] <= high:
+            failures.append(f"{name}: peak allocated {r['peak_GB']:.2f} GB is outside the memory model's "
+                            f"[{low:.2f}, {high:.2f}] GB")
+
+
+def fmt(x, width: int, spec: str) -> str:
+    return f"{'-' if x is None else format(x, spec):>{width}}"
+
+
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tiny", action="store_true", help="tiny model (CPU smoke test of the same code)")
+    p.add_argument("--tiny", action="store_true", help="tiny models, a few steps (the CPU smoke test of this script)")
     p.add_argument("--layers", type=int, default=24)
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--seq", type=int, default=1024)
-    p.add_argument("--micro-batch", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=50257)
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--micro", type=int, default=2, help="micro-batches per step")
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--peak-tflops", type=float, default=None)
-    p.add_argument("--only", nargs="*", help="run only these configurations")
-    args = p.parse_args()
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--peak-tflops", type=float, default=None, help="override the device table (model.flops)")
+    p.add_argument("--only", nargs="*", help="run only these rows (parity always runs)")
+    args = p.parse_args(argv)
     if args.tiny:
-        args.layers, args.hidden, args.heads, args.seq, args.micro_batch = 2, 64, 4, 32, 2
+        args.layers, args.hidden, args.heads, args.seq, args.vocab = 2, 64, 4, 32, 512
+        args.micro_batch, args.warmup, args.steps = 2, 1, 1
+    owned = not dist.is_initialized()  # else a launcher's group (the CI smoke test): leave it to it
     env = init_distributed(timeout_s=600)
-    grid = Grid(ParallelDims())
-    cfg = GPTConfig(num_layers=args.layers, hidden_size=args.hidden, num_heads=args.heads, vocab_size=50257,
+    # at TP 1 Pa has no ranks to partition over: Pa+cpu keeps whole checkpoints on the host, as intended here
+    warnings.filterwarnings("ignore", message=".*Pa is a no-op.*")
+    device, grid = env.device, Grid(ParallelDims())
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # strict fp32 parity
+    small = GPTConfig(num_layers=2, hidden_size=min(args.hidden, 256), num_heads=4, vocab_size=min(args.vocab, 1024),
+                      seq_length=min(args.seq, 128))
+    big = GPTConfig(num_layers=args.layers, hidden_size=args.hidden, num_heads=args.heads, vocab_size=args.vocab,
                     seq_length=args.seq)
-    print(f"[gpu_check] device={env.device} params={cfg.num_params() / 1e9:.2f}B "
-          f"({args.layers} layers, hidden {args.hidden}, seq {args.seq}, micro-batch {args.micro_batch})", flush=True)
-    print(f"{'config':<18}{'step s':>8}{'TFLOP/s':>9}{'MFU':>7}{'peak GB':>9}{'rsvd GB':>9}{'states GB':>10}{'loss':>8}")
-    for name, stage, ckpt, offload in CONFIGS:
-        if args.only and name not in args.only:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"[gpu_check] {name}, torch {torch.__version__} | bf16 runs: {big.exact_num_params() / 1e9:.2f}B params "
+          f"({args.layers} layers, hidden {args.hidden}, seq {args.seq}, batch {args.micro_batch} x {args.micro})",
+          flush=True)
+    failures: list[str] = []
+    here = train(small, grid, device, "fp32", 0, False, False, False, args)["losses"]
+    cpu = train(small, grid, torch.device("cpu"), "fp32", 0, False, False, False, args)["losses"]
+    worst = max(abs(a - b) / abs(b) for a, b in zip(here, cpu))
+    if worst > PARITY_RTOL:
+        failures.append(f"fp32 parity: {device} losses {here} vs CPU {cpu} (worst relative {worst:.1e})")
+    head = (f"{'run':<16}{'step s':>8}{'TFLOP/s':>9}{'MFU':>7}{'HFU':>7}{'peak GB':>9}{'model GB':>9}"
+            f"{'SDPA':>11}{'loss':>9}")
+    print(head + "\n" + "-" * len(head))
+    print(f"{'fp32 parity':<16}{'':>8}{'':>9}{'':>7}{'':>7}{'':>9}{'':>9}{'':>11}{here[-1]:>9.4f}"
+          f"  worst rel. diff to CPU {worst:.1e}", flush=True)
+    ref = None
+    for row_name, stage, ckpt, pa_cpu, offload in ROWS:
+        if args.only and row_name not in args.only:
             continue
-        r = run(name, stage, ckpt, offload, cfg, grid, env.device, args)
-        mfu = f"{r['mfu']:.1%}" if r["mfu"] else "-"
-        print(f"{name:<18}{r['step_s']:>8.3f}{r['tflops']:>9.1f}{mfu:>7}{r.get('peak_alloc_GB', 0):>9.1f}"
-              f"{r.get('peak_reserved_GB', 0):>9.1f}{r['model_states_GB']:>10.2f}{r['loss']:>8.3f}", flush=True)
-    for k, v in bandwidth(env.device, 1024).items():
-        print(f"[gpu_check] pinned {k}: {v:.1f} GB/s", flush=True)
-    shutdown()
+        r = train(big, grid, device, "bf16", stage, ckpt, pa_cpu, offload, args)
+        ref = r["losses"][-1] if ref is None else ref
+        check_row(row_name, r, ref, device, failures)
+        model_gb = r["predicted"]["before_margin"] / 2**30 if r["predicted"] else None
+        print(f"{row_name:<16}{r['step_s']:>8.3f}{r['tflops']:>9.2f}{fmt(r['mfu'], 7, '.1%')}{fmt(r['hfu'], 7, '.1%')}"
+              f"{fmt(r['peak_GB'], 9, '.2f')}{fmt(model_gb, 9, '.2f')}{r['sdpa']:>11}{r['losses'][-1]:>9.4f}", flush=True)
+    if device.type == "cuda":
+        bw = bandwidth(device, 1024)
+        print(f"[gpu_check] pinned copies: host->device {bw['h2d']:.1f} GB/s, device->host {bw['d2h']:.1f} GB/s")
+        failures += [f"pinned {k} {v:.1f} GB/s < {MIN_GBPS} GB/s" for k, v in bw.items() if v < MIN_GBPS]
+    if owned:
+        shutdown()
+    for f in failures:
+        print(f"[gpu_check] FAIL {f}", file=sys.stderr)
+    print(f"[gpu_check] {'FAILED: ' + str(len(failures)) + ' mismatch(es)' if failures else 'all checks passed'}")
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -253,24 +253,25 @@ def test_config_validation_names_field_and_fix():
 
 def test_from_deepspeed_expresses_c1_to_c5():
     # [Z] Table 3: C1/C3 = CB + MD, C2/C4 = + Pa, C5 = + Pa+cpu (CB is always on: fixed buffers).
-    c13 = AC.from_deepspeed({"zero_optimization": {"stage": 1},
-                             "activation_checkpointing": {"contiguous_memory_optimization": True,
-                                                          "number_checkpoints": 48}})
+    from zerotron.training.deepspeed import from_deepspeed
+
+    def ac(ds: dict) -> AC:
+        return from_deepspeed(ds)[0].activation_checkpointing.validate()
+
+    c13 = ac({"zero_optimization": {"stage": 1},
+              "activation_checkpointing": {"contiguous_memory_optimization": True, "number_checkpoints": 48}})
     assert (c13.checkpoint_activations, c13.partition_activations, c13.number_checkpoints) == (True, False, 48)
-    c24 = AC.from_deepspeed({"partition_activations": True, "contiguous_memory_optimization": True})
+    c24 = ac({"activation_checkpointing": {"partition_activations": True, "contiguous_memory_optimization": True}})
     assert c24.partition_activations and not c24.cpu_checkpointing
-    c5 = AC.from_deepspeed({"activation_checkpointing": {"partition_activations": True, "cpu_checkpointing": True,
-                                                         "contiguous_memory_optimization": True,
-                                                         "synchronize_checkpoint_boundary": False,
-                                                         "profile": False}}, checkpoint_every=2)
-    assert c5.offload_activations and c5.checkpoint_every == 2
-    assert AC.from_deepspeed({"zero_optimization": {"stage": 2}, "train_batch_size": 8}) == AC()  # no section: off
-    with pytest.raises(ValueError, match="activation_checkpointing.partition_activation:"):
-        AC.from_deepspeed({"activation_checkpointing": {"partition_activation": True}})
-    with pytest.raises(ValueError, match="profile=true"):
-        AC.from_deepspeed({"profile": True})
-    with pytest.raises(ValueError, match="no field 'every'"):
-        AC.from_deepspeed({}, every=2)
+    c5 = ac({"activation_checkpointing": {"partition_activations": True, "cpu_checkpointing": True,
+                                          "contiguous_memory_optimization": True,
+                                          "synchronize_checkpoint_boundary": False, "profile": False}})
+    assert c5.offload_activations and c5.checkpoint_activations
+    assert ac({"zero_optimization": {"stage": 2}, "train_batch_size": 8}) == AC()  # no section: off
+    assert ac({"activation_checkpointing": {}}).checkpoint_activations  # a bare section: on, as DeepSpeed's users
+    with pytest.raises(ValueError, match="activation_checkpointing.partition_activation: .*did you mean "
+                                         "partition_activations"):
+        ac({"activation_checkpointing": {"partition_activation": True}})
 
 
 def test_run_config_holds_the_config_itself():

@@ -18,6 +18,15 @@ CORPUS = [
 ] + [f"Document {i}: " + "the data pipeline packs documents across boundaries. " * (i % 5) for i in range(60)]
 
 
+@pytest.fixture(autouse=True)
+def datasets_cache(tmp_path_factory, monkeypatch) -> str:
+    """Every data test's ``datasets`` cache in pytest's temp directory, not the checkout's ``.cache``
+    (where ``load_source`` puts it by default)."""
+    path = str(tmp_path_factory.getbasetemp() / "hf-datasets")
+    monkeypatch.setenv("HF_DATASETS_CACHE", path)
+    return path
+
+
 @pytest.fixture(scope="session")
 def corpus() -> list[str]:
     return list(CORPUS)

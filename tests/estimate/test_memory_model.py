@@ -46,7 +46,7 @@ def test_table2_theoretical_columns_equal_paper():
 
 def test_estimator_prints_the_tables_and_json():
     out = subprocess.run([sys.executable, str(ROOT / "scripts" / "estimate_memory.py"), "--preset", "zero-100b",
-                          "--tp", "16", "--config-name", "C4", "--c-batches", "4"],
+                          "--gpus", "400", "--tp", "16", "--config-name", "C4", "--c-batches", "4"],
                          capture_output=True, text=True, check=True, timeout=120).stdout
     assert "4187" in out and "15.6" in out and "121.6B" in out and "0.5T" in out
     assert "largest GPT that fits" in out and "C5" in out

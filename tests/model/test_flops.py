@@ -44,6 +44,23 @@ def test_closed_forms_equal_the_counted_matmul_flops(name, recompute):
     assert got == pytest.approx(counted_flops(cfg, 3, recompute), rel=1e-12)
 
 
+def test_ffn_width_and_vocabulary_padding_are_counted():
+    # ffn_hidden_size = h (not 4h) and a vocabulary of 1000 that the model pads to 1024: a formula
+    # that assumed 4h or the raw vocabulary would be 40% or 2% off the dispatched GEMMs
+    cfg = dataclasses.replace(get_preset("tiny"), num_layers=2, ffn_hidden_size=64, vocab_size=1000)
+    for recompute in (False, True):
+        assert flops_per_iteration(cfg, 3, recompute=recompute) == pytest.approx(counted_flops(cfg, 3, recompute),
+                                                                                  rel=1e-12)
+
+
+def test_a_pipeline_stage_counts_its_layers_and_only_the_last_the_logits():
+    base = dataclasses.replace(get_preset("tiny"), ffn_hidden_size=96)
+    one, two = (counted_flops(dataclasses.replace(base, num_layers=n), 2, False) for n in (1, 2))
+    layer, head = two - one, 2 * one - two  # what one more block adds; what is left of the 1-layer model
+    assert flops_per_iteration(base, 2, layers=1, logits=False) == pytest.approx(layer, rel=1e-12)
+    assert flops_per_iteration(base, 2, layers=3, logits=True) == pytest.approx(3 * layer + head, rel=1e-12)
+
+
 def test_recompute_costs_about_a_third_more():
     cfg = get_preset("megatron-8.3b")
     ratio = flops_per_iteration(cfg, 512, 1024, True) / flops_per_iteration(cfg, 512, 1024, False)
@@ -76,6 +93,7 @@ def test_throughput_is_the_counted_flops_over_the_time():
     out = throughput(cfg, 4, iteration_s=0.5, num_devices=2, recompute=True, peak=100.0)
     assert out["tflops_per_device"] == pytest.approx(hardware / 0.5 / 2 / 1e12, rel=1e-12)
     assert out["mfu"] == pytest.approx(model / 0.5 / 2 / 1e12 / 100.0, rel=1e-12)  # MFU: no recompute
+    assert out["hfu"] == pytest.approx(hardware / 0.5 / 2 / 1e12 / 100.0, rel=1e-12)  # HFU: with it
     assert throughput(cfg, 1, 1.0, 1)["mfu"] is None
     with pytest.raises(ValueError):
         throughput(GPTConfig(1, 8, 2, 16, 4), 1, 0.0, 1)
@@ -88,6 +106,9 @@ def test_peak_table_and_override(monkeypatch):
     assert peak_tflops("Tesla V100-SXM2-32GB", torch.float16) == 125.0
     assert peak_tflops("Tesla V100-SXM2-32GB", torch.bfloat16) is None
     assert peak_tflops("NVIDIA H100 80GB HBM3", torch.float32) == 67.0
+    assert peak_tflops("NVIDIA H100 PCIe", torch.bfloat16) == 756.0  # the longest matching key wins
+    assert peak_tflops("NVIDIA B200", "bf16") == 2250.0
+    assert peak_tflops("NVIDIA GB200", "bf16") == 2500.0
     assert peak_tflops("NVIDIA H100 80GB HBM3", torch.float64) is None  # not in the table: no MFU, no error
     assert peak_tflops("cpu", torch.float32) is None
     assert peak_tflops("cpu", torch.float32, override=1.5) == 1.5

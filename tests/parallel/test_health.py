@@ -33,6 +33,22 @@ def test_debug_mode_reports_the_first_divergence_with_both_call_sites():
     assert "rank 0 calls all_reduce|world|(4,)|float32" in msgs[0] and "rank 1 calls all_reduce|world|(5,)" in msgs[0]
 
 
+def test_the_call_site_is_walked_for_in_debug_mode_only(monkeypatch):
+    import types
+
+    from zerotron.parallel import health
+
+    walks = []
+    monkeypatch.setattr(health, "call_site", lambda: walks.append(1) or "model.py:7 in forward")
+    group = types.SimpleNamespace(name="tp", ranks=[0], size=1)
+    for debug in (False, True):
+        h = Health(0, 1, check_sequence=debug)
+        h.before("all_reduce", group, torch.ones(3))
+        h.issued()
+        assert len(walks) == int(debug) and h.last.endswith("model.py:7 in forward") == debug, h.last
+        assert h.last.startswith("all_reduce on tp #1 shape=(3,) dtype=float32")
+
+
 def one_rank_stuck():
     import torch.distributed as dist
 

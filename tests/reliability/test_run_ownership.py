@@ -101,7 +101,8 @@ def test_a_locked_directory_is_refused_naming_the_holder_and_a_stale_lock_taken_
         return
     for code, _, err, seconds in res:
         assert code == 2, err
-        assert "RunLockError" in err and f"checkpoint.save={save}" in err and f"host {host}, pid {pid}" in err, err
+        assert f"checkpoint.save={save} is in use by" in err and f"host {host}, pid {pid}" in err, err
+        assert "config error" in err  # refused by preflight, before init_process_group (run_lock.check_free)
         assert seconds < 15
     assert steps_in(save) == []
     assert ("delete" in res[0][2]) == (holder == "other_host")  # only an unprobeable holder may need a hand
@@ -247,3 +248,18 @@ def test_sigterm_says_whether_a_checkpoint_was_written(save, zerotron_cache, tmp
     else:
         assert f"SIGTERM: checkpoint written at step 3 ({tmp_path / 'checkpoints' / 'step_00000003'})" in out, out
     assert "[zerotron] stopped: step 3 of 10" in out, out
+
+
+def test_a_copied_checkpoint_directory_is_the_same_run(tmp_path):
+    """``checkpoint.save`` says where checkpoints go, not what is trained: a directory copied to
+    another file system (or run directory) resumes with ``checkpoint.load=auto``. It used to count
+    as a difference, so auto-resume in the copy was refused as "checkpoints of another run"."""
+    from zerotron.training import resume
+    from zerotron.training.cli import parse_config
+
+    here, there = (parse_config(tiny(str(tmp_path)) + ["--save", str(tmp_path / d)]) for d in ("a", "b"))
+    assert resume.run_id(here) == resume.run_id(there)
+    flat = resume.flatten(there.to_dict())
+    assert resume.differences(here.to_dict(), flat, ignore=resume.IGNORED) == []
+    other = parse_config(tiny(str(tmp_path)) + ["--save", str(tmp_path / "a"), "--optimizer.weight_decay", "0.05"])
+    assert resume.run_id(other) != resume.run_id(here)  # what is trained still tells runs apart

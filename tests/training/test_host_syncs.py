@@ -3,8 +3,9 @@
 On a GPU every host read of a device value drains the queue, so the step is held to a count:
 none per micro-batch; none per step in bf16 besides the trainer's SIGTERM agreement
 (``"stop"``); in fp16 exactly one more, the overflow decision (``"overflow"``). The NaN check
-(``"nan"``) and the metrics (``"log"``) are read at the log interval only. Counted on 2 gloo
-ranks (DP 2, and PP 2) with the trainer of configs/tiny.yaml shortened to seq 16, micro-batch 1.
+(``"nan"``) and the metrics (``"log"``) are read at the log interval only, the run summary
+(``"summary"``) once at the end. Counted on 2 gloo ranks (DP 2, and PP 2) with the trainer of
+configs/tiny.yaml shortened to seq 16, micro-batch 1.
 
 Clipping with a tensor coefficient must leave the parameters bit for bit where the host-float
 coefficient left them: the reference run swaps in the previous host arithmetic (``.tolist()`` of
@@ -180,7 +181,8 @@ def test_bf16_step_reads_nothing_per_micro_batch_and_only_the_stop_per_step(meas
         assert r["loss_is_tensor"] and r["grad_norm_is_tensor"]
         assert r["run_step"] == {}, (rank, r["run_step"])  # MICRO micro-batches, then the optimizer step
         assert r["train_step"] == [{}] * STEPS, (rank, r["train_step"])  # no log step among them
-        assert r["loop"] == {"stop": STEPS, "nan": 1, "log": 1}, (rank, r["loop"])  # nan, log: the last step
+        # nan, log: the last step; summary: the end-of-run peak memory over ranks (training/run_log.py)
+        assert r["loop"] == {"stop": STEPS, "nan": 1, "log": 1, "summary": 1}, (rank, r["loop"])
         assert math.isfinite(r["logged_loss"]) and r["logged_loss"] == measured[0][0][name]["logged_loss"]
 
 
@@ -189,7 +191,7 @@ def test_fp16_step_reads_only_its_overflow_decision(measured):
         r = res["fp16"]
         assert r["run_step"] == {"overflow": 1}, (rank, r["run_step"])
         assert r["train_step"] == [{"overflow": 1}] * STEPS, (rank, r["train_step"])
-        assert r["loop"] == {"overflow": STEPS, "stop": STEPS, "nan": 1, "log": 1}, (rank, r["loop"])
+        assert r["loop"] == {"overflow": STEPS, "stop": STEPS, "nan": 1, "log": 1, "summary": 1}, (rank, r["loop"])
 
 
 def test_tensor_clip_coefficient_gives_the_host_coefficients_parameters_bitwise(measured):

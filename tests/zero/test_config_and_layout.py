@@ -6,13 +6,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zerotron.zero import DynamicLossScaler, ZeroConfig
-from zerotron.zero.deepspeed_json import precision_from_deepspeed
+from zerotron.training.deepspeed import from_deepspeed
 from zerotron.zero.loss_scaler import make_loss_scaler
 from zerotron.zero.partition import Layout
 
 
 @pytest.mark.parametrize("key,value", [
-    ("stage", 4), ("reduce_bucket_size", 0), ("allgather_bucket_size", -5),
+    ("stage", 4), ("reduce_bucket_size", -1), ("allgather_bucket_size", -5), ("stage3_prefetch_bucket_size", 0),
     ("stage3_param_persistence_threshold", -1), ("overlap_comm", "yes"),
 ])
 def test_validation_names_the_key(key, value):
@@ -38,6 +38,11 @@ def test_offload_needs_a_partitioned_stage():
         ZeroConfig(stage=0, offload_optimizer=True).validate()
 
 
+def zero_from_deepspeed(ds: dict) -> ZeroConfig:
+    """The ZeroConfig the one DeepSpeed reader (``training.deepspeed``) makes of a whole DeepSpeed config."""
+    return from_deepspeed(ds)[0].zero.validate()
+
+
 def test_from_deepspeed_maps_keys():
     ds = {"zero_optimization": {"stage": 3, "contiguous_gradients": True, "reduce_bucket_size": 5e7,
                                 "allgather_bucket_size": 2e8, "stage3_prefetch_bucket_size": 1e7,
@@ -45,29 +50,31 @@ def test_from_deepspeed_maps_keys():
                                 "reduce_scatter": True},
           "fp16": {"enabled": True, "initial_scale_power": 12, "loss_scale_window": 500, "hysteresis": 3,
                    "min_loss_scale": 2}}
-    cfg = ZeroConfig.from_deepspeed(ds)
-    assert (cfg.stage, cfg.overlap_comm, cfg.offload_optimizer) == (3, True, True)
+    run, _ = from_deepspeed(ds)
+    cfg = run.zero.validate()
+    assert (cfg.stage, cfg.overlap_comm, cfg.offload_optimizer) == (3, True, True)  # DeepSpeed: overlap at stage 3
     assert (cfg.reduce_bucket_size, cfg.allgather_bucket_size, cfg.stage3_prefetch_bucket_size) == (50_000_000, 200_000_000, 10_000_000)
     assert cfg.stage3_param_persistence_threshold == 10_000
-    assert precision_from_deepspeed(ds) == {"precision": "fp16", "initial_loss_scale": 4096.0,
-                                            "loss_scale_window": 500, "hysteresis": 3, "min_loss_scale": 2}
-    assert ZeroConfig.from_deepspeed({"stage": 1}).overlap_comm is False
-    assert ZeroConfig.from_deepspeed({"stage": 2}, overlap_comm=True).overlap_comm is True
-    assert precision_from_deepspeed({"bf16": {"enabled": True}, "fp16": {"enabled": False}}) == {"precision": "bf16"}
+    o = run.optimizer
+    assert run.training.precision == "fp16"
+    assert (o.initial_loss_scale, o.loss_scale_window, o.hysteresis, o.min_loss_scale) == (4096.0, 500, 3, 2.0)
+    assert zero_from_deepspeed({"zero_optimization": {"stage": 1}}).overlap_comm is False
+    assert from_deepspeed({"bf16": {"enabled": True}, "fp16": {"enabled": False}})[0].training.precision == "bf16"
     with pytest.raises(ValueError, match="enable one of them"):
-        precision_from_deepspeed({"bf16": {"enabled": True}, "fp16": {"enabled": True}})
+        from_deepspeed({"bf16": {"enabled": True}, "fp16": {"enabled": True}})
 
 
-@pytest.mark.parametrize("ds,match", [
-    ({"stage": 2, "round_robin_gradients": True}, "zero_optimization.round_robin_gradients"),
+@pytest.mark.parametrize("zero,match", [
+    ({"stage": 2, "round_robin_gradient": True}, "zero_optimization.round_robin_gradient: .*did you mean "
+                                                 "round_robin_gradients"),
     ({"stage": 5}, "zero.stage=5"),
     ({"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}, "offload_optimizer_device"),
-    ({"stage": 2, "reduce_scatter": False}, "zero_optimization.reduce_scatter"),
-    ({"stage": 2, "reduce_bucket_size": "big"}, "zero.reduce_bucket_size"),
+    ({"stage": 2, "mics_shard_size": 4}, "zero_optimization.mics_shard_size=4: MiCS"),
+    ({"stage": 2, "reduce_bucket_size": "big"}, "zero_optimization.reduce_bucket_size='big'"),
 ])
-def test_from_deepspeed_errors_name_the_key(ds, match):
+def test_from_deepspeed_errors_name_the_key(zero, match):
     with pytest.raises(ValueError, match=match):
-        ZeroConfig.from_deepspeed(ds)
+        zero_from_deepspeed({"zero_optimization": zero})
 
 
 def test_dynamic_loss_scaler_hysteresis_window_and_minimum():

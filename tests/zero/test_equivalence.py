@@ -83,7 +83,7 @@ def check_against_reference(tp, variants):
 
 @pytest.mark.parametrize("dp", [1, 2, 4])
 def test_stages_equal_adamw_reference(dp):
-    variants = VARIANTS if dp != 4 else VARIANTS[:4] + VARIANTS[6:]
+    variants = VARIANTS if dp != 4 else VARIANTS[:4]  # the other code paths run at DP 1 and 2
     assert all(spawn(check_against_reference, dp, 1, variants, timeout=240))
 
 

@@ -126,8 +126,8 @@ def test_pipeline_sums_tied_embedding_gradients_in_the_fp32_buffer():
 
 
 def test_grad_accum_dtype_validation_and_deepspeed_reader():
+    from zerotron.training.deepspeed import from_deepspeed
     from zerotron.zero import ZeroConfig
-    from zerotron.zero.deepspeed_json import grad_accum_from_deepspeed
 
     for precision, want in (("bf16", "fp32"), ("fp16", "fp32"), ("fp32", "fp32"), ("fp64", "fp64")):
         assert ZeroConfig().validate(precision=precision).grad_accum(precision) == want
@@ -137,11 +137,15 @@ def test_grad_accum_dtype_validation_and_deepspeed_reader():
                                     ("bf16", "fp32", "accumulate in fp32"), ("fp32", "fp64", "accumulate in fp64")):
         with pytest.raises(ValueError, match=rf"zero\.grad_accum_dtype='{value}': .*{match}"):
             ZeroConfig(grad_accum_dtype=value).validate(precision=precision)
-    assert grad_accum_from_deepspeed({"data_types": {"grad_accum_dtype": "fp32"}}) == {"grad_accum_dtype": "fp32"}
-    assert grad_accum_from_deepspeed({"data_types": {"grad_accum_dtype": "bfloat16"}}) == {"grad_accum_dtype": "bf16"}
-    assert grad_accum_from_deepspeed({"bf16": {"enabled": True}}) == {}
-    assert grad_accum_from_deepspeed({"data_types": {"grad_accum_dtype": None}}) == {}
+
+    def accum(ds: dict):
+        return from_deepspeed(ds)[0].zero.grad_accum_dtype
+
+    assert accum({"data_types": {"grad_accum_dtype": "fp32"}}) == "fp32"
+    assert accum({"data_types": {"grad_accum_dtype": "bfloat16"}}) == "bf16"
+    assert accum({"bf16": {"enabled": True}}) is None
+    assert accum({"data_types": {"grad_accum_dtype": None}}) is None
     with pytest.raises(ValueError, match=r"data_types\.grad_accum_dtype='int8'"):
-        grad_accum_from_deepspeed({"data_types": {"grad_accum_dtype": "int8"}})
+        accum({"data_types": {"grad_accum_dtype": "int8"}})
     with pytest.raises(ValueError, match=r"data_types\.bogus"):
-        grad_accum_from_deepspeed({"data_types": {"bogus": 1}})
+        accum({"data_types": {"bogus": 1}})

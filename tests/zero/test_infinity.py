@@ -92,7 +92,8 @@ def test_checkpoint_round_trip_through_disk(tmp_path):
 
 @pytest.mark.parametrize("zero,match", [
     ({"stage": 3, "offload_param": {"device": "nvme"}}, "zero.offload_param_nvme_path"),
-    ({"stage": 3, "offload_param": {"device": "cpu"}}, "offload_param.device='cpu'"),
+    ({"stage": 2, "offload_param": {"device": "cpu"}}, "zero.offload_param_device='cpu'"),
+    ({"stage": 3, "offload_param": {"device": "disk"}}, "offload_param.device='disk'"),
     ({"stage": 2, "offload_param": {"device": "nvme", "nvme_path": "/x"}}, "zero.offload_param_device"),
     ({"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/x", "buffer_count": 1}},
      "zero.offload_param_buffer_count"),
@@ -105,20 +106,24 @@ def test_checkpoint_round_trip_through_disk(tmp_path):
     ({"stage": 3, "sub_group_size": 0}, "zero.sub_group_size"),
 ])
 def test_config_errors_name_the_key(zero, match):
-    from zerotron.zero import ZeroConfig
-
     with pytest.raises(ValueError, match=match):
-        ZeroConfig.from_deepspeed(zero)
+        zero_from_deepspeed(zero)
+
+
+def zero_from_deepspeed(zero: dict):
+    """The ZeroConfig the one DeepSpeed reader (``training.deepspeed``) makes of a zero_optimization dict."""
+    from zerotron.training.deepspeed import from_deepspeed
+
+    return from_deepspeed({"zero_optimization": zero})[0].zero.validate()
 
 
 def test_deepspeed_nested_offload_dict(tmp_path):
     from zerotron.training.cli import parse_config
-    from zerotron.zero import ZeroConfig
 
     zero = {"stage": 3, "sub_group_size": 1e6, "zero_hpz_partition_size": 2, "zero_quantized_weights": True,
             "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path), "buffer_count": 5},
             "offload_param": {"device": "none"}}
-    cfg = ZeroConfig.from_deepspeed(zero)
+    cfg = zero_from_deepspeed(zero)
     assert (cfg.optimizer_offload, cfg.offload_optimizer_nvme_path, cfg.offload_optimizer_buffer_count,
             cfg.sub_group_size) == ("nvme", str(tmp_path), 5, 1_000_000)
     ds = tmp_path / "ds.json"
@@ -137,8 +142,7 @@ def test_deepspeed_nested_offload_dict(tmp_path):
     old = parse_config(["--zero-stage", "2", "--offload-optimizer"])  # the boolean spelling still works
     assert old.validate(1).zero.optimizer_offload == "cpu"
     ds.write_text(json.dumps({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}))
-    with pytest.raises(ValueError, match="offload_param"):
-        parse_config(["--deepspeed-config", str(ds)])
+    assert parse_config(["--deepspeed-config", str(ds)]).zero.offload_param_device == "cpu"  # zero.host_params
     ds.write_text(json.dumps({"zero_optimization": {"stage": 3, "offload_param": {
         "device": "nvme", "nvme_path": str(tmp_path), "buffer_count": 3}}}))
     run = parse_config(["--deepspeed-config", str(ds)])

@@ -84,8 +84,9 @@ def test_validation_names_the_key(kw, dp, match):
 
 
 def test_from_deepspeed_reads_zeropp_keys():
-    from zerotron.zero import ZeroConfig
+    from zerotron.training.deepspeed import from_deepspeed
 
-    cfg = ZeroConfig.from_deepspeed({"zero_optimization": {
-        "stage": 3, "zero_quantized_weights": True, "zero_quantized_gradients": True, "zero_hpz_partition_size": 8}})
+    cfg = from_deepspeed({"zero_optimization": {
+        "stage": 3, "zero_quantized_weights": True, "zero_quantized_gradients": True,
+        "zero_hpz_partition_size": 8}})[0].zero
     assert (cfg.zero_quantized_weights, cfg.zero_quantized_gradients, cfg.zero_hpz_partition_size) == (True, True, 8)

@@ -22,7 +22,12 @@ with recompute (2+2+2 all-reduces of b·s·h at 2Ψ each; §8).
 
 ``apply_activation_checkpointing`` installs the handle as ``GPT.block_runner`` (the hook
 ``GPT.run_blocks`` calls); parameters, their names and the model's structure are unchanged, so
-ZeRO, checkpoints and pipeline stages see the same model.
+ZeRO, checkpoints and pipeline stages see the same model. With ``recompute_granularity:
+selective`` it also installs selective recompute of the attention core (``selective.py``).
+
+With sequence parallelism (Korthikanti et al. 2022) a block's input is already this TP rank's
+1/t of the sequence, not a replicated tensor: Pa has nothing left to partition there, so the
+checkpoint is kept as it is (and offloaded with ``cpu_checkpointing``); that is said once.
 """
 
 from __future__ import annotations
@@ -112,12 +117,13 @@ class ActivationCheckpointing:
     nothing has to be kept; with grad they run in checkpointed chunks of ``checkpoint_every``.
     """
 
-    def __init__(self, grid, cfg: ActivationCheckpointConfig, rng, num_blocks: int, microbatches_in_flight: int = 1):
+    def __init__(self, grid, cfg: ActivationCheckpointConfig, rng, num_blocks: int, microbatches_in_flight: int = 1,
+                 sequence_parallel: bool = False):
         self.grid, self.cfg, self.rng, self.num_blocks = grid, cfg, rng, num_blocks
-        self.microbatches_in_flight = microbatches_in_flight
+        self.microbatches_in_flight, self.sequence_parallel = microbatches_in_flight, sequence_parallel
         self.num_chunks = -(-num_blocks // cfg.checkpoint_every)
         self.number_checkpoints = cfg.number_checkpoints or self.num_chunks * microbatches_in_flight
-        self.store = CheckpointStore(grid, cfg, self.number_checkpoints)
+        self.store = CheckpointStore(grid, cfg, self.number_checkpoints, replicated=not sequence_parallel)
 
     def __call__(self, blocks, x: torch.Tensor) -> torch.Tensor:
         if not torch.is_grad_enabled():
@@ -155,12 +161,14 @@ class ActivationCheckpointing:
     def __deepcopy__(self, memo):
         # A deep-copied model gets its own store and the copy of its RNG; the grid is shared.
         return ActivationCheckpointing(self.grid, self.cfg, copy.deepcopy(self.rng, memo), self.num_blocks,
-                                       self.microbatches_in_flight)
+                                       self.microbatches_in_flight, self.sequence_parallel)
 
 
 def apply_activation_checkpointing(model, grid, cfg: ActivationCheckpointConfig,
                                    microbatches_in_flight: int = 1) -> ActivationCheckpointing | None:
     """Checkpoint ``model.blocks`` as ``cfg`` says; returns the handle, or None when it is off.
+    ``recompute_granularity="selective"`` recomputes every block's attention core as well (alone
+    when ``checkpoint_activations`` is off).
 
     ``model`` is a ``GPT`` (or a pipeline stage of one): anything with ``blocks`` and the
     ``block_runner`` hook. With ``partition_activations`` and tp = 1 there is nothing to
@@ -172,6 +180,10 @@ def apply_activation_checkpointing(model, grid, cfg: ActivationCheckpointConfig,
     if not isinstance(microbatches_in_flight, int) or microbatches_in_flight < 1:
         raise ValueError(f"microbatches_in_flight={microbatches_in_flight!r}: must be a positive integer "
                          f"(forwards alive before their backward; 1 without pipelining)")
+    if cfg.recompute_granularity == "selective":
+        from zerotron.activation.selective import apply_selective_recompute  # it imports capture_rng from here
+
+        apply_selective_recompute(model)
     if not cfg.checkpoint_activations:
         return None
     if not hasattr(model, "blocks") or not hasattr(model, "block_runner"):
@@ -184,8 +196,14 @@ def apply_activation_checkpointing(model, grid, cfg: ActivationCheckpointConfig,
         warnings.warn("activation_checkpointing.partition_activations=true with tensor parallel size 1: "
                       "there are no MP ranks to partition over (ZeRO §6.1), so Pa is a no-op and whole "
                       "checkpoints are kept", stacklevel=2)
+    sp = bool(getattr(model, "sequence_parallel", False))
+    if cfg.partition_activations and grid.tp_size > 1 and sp:
+        warnings.warn("activation_checkpointing.partition_activations=true with parallel.sequence_parallel=true: "
+                      "each checkpoint is already this rank's 1/tp of the sequence (nothing is replicated over "
+                      "TP), so Pa has nothing left to partition and the checkpoints are kept as they are",
+                      stacklevel=2)
     handle = ActivationCheckpointing(grid, cfg, getattr(model, "rng", None), len(model.blocks),
-                                     microbatches_in_flight)
+                                     microbatches_in_flight, sp)
     model.block_runner = handle
     return handle
 

@@ -106,10 +106,12 @@ class Saved:
 class CheckpointStore:
     """Saves checkpoint inputs (partitioned / offloaded / contiguous as configured) and restores them."""
 
-    def __init__(self, grid, cfg, slots: int):
+    def __init__(self, grid, cfg, slots: int, replicated: bool = True):
+        """``replicated``: the checkpoints are the same on every TP rank (False with sequence
+        parallelism, where each is already this rank's piece and Pa has nothing to partition)."""
         self.group = grid.tp_group
         self.tp_size, self.tp_rank = grid.tp_size, grid.tp_rank
-        self.partition = cfg.partition_activations and grid.tp_size > 1
+        self.partition = cfg.partition_activations and grid.tp_size > 1 and replicated
         self.offload = cfg.cpu_checkpointing
         self.contiguous = cfg.contiguous_memory_optimization
         self.slots = slots

@@ -1,4 +1,4 @@
-"""Texts -> token file, on several processes, in bounded memory, with a tokens/s progress bar.
+"""Texts -> token file, on several processes, in bounded memory, with progress (``data/progress.py``).
 
 Why a hand-rolled pool: ``Pool.imap`` drains its input iterator as fast as it can, so on a
 streaming corpus larger than memory it buffers the whole corpus. Here at most ``2 * workers``
@@ -17,6 +17,7 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from zerotron.data.indexed import IndexedTokenWriter
+from zerotron.data.progress import Progress
 from zerotron.data.tokenizer import Tokenizer
 
 _worker_tok: Tokenizer | None = None
@@ -66,12 +67,10 @@ def tokenize_to_file(texts: Iterable[str], tokenizer: Tokenizer, output_prefix: 
     """Encode ``texts`` into ``<output_prefix>.bin/.idx``; returns throughput statistics.
 
     ``append_eod`` ends every document with ``tokenizer.eod_id`` (so an empty document still
-    marks a boundary). On any error nothing is published.
+    marks a boundary). ``total_docs`` (when known) gives the progress its total and ETA. On any
+    error nothing is published.
     """
-    from tqdm import tqdm
-
-    bar = tqdm(total=None, unit="tok", unit_scale=True, disable=not progress, smoothing=0.1,
-               desc=f"tokenizing -> {output_prefix}", mininterval=1.0)
+    bar = Progress(f"tokenizing -> {output_prefix}", total=total_docs, unit="doc", enabled=progress)
     start = time.perf_counter()
     pool = mp.get_context("fork").Pool(workers, _init_worker, (tokenizer,)) if workers > 1 else None
     if pool is None:
@@ -88,7 +87,7 @@ def tokenize_to_file(texts: Iterable[str], tokenizer: Tokenizer, output_prefix: 
                 writer.add_documents(flat, sizes)
                 content += n_content
                 docs += len(sizes)
-                bar.update(len(flat))
+                bar.update(len(sizes), tokens=len(flat))
 
             for batch in _batches(texts, batch_size):
                 pending.append(pool.apply_async(_encode, (batch, append_eod)) if pool

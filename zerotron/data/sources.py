@@ -4,18 +4,35 @@ Why through ``datasets``: it already reads local text / json / jsonl / parquet /
 ``save_to_disk`` directories and hub names, and its *streaming* mode reads a corpus row by row
 without first converting it to an Arrow cache -- the only way to preprocess a corpus larger than
 memory or local disk. We add what it lacks for a pretraining job: a clear error for a missing
-path, an unknown extension, a missing text field (naming the columns there are) and a non-string
-value, raised before any output is written.
+path, an unknown extension, a missing text field (naming the columns there are), a non-string
+value and malformed JSON (naming the file and line, where ``datasets`` names neither), and its
+cache in the project's cache directory instead of the home directory.
 """
 
 from __future__ import annotations
 
+import contextlib
 import glob
+import json
+import logging
 import os
 from typing import Iterable, Iterator, Sequence
 
 _BUILDERS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json",
              ".parquet": "parquet", ".arrow": "arrow"}
+# where the non-streaming reader's Arrow cache goes, next to the built-in corpus (``data.cache_dir``)
+# and relative to the working directory like it; HF_DATASETS_CACHE still wins when set
+DEFAULT_CACHE_DIR = os.path.join(".cache", "zerotron", "datasets")
+_ONE_OBJECT_PER_LINE = 'every line of a JSON-lines file must be one JSON object such as {"text": "..."}'
+_ONE_ARRAY = "a .json file that opens with [ must be one JSON array of objects"
+
+
+class SourceError(ValueError):
+    """An input that cannot be read, named with the fix; never rewritten by the readers' wrappers."""
+
+
+def _json_error(e: json.JSONDecodeError) -> str:
+    return f"not valid JSON ({e.msg.removesuffix(' at')} at column {e.colno})"
 
 
 def _looks_local(name: str) -> bool:
@@ -58,9 +75,80 @@ def _expand(paths: Sequence[str]) -> tuple[str, list[str]]:
         raise ValueError(f"inputs mix formats {sorted(builders)}; preprocess each format separately "
                          f"and blend the token files")
     if all(os.path.getsize(f) == 0 for f in files):
-        raise ValueError(f"empty corpus: every input file is empty ({', '.join(files[:3])}"
-                         f"{', ...' if len(files) > 3 else ''})")
+        raise SourceError(f"empty corpus: every input file is empty ({', '.join(files[:3])}"
+                          f"{', ...' if len(files) > 3 else ''})")
     return builders.pop(), files
+
+
+def _bad_json_line(path: str) -> tuple[int, str, str] | None:
+    """The first line of a JSON(-lines) file that is not a JSON object, why, and the rule it breaks;
+    None if there is none.
+
+    Read only after ``datasets`` failed, so a good corpus is never read twice. A file that opens
+    with ``[`` is one JSON document (an array of rows); any other is read line by line.
+    """
+    with open(path, "rb") as f:
+        head = f.read(4096).lstrip()
+    if head.startswith(b"["):
+        try:
+            with open(path, encoding="utf-8") as f:
+                json.load(f)
+        except json.JSONDecodeError as e:
+            return e.lineno, _json_error(e), _ONE_ARRAY
+        except UnicodeDecodeError as e:
+            return 1, f"not UTF-8 text ({e.reason} at byte {e.start} of the file)", _ONE_ARRAY
+        return None
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                return number, f"not UTF-8 text ({e.reason} at byte {e.start} of the line)", _ONE_OBJECT_PER_LINE
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                return number, _json_error(e), _ONE_OBJECT_PER_LINE
+            if not isinstance(row, dict):
+                return number, f"a JSON {type(row).__name__}, not an object", _ONE_OBJECT_PER_LINE
+    return None
+
+
+def _read_error(files: Sequence[str], names: Sequence[str], exc: BaseException) -> SourceError:
+    """What ``datasets`` raised, as an error naming the file, the line and the fix."""
+    for path in files:
+        if os.path.splitext(path)[1].lower() in (".json", ".jsonl"):
+            bad = _bad_json_line(path)
+            if bad is not None:
+                return SourceError(f"{path}:{bad[0]}: {bad[1]}; {bad[2]}: fix or delete that line")
+    cause = exc
+    while cause.__cause__ is not None or cause.__context__ is not None:  # datasets wraps the reader's error
+        cause = cause.__cause__ or cause.__context__
+    return SourceError(f"cannot read {', '.join(names)}: {type(cause).__name__}: {cause}; every row must hold the "
+                       f"same fields with the same types -- fix the rows or pick another --text-field")
+
+
+@contextlib.contextmanager
+def _quiet_reader_logs():
+    """``datasets`` logs a reader's failure with a full traceback before it raises; the error raised
+    instead names the file and the line, so that log would only bury it."""
+    log = logging.getLogger("datasets.packaged_modules")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+def _reader_errors():
+    """The exceptions by which ``datasets`` and the readers under it (Arrow, pandas, json) report an
+    unreadable input file; a ``SourceError`` among them is already ours and passes unchanged."""
+    import datasets
+    import pyarrow
+
+    return (datasets.exceptions.DatasetGenerationError, pyarrow.ArrowException, ValueError)
 
 
 def load_source(inputs: str | Sequence[str], text_field: str = "text", streaming: bool = False,
@@ -70,15 +158,20 @@ def load_source(inputs: str | Sequence[str], text_field: str = "text", streaming
     ``inputs``: file(s), directory(ies) or globs of one format; a ``save_to_disk`` directory; or
     a hub name (needs a network). ``.txt`` files give one document per file (read with universal newlines, as
     ``datasets`` does: ``\r\n`` becomes ``\n``). The text field is
-    checked here so a typo fails in a second, not after an hour of tokenizing.
+    checked here so a typo fails in a second, not after an hour of tokenizing. ``cache_dir``:
+    None is ``$HF_DATASETS_CACHE`` when set, else ``DEFAULT_CACHE_DIR``. The dataset carries
+    ``zerotron_files``, its local files, so ``iter_texts`` can name the line a streaming read
+    fails on.
     """
     import datasets
 
+    cache_dir = cache_dir or os.environ.get("HF_DATASETS_CACHE") or DEFAULT_CACHE_DIR
     names = [inputs] if isinstance(inputs, (str, os.PathLike)) else list(inputs)
     if not names:
         raise ValueError("no input given; pass at least one file, directory or hub name")
     names = [str(n) for n in names]
     first = os.path.expanduser(names[0])
+    files: list[str] = []
     if len(names) == 1 and os.path.isdir(first) and (
             os.path.isfile(os.path.join(first, "state.json"))
             or os.path.isfile(os.path.join(first, "dataset_dict.json"))):
@@ -92,9 +185,24 @@ def load_source(inputs: str | Sequence[str], text_field: str = "text", streaming
     else:
         builder, files = _expand(names)
         kwargs = {"sample_by": "document"} if builder == "text" else {}
-        ds = datasets.load_dataset(builder, data_files=files, split="train", streaming=streaming,
-                                   cache_dir=cache_dir, **kwargs)
-    check_text_field(ds, text_field, names)
+        try:
+            with _quiet_reader_logs():
+                ds = datasets.load_dataset(builder, data_files=files, split="train", streaming=streaming,
+                                           cache_dir=cache_dir, **kwargs)
+        except SourceError:
+            raise
+        except _reader_errors() as exc:
+            raise _read_error(files, names, exc) from None
+    ds.zerotron_files = files
+    try:
+        with _quiet_reader_logs():
+            check_text_field(ds, text_field, names)  # a streaming source reads its first row here
+    except SourceError:
+        raise
+    except _reader_errors() as exc:
+        if not files:
+            raise
+        raise _read_error(files, names, exc) from None
     return ds
 
 
@@ -104,7 +212,7 @@ def check_text_field(ds, text_field: str, names: Sequence[str] = ()) -> None:
     if columns is None:  # streaming source without declared features: peek at one row
         row = next(iter(ds), None)
         if row is None:
-            raise ValueError(f"empty corpus: {', '.join(names) or 'the input'} has no rows")
+            raise SourceError(f"empty corpus: {', '.join(names) or 'the input'} has no rows")
         columns = list(row)
     if text_field not in columns:
         raise KeyError(f"text field {text_field!r} not found in {', '.join(names) or 'the input'}; "
@@ -112,7 +220,23 @@ def check_text_field(ds, text_field: str, names: Sequence[str] = ()) -> None:
 
 
 def iter_texts(ds, text_field: str = "text", batch_size: int = 1000) -> Iterator[str]:
-    """Yield the text of every row, in order; a non-string value is an error naming its row."""
+    """Yield the text of every row, in order; a non-string value is an error naming its row, and
+    a file that fails mid-read (streaming) one naming its file and line."""
+    files = getattr(ds, "zerotron_files", None)
+    texts = _iter_texts(ds, text_field, batch_size)
+    if not files:
+        yield from texts
+        return
+    try:
+        with _quiet_reader_logs():
+            yield from texts
+    except SourceError:
+        raise
+    except _reader_errors() as exc:
+        raise _read_error(files, files, exc) from None
+
+
+def _iter_texts(ds, text_field: str, batch_size: int) -> Iterator[str]:
     if hasattr(ds, "iter"):
         batches: Iterable = ds.select_columns([text_field]).iter(batch_size=batch_size)
     else:
@@ -126,3 +250,14 @@ def iter_texts(ds, text_field: str = "text", batch_size: int = 1000) -> Iterator
                                 f"--text-field")
             row += 1
             yield text
+
+
+def known_rows(ds) -> int | None:
+    """Rows of ``ds`` when known without reading it (a Dataset's length, a streaming hub dataset's
+    split info), so progress can show a total and an ETA; None for a local streaming source."""
+    if hasattr(ds, "__len__"):
+        return len(ds)
+    split = getattr(ds, "split", None)
+    splits = getattr(getattr(ds, "info", None), "splits", None) or {}
+    info = splits.get(str(split)) if split is not None else None
+    return int(info.num_examples) if info is not None and info.num_examples else None

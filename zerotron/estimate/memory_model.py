@@ -16,7 +16,9 @@ s the sequence, h the hidden size, L the layers:
 * **layer activations** without checkpointing: Korthikanti et al. 2022 (arXiv 2205.05198) eq. 2
   with TP, s·b·h·(10 + 24/t + 5·a·s/(h·t)) bytes per layer (16-bit tensors, 1-byte dropout masks,
   a heads); the a·s² term is the attention probabilities, which a fused attention kernel (SDPA's
-  flash / memory-efficient kernels on a GPU: ``fused_attention``) never stores.
+  flash / memory-efficient kernels on a GPU: ``fused_attention``) never stores, nor does
+  selective recompute; sequence parallelism divides the replicated 10 by t as well (Table 2,
+  ``estimate.activations``), and splits every checkpoint over TP as Pa would.
 * **recompute working memory**: in backward one layer at a time is re-run with its graph, and
   the peak comes when its recomputed forward is complete: the tensors it saved for backward
   except its input (the checkpoint, counted below): LayerNorm outputs and the attention
@@ -43,6 +45,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from zerotron.estimate.activations import layer_activation_bytes
 from zerotron.model.config import GPTConfig
 from zerotron.zero.accounting import expected_model_state_bytes
 
@@ -85,6 +88,8 @@ class Setup:
     overlap_comm: bool = False
     fragmentation: float | None = None  # None: 0.10 with MD, 0.30 without (§3.2)
     fused_attention: bool = True  # a GPU's SDPA kernel; False: the CPU's math kernel keeps a·s² probabilities
+    sequence_parallel: bool = False  # parallel.sequence_parallel (Korthikanti et al. 2022)
+    recompute_granularity: str = "full"  # activation_checkpointing.recompute_granularity
     # bytes per accumulated gradient element: None = zerotron's default (fp32 accumulation,
     # ``zero.grad_accum_dtype``), 2 = the paper's 16-bit gradients (2 + 2 + K)
     grad_bytes: int | None = None
@@ -119,8 +124,16 @@ def setup_from_run_config(cfg, model: GPTConfig, gpus: int) -> Setup:
                  partition_activations=ac.partition_activations, cpu_checkpointing=ac.cpu_checkpointing,
                  contiguous_memory=ac.contiguous_memory_optimization, precision=t.precision,
                  contiguous_gradients=z.contiguous_gradients,
-                 bucket_size=min(z.reduce_bucket_size, z.allgather_bucket_size), overlap_comm=z.overlap_comm,
-                 grad_bytes=BYTES[z.grad_accum(t.precision)])
+                 bucket_size=z.bucket_elements(largest_param(model, cfg.parallel.tp)), overlap_comm=z.overlap_comm,
+                 grad_bytes=BYTES[z.grad_accum(t.precision)], sequence_parallel=cfg.parallel.sequence_parallel,
+                 recompute_granularity=ac.recompute_granularity)
+
+
+def largest_param(cfg: GPTConfig, tp: int = 1) -> int:
+    """Elements of the largest parameter one TP rank holds: its word-embedding slice or a split GEMM
+    (what a bucket size of 0 -- DeepSpeed's one parameter at a time -- comes to)."""
+    h = cfg.hidden_size
+    return max(cfg.padded_vocab_size(tp) * h // tp, 3 * h * h // tp, h * cfg.ffn_size // tp)
 
 
 def params_per_rank(cfg: GPTConfig, tp: int = 1) -> int:
@@ -155,16 +168,21 @@ def checkpoint_bytes(b: int, s: int, h: int, layers: int, tp: int = 1, every: in
     return {"device": 0 if cpu else total, "host": total if cpu else 0}
 
 
-def layer_working_bytes(b: int, s: int, h: int, heads: int, tp: int = 1, fused_attention: bool = True) -> float:
-    """Activations one transformer layer saves for backward (Korthikanti 2022, eq. 2, TP t)."""
-    probs = 0 if fused_attention else 5 * heads * s / (h * tp)
-    return s * b * h * (10 + 24 / tp + probs)
+def layer_working_bytes(b: int, s: int, h: int, heads: int, tp: int = 1, fused_attention: bool = True,
+                        sequence_parallel: bool = False, selective: bool = False) -> float:
+    """Activations one transformer layer saves for backward (Korthikanti 2022, eq. 2 / Table 2, TP t)."""
+    return layer_activation_bytes(b, s, h, heads, tp, sequence_parallel, "selective" if selective else "none",
+                                  fused_attention=fused_attention)
 
 
-def recompute_working_bytes(b: int, s: int, h: int, heads: int, tp: int = 1, fused_attention: bool = True) -> float:
-    """Peak of one checkpointed layer's backward beyond its checkpoint (module docstring)."""
-    probs = 0 if fused_attention else 5 * heads * s / (h * tp)
-    return s * b * h * (14 + 24 / tp + probs)
+def recompute_working_bytes(b: int, s: int, h: int, heads: int, tp: int = 1, fused_attention: bool = True,
+                            sequence_parallel: bool = False, selective: bool = False) -> float:
+    """Peak of one checkpointed layer's backward beyond its checkpoint (module docstring); with
+    sequence parallelism the replicated 14 is split along the sequence too, but a column-parallel
+    GEMM's backward then holds its re-gathered input and the whole input gradient before the
+    reduce-scatter, 2 + 2 (``parallel.sequence_parallel._GatherLinear``)."""
+    probs = 0 if (fused_attention or selective) else 5 * heads * s / (h * tp)
+    return s * b * h * ((14 / tp + 4 if sequence_parallel else 14) + 24 / tp + probs)
 
 
 def head_working_bytes(b: int, s: int, vocab: int, tp: int = 1) -> float:
@@ -208,12 +226,14 @@ def estimate(setup: Setup) -> dict:
     s, h, l = cfg.seq_length, cfg.hidden_size, cfg.num_layers
     psi = params_per_rank(cfg, t)
     states = model_state_bytes(psi, nd, setup.stage, pb, gb)
-    pa = setup.partition_activations and t > 1
+    sp, sel = setup.sequence_parallel and t > 1, setup.recompute_granularity == "selective"
+    pa = setup.partition_activations and t > 1 and not sp  # with SP the checkpoint is already 1/t
     fused = setup.fused_attention
-    layer = layer_working_bytes(b, s, h, cfg.num_heads, t, fused) * pb / 2
+    layer = layer_working_bytes(b, s, h, cfg.num_heads, t, fused, sp, sel) * pb / 2
     if setup.checkpoint_activations:
-        ckpt = checkpoint_bytes(b, s, h, l, t, setup.checkpoint_every, pa, setup.cpu_checkpointing, pb)
-        segment = recompute_working_bytes(b, s, h, cfg.num_heads, t, fused) * pb / 2 + (setup.checkpoint_every - 1) * layer
+        ckpt = checkpoint_bytes(b, s, h, l, t, setup.checkpoint_every, pa or sp, setup.cpu_checkpointing, pb)
+        segment = (recompute_working_bytes(b, s, h, cfg.num_heads, t, fused, sp, sel) * pb / 2
+                   + (setup.checkpoint_every - 1) * layer)
         working = max(segment, head_working_bytes(b, s, cfg.padded_vocab_size(t), t))
     else:  # every layer's activations stay alive until its backward
         ckpt = {"device": int(layer * l), "host": 0}

@@ -12,20 +12,32 @@ never held (``init_sharded_`` draws it a chunk at a time), so the same seed give
 weights for every TP/PP/DP layout and runs of different layouts can be compared step by step.
 Names use the *global* layer index, so a pipeline stage holding layers 6..11 initialises them
 exactly as a single process would.
+
+Sequence parallelism (``sequence_parallel=True``; Korthikanti et al. 2022 §4.2.2, as Megatron
+does it): the hidden state between embed, blocks and head (and between pipeline stages) is this
+TP rank's s/t of a sequence-first [s/t, b, h]. The embedding reduce-scatters its vocab-parallel
+lookups along the sequence instead of all-reducing them, adds its tokens' positions (the
+position table's gradient summed over TP) and drops on the per-rank stream; the head normalises
+its tokens and all-gathers them into the logit GEMM (``gather_linear``: backward reduce-scatters),
+so the loss region is vocab-parallel over the whole sequence, as without it.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 from torch import nn
 
-from zerotron.model.block import TransformerBlock, make_layernorm
+from zerotron.model.block import TransformerBlock
+from zerotron.model.layernorm import make_layernorm
 from zerotron.model.config import GPTConfig
 from zerotron.parallel.cross_entropy import vocab_parallel_cross_entropy
 from zerotron.parallel.grid import Grid
 from zerotron.parallel.rng import TPRNG
+from zerotron.parallel.sequence_parallel import (check_sequence_length, gather_linear, sequence_parallel_norm,
+                                                 tp_summed)
 from zerotron.parallel.tensor_parallel import VocabParallelEmbedding, init_sharded_, tp_param
 from zerotron.parallel.tp_mappings import copy_to_tp_region
 
@@ -33,13 +45,16 @@ WORD_EMBEDDING = "embedding.word.weight"
 
 
 class Embedding(nn.Module):
-    """Word (vocab-parallel) plus learned position embeddings, then dropout on the shared stream."""
+    """Word (vocab-parallel) plus learned position embeddings, then dropout on the shared stream
+    (with ``sequence_parallel``: this rank's s/t tokens, sequence-first, dropout per rank)."""
 
-    def __init__(self, cfg: GPTConfig, grid: Grid, dtype, device):
+    def __init__(self, cfg: GPTConfig, grid: Grid, dtype, device, sequence_parallel: bool = False,
+                 rng: TPRNG | None = None):
         super().__init__()
         self.max_positions = cfg.max_positions
+        self.sequence_parallel, self.group, self.rng, self.tp_rank = sequence_parallel, grid.tp_group, rng, grid.tp_rank
         self.word = VocabParallelEmbedding(cfg.padded_vocab_size(grid.tp_size), cfg.hidden_size, grid,
-                                           dtype=dtype, device=device)
+                                           dtype=dtype, device=device, sequence_parallel=sequence_parallel)
         self.position = tp_param((cfg.max_positions, cfg.hidden_size), None, grid.tp_size, dtype, device)
         self.dropout = nn.Dropout(cfg.dropout)
 
@@ -51,7 +66,15 @@ class Embedding(nn.Module):
             raise ValueError(f"input sequence length {s} exceeds the position table "
                              f"(model.max_position_embeddings={self.max_positions}); "
                              f"shorten the sequences or raise model.max_position_embeddings to >= {s}")
-        return self.dropout(self.word(input_ids) + self.position[:s])
+        if not self.sequence_parallel:
+            return self.dropout(self.word(input_ids) + self.position[:s])
+        check_sequence_length(s, self.group.size)
+        lo, hi = self.tp_rank * (s // self.group.size), (self.tp_rank + 1) * (s // self.group.size)
+        x = self.word(input_ids.t()) + tp_summed(self.position[:s], self.group)[lo:hi].unsqueeze(1)
+        if not (self.training and self.dropout.p > 0):
+            return x
+        with self.rng.fork("sp"):  # this rank's tokens: its own mask
+            return self.dropout(x)
 
 
 class GPT(nn.Module):
@@ -62,14 +85,19 @@ class GPT(nn.Module):
     the word embedding (its ``ShardInfo.embedding_copy`` set), initialised identically; keeping the
     two copies equal during training (all-reducing their gradients over ``grid.embedding_group``)
     is the pipeline's job. ``seed`` drives initialisation and seeds ``self.rng`` (Megatron's two
-    dropout streams, which also resets torch's default generator).
+    dropout streams, which also resets torch's default generator). ``sequence_parallel``: see the
+    module docstring; ``model.seq_length`` must then divide by the TP size.
     """
 
     def __init__(self, config: GPTConfig, grid: Grid, dtype: torch.dtype = torch.float32, device=None,
                  seed: int = 1234, pre_process: bool = True, post_process: bool = True,
-                 layer_ids: list[int] | None = None, layout_independent_init: bool = True):
+                 layer_ids: list[int] | None = None, layout_independent_init: bool = True,
+                 sequence_parallel: bool = False, chunk_sizes: list[int] | None = None):
         super().__init__()
         config.validate(grid.tp_size)
+        if sequence_parallel:
+            check_sequence_length(config.seq_length, grid.tp_size)
+        self.sequence_parallel = sequence_parallel
         if dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
             raise ValueError(f"dtype={dtype}: use torch.float32, torch.float16 or torch.bfloat16 "
                              f"(torch.float64 for parity tests)")
@@ -86,8 +114,14 @@ class GPT(nn.Module):
         self.rng = TPRNG()
         self.rng.seed(seed, grid)
 
-        self.embedding = Embedding(config, grid, dtype, device) if pre_process else None
-        self.blocks = nn.ModuleList(TransformerBlock(config, grid, self.rng, i, dtype, device) for i in layer_ids)
+        sp = sequence_parallel
+        self.embedding = Embedding(config, grid, dtype, device, sp, self.rng) if pre_process else None
+        self.blocks = nn.ModuleList(TransformerBlock(config, grid, self.rng, i, dtype, device, sp) for i in layer_ids)
+        # Interleaved pipelines: the blocks form model chunks run one at a time (``forward(chunk=c)``),
+        # the embedding in chunk 0, the head in the last (``model.stages.build_stage``).
+        self.chunk_sizes = [len(layer_ids)] if chunk_sizes is None else list(chunk_sizes)
+        if chunk_sizes is not None and (sum(self.chunk_sizes) != len(layer_ids) or min(self.chunk_sizes) < 1):
+            raise ValueError(f"chunk_sizes={self.chunk_sizes}: positive block counts summing to {len(layer_ids)}")
         # Replaces the plain block loop when set (activation checkpointing, ZeRO-R Pa/Pa+cpu/MD:
         # zerotron.activation.checkpoint.apply_activation_checkpointing); called as runner(blocks, x).
         self.block_runner = None
@@ -149,8 +183,14 @@ class GPT(nn.Module):
             raise RuntimeError("this GPT stage has neither the embedding nor the head (pre_process=post_process=False)")
         return self.word_embedding_copy
 
+    def hidden_shape(self, micro_batch: int, seq: int | None = None) -> tuple[int, int, int]:
+        """Shape of the hidden state between embed, blocks, head and pipeline stages on this rank."""
+        s, h = self.config.seq_length if seq is None else seq, self.config.hidden_size
+        return (s // self.grid.tp_size, micro_batch, h) if self.sequence_parallel else (micro_batch, s, h)
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Token ids [b, s] → hidden [b, s, h] (replicated over TP ranks)."""
+        """Token ids [b, s] → hidden [b, s, h] (replicated over TP ranks), or with sequence
+        parallelism this rank's [s/t, b, h]."""
         if self.embedding is None:
             raise RuntimeError("embed() on a stage built with pre_process=False")
         return self.embedding(input_ids)
@@ -164,8 +204,17 @@ class GPT(nn.Module):
         """
         if self.final_ln is None:
             raise RuntimeError("head() on a stage built with post_process=False")
-        x = copy_to_tp_region(self.final_ln(hidden), self.grid.tp_group)  # f: grads all-reduced
-        logits = torch.matmul(x, self.word_embedding_weight.t())
+        group = self.grid.tp_group
+        if self.sequence_parallel:  # [s/t, b, h] → logits [s, b, V/t] (all-gathered into the GEMM)
+            x = sequence_parallel_norm(self.final_ln, hidden, group)
+            logits = gather_linear(x, self.word_embedding_weight, None, group)
+            if labels is not None:  # the loss in the logits' own [s, b] order, returned [b, s]
+                return vocab_parallel_cross_entropy(logits, labels.t(), group, self.vocab_start, self.vocab_size,
+                                                    ignore_index).t()
+            logits = logits.transpose(0, 1)
+        else:
+            x = copy_to_tp_region(self.final_ln(hidden), group)  # f: grads all-reduced
+            logits = torch.matmul(x, self.word_embedding_weight.t())
         if labels is not None:
             return vocab_parallel_cross_entropy(logits, labels, self.grid.tp_group, self.vocab_start,
                                                 self.vocab_size, ignore_index)
@@ -175,24 +224,37 @@ class GPT(nn.Module):
             logits = logits.masked_fill(mask, torch.finfo(logits.dtype).min)
         return logits
 
-    def run_blocks(self, x: torch.Tensor) -> torch.Tensor:
-        """This stage's transformer blocks in order, through ``block_runner`` when one is set."""
+    def run_blocks(self, x: torch.Tensor, blocks=None) -> torch.Tensor:
+        """This stage's transformer blocks (or ``blocks``) in order, through ``block_runner`` when set."""
+        blocks = self.blocks if blocks is None else blocks
         if self.block_runner is not None:
-            return self.block_runner(self.blocks, x)
-        for block in self.blocks:
+            return self.block_runner(blocks, x)
+        for block in blocks:
             x = block(x)
         return x
 
+    def pipeline_chunks(self) -> list:
+        """The callables the pipeline schedule runs, one per model chunk (``parallel.pipeline``)."""
+        if len(self.chunk_sizes) == 1:
+            return [self]
+        return [functools.partial(self, chunk=c) for c in range(len(self.chunk_sizes))]
+
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
-                ignore_index: int = -100) -> torch.Tensor:
+                ignore_index: int = -100, chunk: int | None = None) -> torch.Tensor:
         """head(blocks(embed(input_ids))): mean fp32 loss over non-ignored tokens, or local logits.
 
         On a stage without the embedding ``input_ids`` is the incoming hidden state; on a stage
-        without the head the hidden state is returned.
+        without the head the hidden state is returned. ``chunk``: only that model chunk's blocks
+        (with the embedding if it is the first, the head if it is the last).
         """
-        x = self.embed(input_ids) if self.pre_process else input_ids
-        x = self.run_blocks(x)
-        if not self.post_process:
+        blocks, pre, post = self.blocks, self.pre_process, self.post_process
+        if chunk is not None:
+            lo = sum(self.chunk_sizes[:chunk])
+            blocks = self.blocks[lo:lo + self.chunk_sizes[chunk]]
+            pre, post = pre and chunk == 0, post and chunk == len(self.chunk_sizes) - 1
+        x = self.embed(input_ids) if pre else input_ids
+        x = self.run_blocks(x, blocks)
+        if not post:
             return x
         out = self.head(x, labels, ignore_index)
         if labels is None:

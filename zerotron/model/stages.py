@@ -3,7 +3,10 @@
 Split rule: ``num_layers`` transformer blocks over ``pp`` stages as evenly as possible, the
 *earlier* stages taking the extra layer when the division is uneven (10 layers on 4 stages:
 3, 3, 2, 2), unless an explicit ``layers_per_stage`` list is given. The embedding lives on the
-first stage, the final LayerNorm, the tied output layer and the loss on the last.
+first stage, the final LayerNorm, the tied output layer and the loss on the last. Interleaved
+(``parallel.virtual_stages`` v > 1): the same rule over ``pp * v`` virtual stages, and rank r holds
+virtual stages r, pp + r, 2pp + r, ... as its model chunks, in one ``GPT`` (``chunk_sizes``); the
+embedding is then in rank 0's first chunk, the head in the last rank's last chunk.
 
 Tied embeddings (Megatron-LM): the last stage holds its own copy of the word embedding
 (``GPT.word_embedding_copy``), initialised identically. After every step's backwards the two
@@ -25,46 +28,68 @@ from zerotron.parallel.grid import Grid
 from zerotron.parallel.pipeline import StepOutput, train_step
 
 
-def split_layers(num_layers: int, pp: int, layers_per_stage: Sequence[int] | None = None) -> list[list[int]]:
-    """Global layer indices held by each stage; raises ValueError naming the field and the fix."""
+def split_layers(num_layers: int, pp: int, layers_per_stage: Sequence[int] | None = None,
+                 virtual_stages: int = 1) -> list[list[int]]:
+    """Global layer indices held by each pipeline rank (all its model chunks, chunk by chunk);
+    raises ValueError naming the field and the fix."""
+    chunks = split_chunks(num_layers, pp, layers_per_stage, virtual_stages)
+    return [[i for chunk in rank for i in chunk] for rank in chunks]
+
+
+def split_chunks(num_layers: int, pp: int, layers_per_stage: Sequence[int] | None = None,
+                 virtual_stages: int = 1) -> list[list[list[int]]]:
+    """``[rank][chunk]`` -> global layer indices. The layers are cut into ``pp * v`` virtual stages
+    (the earlier ones taking the extra layer; ``layers_per_stage`` gives one count per virtual
+    stage instead) and chunk c of rank r is virtual stage ``c * pp + r`` (Megatron's assignment:
+    with pp 2, v 2 and 4 layers rank 0 holds layers 0 and 2, rank 1 layers 1 and 3)."""
     if not isinstance(pp, int) or pp < 1:
         raise ValueError(f"parallel.pp={pp!r}: must be a positive integer")
+    v = virtual_stages
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1 or (v > 1 and pp < 2):
+        raise ValueError(f"parallel.virtual_stages={v!r}: must be a positive integer, and 1 unless parallel.pp >= 2")
     if not isinstance(num_layers, int) or num_layers < 1:
         raise ValueError(f"model.num_layers={num_layers!r}: must be a positive integer")
+    n = pp * v
+    what = f"parallel.pp={pp}" if v == 1 else f"parallel.pp*parallel.virtual_stages={pp}*{v}={n}"
     if layers_per_stage is None:
-        if pp > num_layers:
-            raise ValueError(f"parallel.pp={pp} exceeds model.num_layers={num_layers}: every stage needs at "
-                             f"least one transformer layer; use pp <= {num_layers}")
-        base, extra = divmod(num_layers, pp)
-        counts = [base + (1 if s < extra else 0) for s in range(pp)]  # earlier stages get the extra layer
+        if n > num_layers:
+            raise ValueError(f"{what} exceeds model.num_layers={num_layers}: every "
+                             f"{'stage' if v == 1 else 'model chunk'} needs at least one transformer layer; use "
+                             f"{'pp' if v == 1 else 'pp*virtual_stages'} <= {num_layers}")
+        base, extra = divmod(num_layers, n)
+        counts = [base + (1 if s < extra else 0) for s in range(n)]  # earlier stages get the extra layer
     else:
         counts = list(layers_per_stage)
-        if len(counts) != pp:
-            raise ValueError(f"parallel.layers_per_stage={counts} has {len(counts)} entries but parallel.pp={pp}; "
-                             f"give one layer count per stage")
+        if len(counts) != n:
+            raise ValueError(f"parallel.layers_per_stage={counts} has {len(counts)} entries but {what}; "
+                             f"give one layer count per {'stage' if v == 1 else 'virtual stage'}")
         if any(not isinstance(c, int) or isinstance(c, bool) or c < 1 for c in counts):
             raise ValueError(f"parallel.layers_per_stage={counts}: every stage needs a positive integer number "
                              f"of layers")
         if sum(counts) != num_layers:
             raise ValueError(f"parallel.layers_per_stage={counts} sums to {sum(counts)} but model.num_layers="
                              f"{num_layers}; make the counts add up to num_layers")
-    out, start = [], 0
+    stages, start = [], 0
     for c in counts:
-        out.append(list(range(start, start + c)))
+        stages.append(list(range(start, start + c)))
         start += c
-    return out
+    return [[stages[c * pp + r] for c in range(v)] for r in range(pp)]
 
 
-def build_stage(config: GPTConfig, grid: Grid, layers_per_stage: Sequence[int] | None = None, **gpt_kwargs) -> GPT:
-    """This rank's pipeline stage of the GPT (``gpt_kwargs``: dtype, device, seed, ...).
+def build_stage(config: GPTConfig, grid: Grid, layers_per_stage: Sequence[int] | None = None,
+                virtual_stages: int | None = None, **gpt_kwargs) -> GPT:
+    """This rank's pipeline stage of the GPT (``gpt_kwargs``: dtype, device, seed, ...): its
+    ``virtual_stages`` model chunks (default ``grid.dims.virtual_stages``) in one module, so ZeRO,
+    checkpoints and activation checkpointing see one set of parameters with global names.
 
-    The same seed gives the same full weights for every (tp, pp) layout: parameters are
+    The same seed gives the same full weights for every (tp, pp, v) layout: parameters are
     initialised by their global names, so stage 1 of 2 draws layers 3.. exactly as a single process.
     """
     config.validate(grid.tp_size)
-    layer_ids = split_layers(config.num_layers, grid.pp_size, layers_per_stage)[grid.pp_rank]
+    v = getattr(getattr(grid, "dims", None), "virtual_stages", 1) if virtual_stages is None else virtual_stages
+    chunks = split_chunks(config.num_layers, grid.pp_size, layers_per_stage, v)[grid.pp_rank]
     return GPT(config, grid, pre_process=grid.is_first_stage, post_process=grid.is_last_stage,
-               layer_ids=layer_ids, **gpt_kwargs)
+               layer_ids=[i for chunk in chunks for i in chunk], chunk_sizes=[len(c) for c in chunks], **gpt_kwargs)
 
 
 def sync_embedding_grads(model: GPT, optimizer=None) -> None:
@@ -88,13 +113,14 @@ def sync_embedding_grads(model: GPT, optimizer=None) -> None:
 
 
 def pipeline_step(model: GPT, microbatches: Sequence, optimizer=None, schedule: str = "1f1b",
-                  micro_batch_size: int | None = None) -> StepOutput:
+                  micro_batch_size: int | None = None, memory=None, free_outputs: bool = True) -> StepOutput:
     """Forward + backward of one global batch on this rank's stage, gradients reduced; then call ``step()``.
 
     ``microbatches``: ``m`` pairs ``(token_ids [b, s], labels [b, s])`` for this DP rank (middle
     stages may pass None for both, then ``micro_batch_size`` is required). The tied-embedding
     gradients are all-reduced after the last backward and before the optimizer's reduction.
     Nothing is read on the host: ``out.loss`` is a device tensor (``parallel.host_sync``).
+    ``memory``, ``free_outputs``: see ``parallel.pipeline.train_step``.
     """
     b = micro_batch_size
     if b is None:
@@ -110,6 +136,6 @@ def pipeline_step(model: GPT, microbatches: Sequence, optimizer=None, schedule: 
                 raise ValueError(f"pipeline_step: {name} shape {tuple(t.shape)} != (micro_batch_size, seq_length)"
                                  f" = ({b}, {seq}); every micro-batch must have the same shape")
     first = next(model.parameters())  # not model.dtype: ZeroOptimizer casts parameters to 16-bit in place
-    return train_step(model, microbatches, model.grid, (b, seq, model.config.hidden_size), schedule=schedule,
+    return train_step(model, microbatches, model.grid, model.hidden_shape(b), schedule=schedule,
                       optimizer=optimizer, after_backward=lambda: sync_embedding_grads(model, optimizer),
-                      dtype=first.dtype, device=first.device)
+                      dtype=first.dtype, device=first.device, memory=memory, free_outputs=free_outputs)

@@ -33,12 +33,18 @@ class ParallelDims:
     """Sizes of the three parallel axes; ``dp=None`` (or -1) means "whatever the world leaves".
 
     ``pipeline_schedule`` ("1f1b" or "afab", see ``parallel.pipeline``) travels with the sizes: it
-    is part of the same plan (it sets how many micro-batches a stage holds), not of the grid."""
+    is part of the same plan (it sets how many micro-batches a stage holds), not of the grid; so
+    does ``sequence_parallel`` (the TP group also splits the sequence outside its GEMMs;
+    Korthikanti et al. 2022, ``parallel.sequence_parallel``), which needs tp > 1; and
+    ``virtual_stages`` (model chunks per pipeline rank: v > 1 is the interleaved 1F1B schedule,
+    ``parallel.pipeline_schedules``), which needs pp > 1."""
 
     tp: int = 1
     pp: int = 1
     dp: int | None = None
     pipeline_schedule: str = "1f1b"
+    sequence_parallel: bool = False
+    virtual_stages: int = 1
 
     def resolve(self, world_size: int) -> "ParallelDims":
         """Validate the sizes against ``world_size`` and fill in ``dp``; raises before any collective."""
@@ -48,6 +54,18 @@ class ParallelDims:
                 raise ValueError(f"parallel.{name}={value!r}: must be a positive integer")
         if world_size < 1:
             raise ValueError(f"world_size={world_size}: must be >= 1")
+        v = self.virtual_stages
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"parallel.virtual_stages={v!r}: must be a positive integer (1: no interleaving)")
+        if v > 1 and (self.pp < 2 or self.pipeline_schedule != "1f1b"):
+            raise ValueError(f"parallel.virtual_stages={v} is the interleaved 1F1B schedule: it needs parallel.pp >= 2 "
+                             f"and parallel.pipeline_schedule=1f1b (got pp={self.pp}, "
+                             f"{self.pipeline_schedule}); set those or virtual_stages=1")
+        if not isinstance(self.sequence_parallel, bool):
+            raise ValueError(f"parallel.sequence_parallel={self.sequence_parallel!r}: must be true or false")
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("parallel.sequence_parallel=true with parallel.tp=1: there is no TP group to split "
+                             "the sequence over; set parallel.tp > 1 or turn sequence_parallel off")
         mp = self.tp * self.pp
         if world_size % mp:
             raise ValueError(f"parallel.tp*parallel.pp={self.tp}*{self.pp}={mp} does not divide the {world_size} "

@@ -3,9 +3,11 @@
 Four mechanisms, all owned by the ``Grid`` and used by every collective and p2p transfer:
 
 * **Sequence numbers and call sites.** Each rank counts its collectives per group (its p2p
-  transfers per pair of ranks) and remembers the last one's call site (the first frame outside
-  ``zerotron/parallel``), and which of them are still in flight.
-* **Heartbeats.** A daemon thread publishes ``(time, counts, in-flight ops, last call site,
+  transfers per pair of ranks) and remembers the last one (op, group, number, shape, dtype) and
+  which of them are still in flight. Its call site (the first frame outside ``zerotron/parallel``)
+  is added in debug mode only: walking the stack on every collective costs microseconds a TP
+  all-reduce on NVLink does not have.
+* **Heartbeats.** A daemon thread publishes ``(time, counts, in-flight ops, last collective,
   verdict)`` to the rendezvous store every ``heartbeat_s``. When a collective fails -- gloo
   raises at once when a peer process dies and after the group's timeout when a peer is stuck --
   ``diagnose`` reads the heartbeats and names the culprit: *dead or frozen* (heartbeat stopped)
@@ -164,10 +166,12 @@ class Health:
             members = tuple(sorted((self.rank, peer)))
             key = f"{group.name}:{members[0]}-{members[1]}"
         self.counts[key] = self.counts.get(key, 0) + 1
-        site = call_site()
         shape = tuple(tensor.shape) if tensor is not None else ()
         dtype = str(tensor.dtype).replace("torch.", "") if tensor is not None else "-"
-        self.last = f"{op} on {key} #{self.counts[key]} shape={shape} dtype={dtype} at {site}"
+        self.last = f"{op} on {key} #{self.counts[key]} shape={shape} dtype={dtype}"
+        if self.check_sequence:
+            site = call_site()
+            self.last += f" at {site}"
         with self._lock:
             if self._current is None:
                 self._current = _Op()
@@ -194,6 +198,13 @@ class Health:
                 self._inflight.remove(op)
             if len(self._inflight) > 256:  # without a heartbeat thread nobody else prunes
                 self._pending()
+
+    def completed(self, probe) -> None:
+        """The issuing code has waited for ``probe`` (the work, or list of works, given to ``issued``):
+        forget its op now, not at the next prune -- a torch Work keeps its tensors alive, and a
+        pipeline's sent outputs and received activations must go when they are done with."""
+        with self._lock:
+            self._inflight = [op for op in self._inflight if op.probe is not probe]
 
     def _pending(self) -> list[_Op]:
         """Ops still in flight, oldest first; completed ones are dropped (call under the lock),

@@ -97,9 +97,10 @@ def stream(device: torch.device):
     return torch.cuda.Stream(device=device)
 
 
-def event():
-    """A CUDA event to record, or None under a dry run (callers treat None as already complete)."""
-    return None if _state.simulated else torch.cuda.Event()
+def event(enable_timing: bool = False):
+    """A CUDA event to record, or None under a dry run (callers treat None as already complete).
+    ``enable_timing``: for ``elapsed_time`` (the pipeline's compute clock)."""
+    return None if _state.simulated else torch.cuda.Event(enable_timing=enable_timing)
 
 
 def pinned(device: torch.device) -> bool:

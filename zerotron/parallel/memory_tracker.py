@@ -51,6 +51,7 @@ class MemoryTracker(TorchDispatchMode):
         self._refs: dict[int, weakref.ref] = {}  # keeps the weak references (and their callbacks) alive
         self.current: dict[str, int] = defaultdict(int)
         self.peak_bytes, self.peak_by_category = 0, dict.fromkeys(CATEGORIES, 0)
+        self.category_peaks = dict.fromkeys(CATEGORIES, 0)  # each category's own highest, at any moment
         self.by_phase: dict[str, int] = {}
         self._phase: str | None = None
         self._phase_peak = 0
@@ -98,6 +99,8 @@ class MemoryTracker(TorchDispatchMode):
 
     def _add(self, category: str, nbytes: int) -> None:
         self.current[category] += nbytes
+        if self.current[category] > self.category_peaks.get(category, 0):
+            self.category_peaks[category] = self.current[category]
         total = self.total()
         if total > self._phase_peak:
             self._phase_peak = total
@@ -152,4 +155,5 @@ class MemoryTracker(TorchDispatchMode):
         """Start a new measurement window from what is alive now (keeps tracking the live storages)."""
         self.peak_bytes = self.total()
         self.peak_by_category = self.breakdown()
+        self.category_peaks = self.breakdown()
         self.by_phase = {}

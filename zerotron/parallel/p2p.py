@@ -1,8 +1,9 @@
 """Point-to-point transfers between pipeline stages, counted like the collectives.
 
 ``send``/``recv`` block; ``batch`` posts several sends and receives at once
-(``torch.distributed.batch_isend_irecv``) so a stage can exchange with both neighbours without
-ordering deadlocks -- the pattern the 1F1B schedule needs.
+(``torch.distributed.batch_isend_irecv``: one NCCL group) so a stage can exchange with both
+neighbours without ordering deadlocks, and returns at once: the pipeline schedules post the
+next micro-batch's transfers before computing the current one (``pipeline_schedules``).
 """
 
 from __future__ import annotations
@@ -61,8 +62,9 @@ def batch(ops: list[P2POp], group: Group) -> Handle:
         works = dist.batch_isend_irecv(torch_ops)
     except RuntimeError as e:
         raise _explain("p2p", group, e) from e
+    works = list(works)
     if group.health is not None:
-        group.health.issued(list(works), ops[0].tensor)
+        group.health.issued(works, ops[0].tensor)
 
     def finish():
         try:
@@ -70,6 +72,8 @@ def batch(ops: list[P2POp], group: Group) -> Handle:
                 w.wait()
         except RuntimeError as e:
             raise _explain("p2p", group, e) from e
+        if group.health is not None:  # the works hold the buffers: let them go with the handle
+            group.health.completed(works)
         return [op.tensor for op in ops]
 
     return Handle(finish=finish)

@@ -1,43 +1,50 @@
-"""Pipeline-parallel training step: 1F1B and all-forward-all-backward (AFAB) schedules.
+"""Pipeline-parallel training and evaluation steps: run this rank's program of the AFAB, 1F1B or
+interleaved 1F1B schedule (``pipeline_schedules``), exchanging activations and gradients with
+its neighbours in ``grid.pp_group``.
 
-The model is cut into ``pp`` stages by layers; each rank runs its stage on ``m`` micro-batches
-and exchanges activations (forward) and their gradients (backward) with its neighbours in
-``grid.pp_group``. Shapes are fixed up front, ``(micro_batch, seq, hidden)``, so no shape is
-ever sent. Every transfer is a ``p2p.batch`` (``batch_isend_irecv``), counted in the grid's
-``CommStats``; sends and receives of one exchange are posted together so neighbours never
-deadlock on the order of blocking calls.
+The stage is one callable, or ``v`` model chunks (``stage.pipeline_chunks()`` or a list):
+``chunk(token_ids)`` on virtual stage 0, ``chunk(hidden)`` elsewhere, ``chunk(x, labels)`` on the
+last virtual stage returning the micro-batch's mean loss. Shapes are fixed up front,
+``(micro_batch, seq, hidden)``, so no shape is ever sent.
 
-* **AFAB** (GPipe): m forwards, then m backwards. Simple; holds all m micro-batches' activations.
-* **1F1B** (PipeDream-Flush / Megatron-LM §2.2): stage ``r`` runs ``pp - r - 1`` warm-up
-  forwards, then alternates one forward and one backward, then drains the remaining backwards.
-  Same bubble, (pp-1)/(m+pp-1) of the step, but at most ``pp - r`` micro-batches in flight.
+Transfers are ``p2p.batch`` (``batch_isend_irecv``), posted asynchronously where the program
+says, so the input of the next micro-batch travels while this rank computes another. Before each
+compute the rank completes the batches ``pipeline_schedules.waits`` names: the one holding the
+compute's own receive, those posted before the previous compute and, when outputs are freed,
+the activation just sent (``pipeline_sim`` proves the placement and these waits deadlock-free
+under NCCL's in-order stream, with the formula bubble).
 
-The stage is any module: ``stage(token_ids)`` on the first stage, ``stage(hidden)`` otherwise;
-``stage(x, labels)`` on the last stage returns the micro-batch's mean loss. Optimizer contract
-(duck-typed, ``zerotron.parallel`` imports nothing above it): ``scale_loss``, ``no_sync()``,
-``reduce_gradients()``, and optionally ``pipeline_backward(tensors, grad_tensors)``, which then
-runs every micro-batch's backward. All backwards run inside ``no_sync()`` -- gradients accumulate
+Every output is **freed** once sent (Megatron's ``deallocate_output_tensor``): autograd needs the
+output's ``grad_fn``, not its values, so its storage is swapped for one element broadcast to its
+shape -- the backward call still sees the right shape -- and the memory goes when the send lets go
+of it, which the next compute waits for (gloo cannot tell a send is done otherwise). A stage's
+peak then holds ``(in flight - 1) x b·s·h`` fewer elements, the output being computed being the
+one left (``scripts/bench/pipeline.py`` measures it).
+
+Optimizer contract (duck-typed, ``zerotron.parallel`` imports nothing above it): ``scale_loss``,
+``no_sync()``, ``reduce_gradients()``, and optionally ``pipeline_backward(tensors, grad_tensors)``,
+which then runs every backward. All backwards run inside ``no_sync()`` -- gradients accumulate
 locally over the micro-batches, except that ZeRO stage 2's ``pipeline_backward`` reduces each
-backward's buckets into the gradient partition, so Pos+g (ZeRO §5.2) keeps no full gradient
-across micro-batches -- then ``after_backward()`` (e.g. the tied-embedding all-reduce), then one
+backward's buckets into the gradient partition, so Pos+g (ZeRO §5.2) keeps no full gradient across
+micro-batches -- then ``after_backward()`` (the tied-embedding all-reduce), then one
 ``reduce_gradients()``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
-from torch import nn
 
 from zerotron.parallel import collectives as C
 from zerotron.parallel import p2p
 from zerotron.parallel.grid import Grid
-
-SCHEDULES = ("1f1b", "afab")
+from zerotron.parallel.pipeline_clock import Clock
+from zerotron.parallel.pipeline_schedules import (SCHEDULES, Batch, Op, check_schedule,  # noqa: F401
+                                                  microbatches_in_flight, program, waits)
 
 
 @dataclass
@@ -46,183 +53,200 @@ class StepOutput:
     a 0-dim tensor on the stage's device, never read here (``host_sync``: the trainer reads it
     when it logs, so the schedule queues its work without waiting for the device).
 
-    ``compute_s``: time this stage spent in forward/backward; ``wall_s``: the whole schedule
-    (including ``after_backward`` and the gradient reduction). ``1 - compute_s / wall_s`` is the
-    stage's measured idle (bubble) fraction.
+    ``compute_s``: time this rank spent in forwards/backwards; ``wall_s``: the whole schedule
+    (with ``after_backward`` and the gradient reduction); ``1 - compute_s / wall_s`` is the rank's
+    measured bubble. On a GPU both come from CUDA events, resolved (one host sync) when first read.
     """
 
     loss: torch.Tensor
-    compute_s: float
-    wall_s: float
+    clock: Clock
+
+    @property
+    def compute_s(self) -> float:
+        return self.clock.compute_s()
+
+    @property
+    def wall_s(self) -> float:
+        return self.clock.wall_s()
 
 
-class _Stage:
-    """This rank's stage: its forward/backward on one micro-batch and the exchanges with neighbours."""
+def stage_chunks(stage) -> list[Callable]:
+    """The model chunks of a stage: a list as given, ``stage.pipeline_chunks()``, or the stage itself."""
+    if isinstance(stage, (list, tuple)):
+        return list(stage)
+    chunks = getattr(stage, "pipeline_chunks", None)
+    return list(chunks()) if callable(chunks) else [stage]
 
-    def __init__(self, stage: nn.Module, microbatches, grid: Grid, shape, dtype, device, optimizer):
-        self.stage, self.mbs, self.grid, self.opt = stage, microbatches, grid, optimizer
-        self.shape, self.dtype, self.device = tuple(shape), dtype, device
-        self.first, self.last = grid.is_first_stage, grid.is_last_stage
-        self.m = len(microbatches)
-        self.loss_sum = torch.zeros((), dtype=torch.promote_types(dtype, torch.float32), device=device)
-        self.compute_s = 0.0
-        self._fwd = self._bwd = 0  # next micro-batch index to run forward / backward
 
-    # exchanges with neighbours (one batched p2p each) -----------------------------------------------
-    def _empty(self) -> torch.Tensor:
-        return torch.empty(self.shape, dtype=self.dtype, device=self.device)
+def _release(out: torch.Tensor) -> None:
+    """Free ``out``'s values, keep its autograd node: one element, broadcast to the same shape."""
+    if out.requires_grad and out._base is None and out.numel() > 1:
+        out.data = torch.empty((), dtype=out.dtype, device=out.device).expand(out.shape)
 
-    def exchange(self, send_next=None, send_prev=None, recv_prev=False, recv_next=False):
-        """Post the given sends/receives together; returns (from_prev, from_next)."""
-        ops, got_prev, got_next = [], None, None
-        if send_next is not None and not self.last:
-            ops.append(p2p.P2POp("send", send_next.detach().contiguous(), self.grid.next_pp_rank))
-        if send_prev is not None and not self.first:
-            ops.append(p2p.P2POp("send", send_prev.contiguous(), self.grid.prev_pp_rank))
-        if recv_prev and not self.first:
-            got_prev = self._empty()
-            ops.append(p2p.P2POp("recv", got_prev, self.grid.prev_pp_rank))
-        if recv_next and not self.last:
-            got_next = self._empty()
-            ops.append(p2p.P2POp("recv", got_next, self.grid.next_pp_rank))
-        p2p.batch(ops, self.grid.pp_group).wait()
-        return got_prev, got_next
 
-    # compute -------------------------------------------------------------------------------------
-    def forward(self, received: torch.Tensor | None):
-        """Forward of the next micro-batch; returns (input kept for backward, output)."""
-        ids, labels = self.mbs[self._fwd]
-        self._fwd += 1
-        start = time.perf_counter()
-        x = ids if self.first else received.requires_grad_(True)
-        out = self.stage(x, labels) if self.last else self.stage(x)
-        if self.last:
-            self.loss_sum += out.detach().to(self.loss_sum.dtype)
-        self.compute_s += time.perf_counter() - start
-        return x, out
+class _Run:
+    """One rank's execution of its program: buffers, in-flight batches, the compute of each op."""
 
-    def backward(self, x: torch.Tensor, out: torch.Tensor, grad_out: torch.Tensor | None):
-        """Backward of the oldest micro-batch in flight; returns the gradient for the previous stage."""
-        self._bwd += 1
-        start = time.perf_counter()
+    def __init__(self, chunks, microbatches, grid: Grid, shape, dtype, device, optimizer, train: bool,
+                 free_outputs: bool, clock: Clock, memory):
+        self.chunks, self.mbs, self.grid, self.opt = chunks, microbatches, grid, optimizer
+        self.shape, self.dtype, self.device, self.train = tuple(shape), dtype, device, train
+        self.free, self.clock, self.mem = free_outputs and train, clock, memory
+        self.p, self.r, self.v, self.m = grid.pp_size, grid.pp_rank, len(chunks), len(microbatches)
+        acc = torch.promote_types(dtype, torch.float32) if train else torch.float64
+        self.loss_sum = torch.zeros((), dtype=acc, device=device)
+        self.received: dict[tuple, torch.Tensor] = {}  # (kind, chunk, mb) -> buffer of a posted receive
+        self.outgoing: dict[tuple, torch.Tensor] = {}  # (kind, chunk, mb) -> produced, not yet posted
+        self.kept: dict[tuple, tuple] = {}  # (chunk, mb) -> (input, output) from forward to backward
+        self.inflight: deque = deque()  # (batch number, Handle): posted, not yet waited for
+        self.posted = self.computes = 0
+        self.waits: list[int] = []  # per compute: the batch completed (with all before it) first
+
+    def _phase(self, name: str):
+        return self.mem.phase(name) if self.mem is not None else contextlib.nullcontext()
+
+    def _is_first(self, chunk: int) -> bool:
+        return chunk == 0 and self.r == 0
+
+    def _is_last(self, chunk: int) -> bool:
+        return chunk == self.v - 1 and self.r == self.p - 1
+
+    # transfers ----------------------------------------------------------------------------------
+    def post(self, batch: Batch) -> None:
+        ops, peers = [], self.grid.pp_group.ranks
+        for msg in batch.msgs:
+            key = (msg.kind, msg.chunk, msg.mb)
+            if msg.send:
+                ops.append(p2p.P2POp("send", self.outgoing.pop(key), peers[msg.peer]))
+                continue
+            with self._phase("forward" if msg.kind == "A" else "backward"):  # what the buffer will hold
+                buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+            self.received[key] = buf
+            ops.append(p2p.P2POp("recv", buf, peers[msg.peer]))
+        self.inflight.append((self.posted, p2p.batch(ops, self.grid.pp_group)))
+        self.posted += 1
+        if self.free:  # the send holds its own reference: the values live until it has gone out
+            for msg in batch.msgs:
+                if msg.send and msg.kind == "A":
+                    _release(self.kept[(msg.chunk, msg.mb)][1])
+
+    def _settle(self) -> None:
+        """Before a compute, complete the batches ``pipeline_schedules.waits`` names -- its own
+        receive, and sends old enough (their buffers, released outputs among them, go with them:
+        gloo cannot tell a send is done without waiting for it)."""
+        n = self.waits[self.computes]
+        while self.inflight and self.inflight[0][0] <= n:
+            self.inflight.popleft()[1].wait()
+        self.computes += 1
+
+    def finish(self) -> None:
+        while self.inflight:
+            self.inflight.popleft()[1].wait()
+        if self.received or self.outgoing or self.kept:
+            raise RuntimeError(f"pipeline program left work undone on pp rank {self.r}: received "
+                               f"{sorted(self.received)}, unsent {sorted(self.outgoing)}, kept {sorted(self.kept)}")
+
+    # compute ------------------------------------------------------------------------------------
+    def forward(self, op: Op) -> None:
+        c, i = op.chunk, op.mb
+        ids, labels = self.mbs[i]
+        self._settle()
+        x = ids if self._is_first(c) else self.received.pop(("A", c, i))
+        if self.train and not self._is_first(c):
+            x.requires_grad_(True)
+        with self.clock.compute(), self._phase("forward"):
+            out = self.chunks[c](x, labels) if self._is_last(c) else self.chunks[c](x)
+            if self._is_last(c):
+                self.loss_sum += out.detach().to(self.loss_sum.dtype)
+        if not self._is_last(c):
+            self.outgoing[("A", c, i)] = out.detach()
+        if self.train:
+            self.kept[(c, i)] = (x, out)
+
+    def backward(self, op: Op) -> None:
+        c, i = op.chunk, op.mb
+        x, out = self.kept.pop((c, i))
+        self._settle()
+        grad = None if self._is_last(c) else self.received.pop(("G", c, i))
         run = getattr(self.opt, "pipeline_backward", None) or torch.autograd.backward
-        if self.last:
-            loss = out / self.m  # global-batch mean = mean over micro-batches of their means
-            run(self.opt.scale_loss(loss) if self.opt is not None else loss)
-        else:
-            run(out, grad_out)
-        self.compute_s += time.perf_counter() - start
-        return None if self.first else x.grad
+        with self.clock.compute(), self._phase("backward"):
+            if grad is None:
+                loss = out / self.m  # global-batch mean = mean over micro-batches of their means
+                run(self.opt.scale_loss(loss) if self.opt is not None else loss)
+            else:
+                run(out, grad)
+        if not self._is_first(c):
+            self.outgoing[("G", c, i)] = x.grad
+
+    def run(self, prog: list) -> None:
+        self.waits = waits(prog, release_sends=self.free)
+        for item in prog:
+            if isinstance(item, Batch):
+                self.post(item)
+            elif item.kind == "F":
+                self.forward(item)
+            else:
+                self.backward(item)
+        self.finish()
 
 
-def _run_afab(st: _Stage) -> None:
-    """All forwards, then all backwards, oldest micro-batch first (GPipe)."""
-    in_flight = []
-    for _ in range(st.m):
-        x, _ = st.exchange(recv_prev=True)
-        x, out = st.forward(x)
-        st.exchange(send_next=out)
-        in_flight.append((x, out))
-    for _ in range(st.m):
-        x, out = in_flight.pop(0)
-        _, grad_out = st.exchange(recv_next=True)
-        st.exchange(send_prev=st.backward(x, out, grad_out))
-
-
-def _run_1f1b(st: _Stage) -> None:
-    """Warm-up forwards, steady one-forward-one-backward, cool-down backwards (Megatron-LM §2.2)."""
-    warmup = min(st.grid.pp_size - st.grid.pp_rank - 1, st.m)
-    steady = st.m - warmup
-    in_flight = []
-    for _ in range(warmup):  # fill the pipeline
-        x, _ = st.exchange(recv_prev=True)
-        x, out = st.forward(x)
-        st.exchange(send_next=out)
-        in_flight.append((x, out))
-    received = st.exchange(recv_prev=True)[0] if steady else None
-    for i in range(steady):  # steady state: our forward's output goes down as the gradient comes up
-        x, out = st.forward(received)
-        _, grad_out = st.exchange(send_next=out, recv_next=True)
-        in_flight.append((x, out))
-        x, out = in_flight.pop(0)
-        grad_in = st.backward(x, out, grad_out)
-        last = i == steady - 1
-        received, _ = st.exchange(send_prev=grad_in, recv_prev=not last)
-    for _ in range(warmup):  # drain
-        x, out = in_flight.pop(0)
-        _, grad_out = st.exchange(recv_next=True)
-        st.exchange(send_prev=st.backward(x, out, grad_out))
-
-
-def train_step(stage: nn.Module, microbatches: Sequence, grid: Grid, shape: Sequence[int], *,
-               schedule: str = "1f1b", optimizer=None, after_backward: Callable[[], None] | None = None,
-               dtype: torch.dtype = torch.float32, device=None) -> StepOutput:
-    """Forward and backward of one global batch through the pipeline; does not step the optimizer.
-
-    ``microbatches``: ``m`` pairs ``(token_ids, labels)`` -- ids are read on the first stage,
-    labels on the last (other entries may be None). ``shape``: ``(micro_batch, seq, hidden)`` of
-    the activations exchanged between stages, in ``dtype``. With ``optimizer`` (the ZeRO front or
-    anything with ``scale_loss``/``no_sync``/``reduce_gradients``) gradients are reduced once at
-    the end (or per micro-batch by its ``pipeline_backward``); without one they are left in
-    ``.grad`` for the caller to reduce over DP.
-    The loss is averaged over DP on the last stage and broadcast to every rank of its pipeline.
-    """
-    if schedule not in SCHEDULES:
-        raise ValueError(f"parallel.pipeline_schedule={schedule!r}: use one of {SCHEDULES}")
+def _check(schedule, microbatches, shape, grid, v) -> None:
     if len(microbatches) < 1:
         raise ValueError("train_step: num_microbatches must be >= 1 (got an empty list of micro-batches)")
     if len(shape) != 3 or not all(isinstance(d, int) and d > 0 for d in shape):
         raise ValueError(f"train_step: shape={tuple(shape)!r} must be (micro_batch, seq, hidden), positive ints")
+    check_schedule(schedule, grid.pp_size, len(microbatches), v)
+
+
+def train_step(stage, microbatches: Sequence, grid: Grid, shape: Sequence[int], *, schedule: str = "1f1b",
+               optimizer=None, after_backward: Callable[[], None] | None = None, dtype: torch.dtype = torch.float32,
+               device=None, free_outputs: bool = True, memory=None) -> StepOutput:
+    """Forward and backward of one global batch through the pipeline; does not step the optimizer.
+
+    ``microbatches``: ``m`` pairs ``(token_ids, labels)`` -- ids are read on virtual stage 0,
+    labels on the last (other entries may be None). ``shape``: ``(micro_batch, seq, hidden)`` of
+    the activations exchanged, in ``dtype``. With ``optimizer`` (the ZeRO front or anything with
+    ``scale_loss``/``no_sync``/``reduce_gradients``) gradients are reduced once at the end (or per
+    micro-batch by its ``pipeline_backward``); without one they are left in ``.grad``.
+    ``memory``: anything with ``phase(name)`` (a ``MemoryTracker``): each forward and backward
+    runs in its phase, so what a forward leaves alive is counted as activations.
+    The loss is averaged over DP on the last stage and broadcast to every rank of its pipeline.
+    """
+    chunks = stage_chunks(stage)
+    _check(schedule, microbatches, shape, grid, len(chunks))
     if grid.pp_size > 1 and getattr(optimizer, "stage", 0) == 3:
         raise ValueError("zero.stage=3 with parallel.pp>1 is not supported (each stage would re-gather its "
                          "parameters for every micro-batch in flight); use zero.stage<=2 with pipelines")
     device = torch.device("cpu") if device is None else torch.device(device)
-    st = _Stage(stage, microbatches, grid, shape, dtype, device, optimizer)
-    start = time.perf_counter()
+    clock = Clock(device)
+    run = _Run(chunks, microbatches, grid, shape, dtype, device, optimizer, True, free_outputs, clock, memory)
+    prog = program(schedule, grid.pp_size, grid.pp_rank, len(microbatches), len(chunks))
     sync = optimizer.no_sync() if optimizer is not None else contextlib.nullcontext()
     with sync:
-        (_run_1f1b if schedule == "1f1b" else _run_afab)(st)
+        run.run(prog)
     if after_backward is not None:
         after_backward()
     if optimizer is not None:
         optimizer.reduce_gradients()
-    loss = st.loss_sum / st.m
+    loss = run.loss_sum / run.m
     if grid.is_last_stage:  # the global batch's loss: average over the data-parallel replicas
         C.all_reduce(loss, grid.dp_group, op="avg")
     C.broadcast(loss, grid.pp_group.ranks[-1], grid.pp_group)
-    return StepOutput(loss, st.compute_s, time.perf_counter() - start)
-
-
-def microbatches_in_flight(schedule: str, pp_size: int, pp_rank: int, num_microbatches: int) -> int:
-    """Most forwards whose backward has not run yet on this stage: the activations it must hold.
-
-    AFAB holds all m; 1F1B holds its warm-up forwards plus one, ``min(pp - pp_rank, m)``, which
-    is why it is the default (activation checkpointing sizes its buffers with this).
-    """
-    if schedule not in SCHEDULES:
-        raise ValueError(f"parallel.pipeline_schedule={schedule!r}: use one of {SCHEDULES}")
-    return num_microbatches if schedule == "afab" else min(pp_size - pp_rank, num_microbatches)
+    clock.stop()
+    return StepOutput(loss, clock)
 
 
 @torch.no_grad()
-def eval_step(stage: nn.Module, microbatches: Sequence, grid: Grid, shape: Sequence[int], *,
+def eval_step(stage, microbatches: Sequence, grid: Grid, shape: Sequence[int], *,
               dtype=torch.float32, device=None) -> torch.Tensor:
-    """Forward-only pass of ``m`` micro-batches through the pipeline; mean loss on every pp rank,
-    as a 0-dim float64 tensor on ``device`` (the caller reads it once per evaluation,
-    ``host_sync.read``, instead of once per call).
-
-    No backward, so no schedule is needed: each stage receives, computes and sends one
-    micro-batch at a time (blocking p2p, which cannot deadlock in a chain).
-    """
-    total = torch.zeros(1, dtype=torch.float64, device=device)
-    for ids, labels in microbatches:
-        x = ids
-        if not grid.is_first_stage:
-            x = p2p.recv(torch.empty(tuple(shape), dtype=dtype, device=device), grid.prev_pp_rank, grid.pp_group)
-        out = stage(x, labels) if grid.is_last_stage else stage(x)
-        if grid.is_last_stage:
-            total += out.double()
-        else:
-            p2p.send(out, grid.next_pp_rank, grid.pp_group)
+    """Forward-only pass of ``m`` micro-batches through the pipeline (every chunk, in the schedule's
+    forward order); mean loss on every pp rank, as a 0-dim float64 tensor on ``device`` (the
+    caller reads it once per evaluation, ``host_sync.read``, instead of once per call)."""
+    chunks = stage_chunks(stage)
+    _check("1f1b", microbatches, shape, grid, len(chunks))
+    device = torch.device("cpu") if device is None else torch.device(device)
+    run = _Run(chunks, microbatches, grid, shape, dtype, device, None, False, False, Clock(device), None)
+    run.run(program("1f1b", grid.pp_size, grid.pp_rank, len(microbatches), len(chunks), forward_only=True))
+    total = run.loss_sum.reshape(1)
     C.broadcast(total, grid.pp_group.ranks[-1], grid.pp_group)
-    return total[0] / max(len(microbatches), 1)
+    return total[0] / len(microbatches)

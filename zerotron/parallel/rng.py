@@ -1,4 +1,4 @@
-"""Two random streams for tensor parallelism (Megatron-LM Appendix B.2).
+"""The random streams of tensor and sequence parallelism (Megatron-LM Appendix B.2).
 
 Dropout *outside* a TP region acts on activations that every TP rank holds in full (the
 residual stream after g, the embedding output); the ranks must drop the same elements or their
@@ -7,11 +7,19 @@ TP group. Dropout *inside* a TP region (attention probabilities, whose heads are
 ranks) must differ per rank, or every rank's heads would share one mask; that stream is a
 second, per-rank generator state which ``fork()`` swaps in for the duration of a block of code.
 
+With sequence parallelism (Korthikanti et al. 2022, arXiv 2205.05198) the residual stream and
+the embedding output are split along the sequence, so each rank's dropout there acts on
+different tokens and must draw its own mask: a third, per-rank stream, ``fork("sp")``. Megatron
+draws these masks from its TP-region stream; a separate stream keeps the attention-probability
+masks the very bits a TP run without sequence parallelism draws (the ``"tp"`` stream is advanced
+by exactly the same draws), so the two layouts can be compared mask for mask where they agree.
+
 Seeds follow Megatron-LM (``_set_random_seed`` / ``model_parallel_cuda_manual_seed``):
 shared = seed + 100 * pp_rank (stages do not reuse a stream), TP-region = shared + 2718 +
-tp_rank. ``get_states()`` / ``set_states()`` snapshot both streams (CPU, and CUDA when it is
-initialised) so activation recompute (ZeRO-R Pa, Megatron's checkpointing) replays exactly the
-same masks, and checkpoints can resume the streams.
+tp_rank; the sequence-parallel region = TP-region + 2**20 (no collision below a million stages
+or TP ranks). ``get_states()`` / ``set_states()`` snapshot every stream (CPU, and CUDA when it is
+initialised) so activation recompute (ZeRO-R Pa, Megatron's checkpointing, selective recompute)
+replays exactly the same masks, and checkpoints can resume the streams.
 """
 
 from __future__ import annotations
@@ -25,6 +33,8 @@ from zerotron.parallel import host_sync
 
 TP_SEED_OFFSET = 2718
 PP_SEED_STRIDE = 100
+SP_SEED_OFFSET = 1 << 20
+STREAMS = ("tp", "sp")  # the per-rank streams ``fork`` swaps in; "shared" is torch's default generator
 
 
 def _cuda_ready() -> bool:
@@ -32,27 +42,26 @@ def _cuda_ready() -> bool:
 
 
 class TPRNG:
-    """Tracks the per-rank TP-region stream; the default torch generator is the TP-shared stream."""
+    """Tracks the per-rank streams (TP region, sequence-parallel region); the default torch
+    generator is the TP-shared stream."""
 
     def __init__(self) -> None:
-        self._tp_cpu: torch.Tensor | None = None
-        self._tp_cuda: torch.Tensor | None = None
-        self._tp_seed: int | None = None
+        self._cpu: dict[str, torch.Tensor] = {}
+        self._cuda: dict[str, torch.Tensor | None] = {}
+        self._seeds: dict[str, int] = {}
         self.shared_seed: int | None = None
 
     # seeding -----------------------------------------------------------------------------------
     def seed(self, seed: int, grid) -> None:
-        """Seed both streams for this rank: shared on the default generator, per-rank for ``fork()``."""
+        """Seed every stream for this rank: shared on the default generator, per-rank for ``fork()``."""
         if not isinstance(seed, int) or seed < 0:
             raise ValueError(f"seed={seed!r}: must be a non-negative integer")
         self.shared_seed = seed + PP_SEED_STRIDE * grid.pp_rank
-        self._tp_seed = self.shared_seed + TP_SEED_OFFSET + grid.tp_rank
+        tp_seed = self.shared_seed + TP_SEED_OFFSET + grid.tp_rank
+        self._seeds = {"tp": tp_seed, "sp": tp_seed + SP_SEED_OFFSET}
         torch.manual_seed(self.shared_seed)  # seeds CPU and every CUDA device
-        g = torch.Generator().manual_seed(self._tp_seed)
-        self._tp_cpu = g.get_state()
-        self._tp_cuda = None
-        if _cuda_ready():
-            self._tp_cuda = self._fresh_cuda_state(self._tp_seed)
+        self._cpu = {k: torch.Generator().manual_seed(v).get_state() for k, v in self._seeds.items()}
+        self._cuda = {k: (self._fresh_cuda_state(v) if _cuda_ready() else None) for k, v in self._seeds.items()}
 
     @staticmethod
     def _fresh_cuda_state(seed: int) -> torch.Tensor:
@@ -63,63 +72,72 @@ class TPRNG:
         return state
 
     def _require_seeded(self) -> None:
-        if self._tp_cpu is None:
+        if not self._cpu:
             raise RuntimeError("TPRNG used before seed(seed, grid); call model.rng.seed(...) first")
 
-    # the TP-region stream ----------------------------------------------------------------------
+    def _cuda_state(self, stream: str) -> torch.Tensor:
+        if self._cuda.get(stream) is None:  # CUDA came up after seed(): derive its stream now
+            self._cuda[stream] = self._fresh_cuda_state(self._seeds[stream])
+        return self._cuda[stream]
+
+    # the per-rank streams ----------------------------------------------------------------------
     @contextlib.contextmanager
-    def fork(self) -> Iterator[None]:
-        """Run the body on the per-rank TP-region stream, then restore the shared stream.
+    def fork(self, stream: str = "tp") -> Iterator[None]:
+        """Run the body on a per-rank stream (``"tp"``: TP region, ``"sp"``: sequence-parallel
+        region), then restore the shared stream.
 
         Both the CPU and (if initialised) the current CUDA default generators are swapped, so
         dropout on either device draws from the per-rank stream, and the shared stream resumes
         exactly where it stopped -- it is not advanced by anything drawn inside.
         """
         self._require_seeded()
+        if stream not in STREAMS:
+            raise ValueError(f"TPRNG.fork({stream!r}): use one of {STREAMS}")
         if host_sync.simulated():  # a dry run draws nothing: fake tensors hold no values
             yield
             return
         cuda = _cuda_ready()
-        if cuda and self._tp_cuda is None:  # CUDA came up after seed(): derive its stream now
-            self._tp_cuda = self._fresh_cuda_state(self._tp_seed)
         shared_cpu = torch.get_rng_state()
         shared_cuda = torch.cuda.get_rng_state() if cuda else None
-        torch.set_rng_state(self._tp_cpu)
+        torch.set_rng_state(self._cpu[stream])
         if cuda:
-            torch.cuda.set_rng_state(self._tp_cuda)
+            torch.cuda.set_rng_state(self._cuda_state(stream))
         try:
             yield
         finally:
-            self._tp_cpu = torch.get_rng_state()
+            self._cpu[stream] = torch.get_rng_state()
             torch.set_rng_state(shared_cpu)
             if cuda:
-                self._tp_cuda = torch.cuda.get_rng_state()
+                self._cuda[stream] = torch.cuda.get_rng_state()
                 torch.cuda.set_rng_state(shared_cuda)
 
     # snapshots ---------------------------------------------------------------------------------
     def get_states(self) -> dict[str, torch.Tensor]:
-        """Copies of every stream: ``shared_cpu``, ``tp_cpu`` and, with CUDA, ``shared_cuda``, ``tp_cuda``."""
+        """Copies of every stream: ``shared_cpu``, ``tp_cpu``, ``sp_cpu`` and, with CUDA,
+        ``shared_cuda``, ``tp_cuda``, ``sp_cuda``."""
         self._require_seeded()
         if host_sync.simulated():
             return {}
-        states = {"shared_cpu": torch.get_rng_state(), "tp_cpu": self._tp_cpu.clone()}
+        states = {"shared_cpu": torch.get_rng_state()}
+        states.update({f"{k}_cpu": v.clone() for k, v in self._cpu.items()})
         if _cuda_ready():
-            if self._tp_cuda is None:
-                self._tp_cuda = self._fresh_cuda_state(self._tp_seed)
             states["shared_cuda"] = torch.cuda.get_rng_state()
-            states["tp_cuda"] = self._tp_cuda.clone()
+            states.update({f"{k}_cuda": self._cuda_state(k).clone() for k in STREAMS})
         return states
 
     def set_states(self, states: dict[str, torch.Tensor]) -> None:
-        """Restore streams captured by ``get_states()`` (keys it lacks are left as they are)."""
-        unknown = set(states) - {"shared_cpu", "tp_cpu", "shared_cuda", "tp_cuda"}
+        """Restore streams captured by ``get_states()`` (keys it lacks are left as they are: a
+        checkpoint written before the ``sp`` stream existed resumes the others)."""
+        known = {f"{k}_{d}" for k in ("shared", *STREAMS) for d in ("cpu", "cuda")}
+        unknown = set(states) - known
         if unknown:
             raise ValueError(f"set_states: unknown RNG state keys {sorted(unknown)}")
         if "shared_cpu" in states:
             torch.set_rng_state(states["shared_cpu"])
-        if "tp_cpu" in states:
-            self._tp_cpu = states["tp_cpu"].clone()
         if "shared_cuda" in states and _cuda_ready():
             torch.cuda.set_rng_state(states["shared_cuda"])
-        if "tp_cuda" in states:
-            self._tp_cuda = states["tp_cuda"].clone()
+        for k in STREAMS:
+            if f"{k}_cpu" in states:
+                self._cpu[k] = states[f"{k}_cpu"].clone()
+            if f"{k}_cuda" in states:
+                self._cuda[k] = states[f"{k}_cuda"].clone()

@@ -103,8 +103,36 @@ def init_distributed(timeout_s: float | None = None) -> DistEnv:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(_free_port()))
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-        dist.init_process_group(backend=backend, timeout=collective_timeout(timeout_s))
+        timeout = collective_timeout(timeout_s)
+        store = _restart_store(timeout)
+        if store is None:
+            dist.init_process_group(backend=backend, timeout=timeout)
+        else:
+            dist.init_process_group(backend=backend, store=store, rank=int(os.environ["RANK"]),
+                                    world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
     return DistEnv(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
+
+
+def _restart_store(timeout: datetime.timedelta):
+    """The rendezvous store of a ``torchrun --max-restarts`` restart, under a prefix of its own.
+
+    torchrun shares its rendezvous TCPStore with the workers (``TORCHELASTIC_USE_AGENT_STORE``)
+    and keeps the same store across restarts, so a restarted worker can read the previous
+    attempt's gloo/NCCL addresses and fail in ``init_process_group`` with "connection refused"
+    (pytorch/pytorch#135712; every TP 2 x PP 2 restart in scripts/drill.py did). With one agent
+    (one node) ``TORCHELASTIC_RESTART_COUNT`` is the same on every worker, so
+    ``restart_<n>/`` isolates each attempt (the heartbeats of ``parallel.health`` included).
+    Several agents may count differently (a node that only saw others fail restarts without
+    counting), so there this returns None: give torchrun ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``
+    (a fresh store per attempt) instead."""
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or restart == 0:
+        return None
+    if os.environ.get("GROUP_WORLD_SIZE", "1") != "1":
+        return None
+    base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                         timeout=timeout)
+    return dist.PrefixStore(f"zerotron/restart_{restart}", base)  # keys: zerotron/restart_<n>/<key>
 
 
 def shutdown() -> None:

@@ -23,6 +23,7 @@ from torch import nn
 
 from zerotron.parallel import host_sync
 from zerotron.parallel.grid import Grid
+from zerotron.parallel.sequence_parallel import gather_linear, reduce_scatter_to_sequence_region, tp_summed
 from zerotron.parallel.shard_info import ShardInfo, set_shard_info, shard_info
 from zerotron.parallel.tp_mappings import (
     copy_to_tp_region,
@@ -180,21 +181,27 @@ class ColumnParallelLinear(nn.Module):
 
     Megatron-LM §3: the input passes f (identity forward, all-reduce backward), so a following
     nonlinearity (GeLU) or per-head attention runs locally without communication. The weight is
-    stored [out/tp, in] (``tp_split_dim=0``), as is the bias.
+    stored [out/tp, in] (``tp_split_dim=0``), as is the bias. With ``sequence_parallel`` the
+    input is this rank's s/t of a sequence-first [s, b, in] and is all-gathered instead of
+    passing f (``sequence_parallel.gather_linear``).
     """
 
     def __init__(self, in_features: int, out_features: int, grid: Grid, bias: bool = True,
-                 gather_output: bool = False, dtype=torch.float32, device=None):
+                 gather_output: bool = False, dtype=torch.float32, device=None, sequence_parallel: bool = False):
         super().__init__()
         self.group = grid.tp_group
         self.in_features, self.out_features = in_features, out_features
         self.out_per_rank = _divide(out_features, grid.tp_size, "ColumnParallelLinear out_features")
         self.gather_output = gather_output
+        self.sequence_parallel = sequence_parallel and grid.tp_size > 1
         self.weight = tp_param((self.out_per_rank, in_features), 0, grid.tp_size, dtype, device)
         self.bias = tp_param((self.out_per_rank,), 0, grid.tp_size, dtype, device) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(copy_to_tp_region(x, self.group), self.weight, self.bias)
+        if self.sequence_parallel:
+            y = gather_linear(x, self.weight, self.bias, self.group)
+        else:
+            y = F.linear(copy_to_tp_region(x, self.group), self.weight, self.bias)
         return gather_from_tp_region(y, self.group) if self.gather_output else y
 
 
@@ -204,22 +211,28 @@ class RowParallelLinear(nn.Module):
     Megatron-LM §3: fed by a column-parallel layer (``input_is_parallel=True``) it needs no
     communication on its input; its output is all-reduced (g: all-reduce forward, identity
     backward) and only then is the replicated bias added, once. Weight [out, in/tp]
-    (``tp_split_dim=1``); bias replicated (``tp_split_dim=None``).
+    (``tp_split_dim=1``); bias replicated (``tp_split_dim=None``). With ``sequence_parallel``
+    the output is reduce-scattered along the sequence (dim 0) instead, each rank adding the bias
+    to its s/t tokens, the bias gradient summed over TP (``sequence_parallel.tp_summed``).
     """
 
     def __init__(self, in_features: int, out_features: int, grid: Grid, bias: bool = True,
-                 input_is_parallel: bool = True, dtype=torch.float32, device=None):
+                 input_is_parallel: bool = True, dtype=torch.float32, device=None, sequence_parallel: bool = False):
         super().__init__()
         self.group = grid.tp_group
         self.in_features, self.out_features = in_features, out_features
         self.in_per_rank = _divide(in_features, grid.tp_size, "RowParallelLinear in_features")
         self.input_is_parallel = input_is_parallel
+        self.sequence_parallel = sequence_parallel and grid.tp_size > 1
         self.weight = tp_param((out_features, self.in_per_rank), 1, grid.tp_size, dtype, device)
         self.bias = tp_param((out_features,), None, grid.tp_size, dtype, device) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.group)
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence_region(F.linear(x, self.weight), self.group)
+            return y if self.bias is None else y + tp_summed(self.bias, self.group)
         y = reduce_from_tp_region(F.linear(x, self.weight), self.group)
         return y if self.bias is None else y + self.bias
 
@@ -230,11 +243,15 @@ class VocabParallelEmbedding(nn.Module):
     Rank r holds rows [r·V/tp, (r+1)·V/tp). Ids outside that range look up row 0 and are zeroed,
     so after g (all-reduce) every rank holds the full embedding. ``num_embeddings`` must already
     be padded to a multiple of tp (``GPTConfig.padded_vocab_size``). Weight ``tp_split_dim=0``.
+    With ``sequence_parallel`` the ids come sequence-first ([s, b]) and the partial lookups are
+    reduce-scattered along the sequence instead: each rank keeps its s/t tokens' embeddings.
     """
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, grid: Grid, dtype=torch.float32, device=None):
+    def __init__(self, num_embeddings: int, embedding_dim: int, grid: Grid, dtype=torch.float32, device=None,
+                 sequence_parallel: bool = False):
         super().__init__()
         self.group = grid.tp_group
+        self.sequence_parallel = sequence_parallel and grid.tp_size > 1
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         per_rank = _divide(num_embeddings, grid.tp_size, "VocabParallelEmbedding num_embeddings")
         self.vocab_start = grid.tp_rank * per_rank
@@ -247,4 +264,6 @@ class VocabParallelEmbedding(nn.Module):
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local = (ids - self.vocab_start).masked_fill(outside, 0)
         out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence_region(out, self.group)
         return reduce_from_tp_region(out, self.group)

@@ -16,8 +16,14 @@ dimension and the whole tensor (each other's backward). They are used only when 
 layer for gathered output or gives it an unsplit input; the GPT never needs them on its hot path.
 
 All communication goes through ``zerotron.parallel.collectives`` so it is counted per group.
-Gradients are reduced into fresh tensors, never in place: an incoming gradient may be shared
-with another branch of the graph (a residual connection, say).
+Both all-reduces work in place, as Megatron's ``_reduce`` does, so neither makes a b×s×h copy:
+g's input is the fresh output of the row-parallel GEMM (or the masked embedding lookup), which
+no other op saved (``mark_dirty`` tells autograd, which then refuses a caller that did save it),
+and f's incoming gradient is the fresh input gradient of the column-parallel GEMM its output
+feeds. That is f's contract: its output feeds one GEMM (or other op whose backward makes a new
+gradient), never a residual add whose backward would hand the same gradient to a second branch.
+Every use in zerotron keeps it. g's caller sees its tensor summed, as with Megatron; a view or a
+leaf that wants a gradient (autograd forbids writing those) is reduced in a copy instead.
 """
 
 from __future__ import annotations
@@ -28,11 +34,18 @@ from zerotron.parallel import collectives as C
 from zerotron.parallel.grid import Group
 
 
-def _all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
-    if group.size == 1:
-        return x
-    out = x.contiguous().clone()
-    return C.all_reduce(out, group)
+def _all_reduce_(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """All-reduce ``x`` in place (a non-contiguous ``x`` is reduced in its contiguous copy). The
+    backend sees a detached alias: its work object may outlive the call on a worker thread, and
+    must not keep the autograd graph behind ``x`` alive with it."""
+    x = x.contiguous()
+    C.all_reduce(x.detach(), group)
+    return x
+
+
+def _reducible_in_place(x: torch.Tensor) -> bool:
+    """A tensor autograd lets g overwrite: contiguous, not a view, not a leaf that wants a gradient."""
+    return x.is_contiguous() and not x._is_view() and not (x.is_leaf and x.requires_grad)
 
 
 def _split_last(x: torch.Tensor, group: Group) -> torch.Tensor:
@@ -69,7 +82,7 @@ class _CopyToTPRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce(grad, ctx.group), None
+        return _all_reduce_(grad, ctx.group), None
 
 
 class _ReduceFromTPRegion(torch.autograd.Function):
@@ -77,7 +90,10 @@ class _ReduceFromTPRegion(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        return _all_reduce(x, group)
+        if _reducible_in_place(x):  # the GEMM's fresh output: reduce it where it is
+            ctx.mark_dirty(x)
+            return _all_reduce_(x, group)
+        return _all_reduce_(x.contiguous() if not x.is_contiguous() else x.clone(), group)
 
     @staticmethod
     def backward(ctx, grad):
@@ -116,7 +132,7 @@ def copy_to_tp_region(x: torch.Tensor, group: Group) -> torch.Tensor:
 
 
 def reduce_from_tp_region(x: torch.Tensor, group: Group) -> torch.Tensor:
-    """Megatron's g; a no-op when the TP group has one member."""
+    """Megatron's g (reduces ``x`` itself where autograd allows it); a no-op on one member."""
     return x if group.size == 1 else _ReduceFromTPRegion.apply(x, group)
 
 

@@ -40,7 +40,7 @@ def _worker(rank: int, world_size: int, store_path: str, conn, collective_timeou
 
         torch.set_num_threads(threads)
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                          ZEROTRON_DEVICE="cpu")
+                          ZEROTRON_DEVICE="cpu", ZEROTRON_JOB_ID=store_path)
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=collective_timeout))
@@ -71,8 +71,9 @@ def spawn(fn: Callable, world_size: int, *args: Any, timeout: float = DEFAULT_TI
 
     Raises ``RankFailure`` naming the failed rank(s), with their tracebacks, if any rank raises,
     dies, or does not finish within ``timeout`` seconds. Ranks in ``may_die`` (fault drills) may
-    exit without a result; theirs is then ``None``. The rendezvous file lives in a fresh folder
-    under ``store_dir`` (the system temp dir when None) and is removed afterwards.
+    exit without a result; theirs is then ``None``, and once every other rank has answered they are
+    not waited for (a frozen culprit is killed and reported ``None``). The rendezvous file lives in
+    a fresh folder under ``store_dir`` (the system temp dir when None) and is removed afterwards.
     """
     ctx = mp.get_context(start_method)
     if store_dir is not None:
@@ -93,6 +94,10 @@ def spawn(fn: Callable, world_size: int, *args: Any, timeout: float = DEFAULT_TI
     deadline = time.monotonic() + timeout
     try:
         while len(results) + len(errors) < world_size and not errors:
+            if all(r in results for r in range(world_size) if r not in may_die):
+                # the drill's verdict is in: a frozen or stalled culprit is not waited for
+                results.update({r: None for r in may_die if r not in results})
+                break
             if time.monotonic() > deadline:
                 missing = sorted(set(range(world_size)) - set(results) - set(errors))
                 raise RankFailure(f"timed out after {timeout:.0f}s; rank(s) {missing} never finished "

@@ -16,6 +16,7 @@ feature (a direct load with a new DP size).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -23,13 +24,23 @@ from typing import Any, Callable
 
 import torch
 
-from zerotron.parallel import collectives as C
 from zerotron.parallel.shard_info import shard_info
 from zerotron.training import faults
-from zerotron.training.checkpoint_io import (FORMAT_VERSION, OWNER, CheckpointError, ShardReader, atomic_write_json,
-                                             prune, read_metadata, resolve_load_path, step_dir, write_shard)
+from zerotron.training.checkpoint_agree import agree
+from zerotron.training.checkpoint_io import (FORMAT_VERSION, OWNER, CheckpointError, ShardReader, atomic_write_bytes,
+                                             atomic_write_json, prune, read_metadata, resolve_load_path, step_dir,
+                                             write_shard)
 
 MODEL_FIELDS = ("num_layers", "hidden_size", "num_heads", "vocab_size", "seq_length")
+TOKENIZER_FILE = "tokenizer.model"
+
+
+def _keep_tokenizer(tokenizer: str, directory: Path) -> dict[str, str]:
+    """Copy the run's tokenizer into the checkpoint and record where it came from and its SHA-256:
+    an export months later must not depend on a cache (the built-in corpus's) or a moved file."""
+    data = Path(tokenizer).read_bytes()
+    atomic_write_bytes(directory / TOKENIZER_FILE, data)
+    return {"path": str(Path(tokenizer).resolve()), "sha256": hashlib.sha256(data).hexdigest(), "file": TOKENIZER_FILE}
 
 
 def canonical_names(model: torch.nn.Module) -> dict[str, str]:
@@ -72,47 +83,63 @@ def shard_contents(model, opt, grid, rng_states: dict[str, torch.Tensor]) -> tup
 
 
 def save_checkpoint(save: str, step: int, model, opt, grid, *, consumed_samples: int, model_config: dict,
-                    run_config: dict, rng_states: dict[str, torch.Tensor], run_id: str, keep_last: int = 2) -> Path:
+                    run_config: dict, rng_states: dict[str, torch.Tensor], run_id: str, keep_last: int = 2,
+                    tokenizer: str | None = None) -> Path:
     """Write the checkpoint of ``step`` collectively; returns its directory (on every rank).
 
     ``run_id`` goes into the metadata (and into the ``.tmp`` directory while it is written), so
-    pruning deletes only checkpoints this run wrote.
+    pruning deletes only checkpoints this run wrote. ``tokenizer``: the run's sentencepiece model,
+    kept in the checkpoint (``_keep_tokenizer``).
     """
     final = step_dir(save, step)
     tmp = final.with_name(final.name + ".tmp")
+    error = None  # an OSError (full disk, quota, ...) stops every rank together: checkpoint_agree
     if grid.rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        (tmp / OWNER).write_text(run_id)
-    C.barrier(grid.world_group)
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            (tmp / OWNER).write_text(run_id)
+        except OSError as e:
+            error = e
+    agree(error, grid, opt.device, tmp, step)
     tensors, meta, state = shard_contents(model, opt, grid, rng_states)
     filename = f"rank_{grid.rank:05d}.safetensors"
-    sha = write_shard(tmp / filename, tensors, {"rank": grid.rank, "coords": grid.coords})
-    atomic_write_json(tmp / f"rank_{grid.rank:05d}.json", {"sha256": sha, **meta})
+    try:
+        faults.hit("enospc", step, grid.rank, tmp / filename)  # test hook: this rank's disk is full
+        sha = write_shard(tmp / filename, tensors, {"rank": grid.rank, "coords": grid.coords})
+        atomic_write_json(tmp / f"rank_{grid.rank:05d}.json", {"sha256": sha, **meta})
+    except OSError as e:
+        error = e
     faults.hit("kill_after_shard", step, grid.rank)  # test hook (zerotron/training/faults.py); off by default
-    C.barrier(grid.world_group)
+    agree(error, grid, opt.device, tmp, step)
     if grid.rank == 0:
-        files, params = {}, {}
-        for r in range(grid.world_size):
-            side = tmp / f"rank_{r:05d}.json"
-            entry = json.loads(side.read_text())
-            params.update(entry.pop("params"))
-            files[f"rank_{r:05d}.safetensors"] = entry
-        atomic_write_json(tmp / "metadata.json", {
-            "format_version": FORMAT_VERSION, "step": step, "consumed_samples": consumed_samples, "run_id": run_id,
-            "adam_step": int(state.get("step", step)), "loss_scaler": state.get("loss_scaler"),
-            "layout": {"tp": grid.tp_size, "pp": grid.pp_size, "dp": grid.dp_size, "stage": opt.stage,
-                       "world_size": grid.world_size},
-            "model": model_config, "config": run_config, "params": params, "files": files})
-        for r in range(grid.world_size):
-            (tmp / f"rank_{r:05d}.json").unlink()
-        (tmp / OWNER).unlink()  # metadata.json names the run from here on
-        faults.hit("kill_before_commit", step, grid.rank)  # test hook: metadata written, not yet renamed
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
-        prune(save, keep_last, run_id, step)
-    C.barrier(grid.world_group)
+        try:
+            files, params = {}, {}
+            for r in range(grid.world_size):
+                side = tmp / f"rank_{r:05d}.json"
+                entry = json.loads(side.read_text())
+                params.update(entry.pop("params"))
+                files[f"rank_{r:05d}.safetensors"] = entry
+            atomic_write_json(tmp / "metadata.json", {
+                "format_version": FORMAT_VERSION, "step": step, "consumed_samples": consumed_samples, "run_id": run_id,
+                "adam_step": int(state.get("step", step)), "loss_scaler": state.get("loss_scaler"),
+                "layout": {"tp": grid.tp_size, "pp": grid.pp_size, "dp": grid.dp_size, "stage": opt.stage,
+                           "virtual_stages": getattr(grid.dims, "virtual_stages", 1),
+                           "world_size": grid.world_size},
+                "model": model_config, "config": run_config, "params": params, "files": files,
+                "tokenizer": _keep_tokenizer(tokenizer, tmp) if tokenizer else None})
+            for r in range(grid.world_size):
+                (tmp / f"rank_{r:05d}.json").unlink()
+            (tmp / OWNER).unlink()  # metadata.json names the run from here on
+            faults.hit("kill_before_commit", step, grid.rank)  # test hook: metadata written, not yet renamed
+            if final.exists():
+                shutil.rmtree(final)
+            tmp.rename(final)
+        except OSError as e:
+            error = e
+        else:
+            prune(save, keep_last, run_id, step)
+    agree(error, grid, opt.device, tmp, step)
     return final
 
 
@@ -220,7 +247,8 @@ def load_checkpoint(load: str, model, opt, grid, *, model_config: dict, log: Cal
 
     opt.load_partition_state(read_fn, step=meta.get("adam_step", meta["step"]), loss_scaler=meta.get("loss_scaler"))
     layout = meta["layout"]
-    same_layout = (layout["tp"], layout["pp"], layout["dp"]) == (grid.tp_size, grid.pp_size, grid.dp_size)
+    same_layout = ((layout["tp"], layout["pp"], layout["dp"], layout.get("virtual_stages", 1))  # v moves layers
+                   == (grid.tp_size, grid.pp_size, grid.dp_size, getattr(grid.dims, "virtual_stages", 1)))
     rng = None
     if same_layout:  # RNG streams belong to ranks; after a layout change the trainer reseeds instead
         rng = reader.tensors_with_prefix(f"rank_{grid.rank:05d}.safetensors", "rng/")

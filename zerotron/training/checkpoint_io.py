@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import safe_open, save_file
 
 from zerotron.data.atomic import publish
@@ -42,8 +44,14 @@ def atomic_write_json(path: Path, obj: Any) -> None:
 def write_shard(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> str:
     """Save tensors atomically as safetensors with JSON metadata; returns the file's SHA-256."""
     tmp = path.with_name(path.name + ".partial")
-    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp),
-              metadata={"zerotron": json.dumps(meta)})
+    try:
+        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp),
+                  metadata={"zerotron": json.dumps(meta)})
+    except SafetensorError as e:  # its I/O errors are not OSErrors: a full disk must read as one
+        code = re.search(r"os error (\d+)", str(e))
+        if code is None:
+            raise
+        raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(tmp)) from e
     publish(str(tmp), str(path))
     return sha256_file(path)
 

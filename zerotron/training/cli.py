@@ -1,7 +1,7 @@
 """Build a ``RunConfig`` from a YAML file, an optional DeepSpeed JSON, and command-line overrides.
 
-Precedence: dataclass defaults < ``--config`` YAML < ``--deepspeed-config`` JSON (only its
-``zero_optimization`` and ``activation_checkpointing`` sections) < flags. Every field can be set
+Precedence: dataclass defaults < ``--config`` YAML < ``--deepspeed-config`` JSON (a whole DeepSpeed
+config, read by ``training.deepspeed``; applied after the flags, skipping what they set) < flags. Every field can be set
 as ``--<section>.<field> VALUE``; the common ones also have Megatron-style short flags
 (``--tp``, ``--zero-stage``, ``--lr`` ...). Unknown keys are errors that name the key.
 """
@@ -11,21 +11,22 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import decimal
-import json
+import os
 import typing
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from zerotron.activation.config import activation_fields_from_deepspeed
+from zerotron.training import config_help, deepspeed
 from zerotron.training.config import ConfigError, RunConfig
-from zerotron.zero.deepspeed_json import grad_accum_from_deepspeed, precision_from_deepspeed, zero_fields_from_deepspeed
 
 # short flag -> (section, field)
 SHORT_FLAGS = {
     "tp": ("parallel", "tp"),
     "pp": ("parallel", "pp"),
+    "sequence-parallel": ("parallel", "sequence_parallel"),
+    "virtual-stages": ("parallel", "virtual_stages"),  # Megatron's --num-layers-per-virtual-pipeline-stage, by count
     "zero-stage": ("zero", "stage"),
     "precision": ("training", "precision"),
     "micro-batch-size": ("training", "micro_batch_size"),
@@ -38,6 +39,7 @@ SHORT_FLAGS = {
     "checkpoint-activations": ("activation_checkpointing", "checkpoint_activations"),
     "partition-activations": ("activation_checkpointing", "partition_activations"),
     "cpu-offload-activations": ("activation_checkpointing", "cpu_checkpointing"),
+    "recompute-granularity": ("activation_checkpointing", "recompute_granularity"),
     "offload-optimizer": ("zero", "offload_optimizer"),
     "run-dir": ("logging", "run_dir"),
     "save": ("checkpoint", "save"),
@@ -47,7 +49,8 @@ SHORT_FLAGS = {
     "eval-interval": ("logging", "eval_interval"),
     "wandb-mode": ("logging", "wandb_mode"),
 }
-BOOL_FLAGS = {"checkpoint-activations", "partition-activations", "cpu-offload-activations", "offload-optimizer"}
+BOOL_FLAGS = {"checkpoint-activations", "partition-activations", "cpu-offload-activations", "offload-optimizer",
+              "sequence-parallel"}
 def _field_types(section_obj) -> dict[str, Any]:
     hints = typing.get_type_hints(type(section_obj))
     return {f.name: hints[f.name] for f in dataclasses.fields(section_obj)}
@@ -132,50 +135,38 @@ def apply_mapping(cfg: RunConfig, data: dict, source: str) -> None:
             set_field(cfg, section, name, value)
 
 
-def apply_deepspeed(cfg: RunConfig, path: str) -> None:
-    """Read a DeepSpeed JSON the way the library reads it (``ZeroConfig.from_deepspeed``,
-    ``ActivationCheckpointConfig.from_deepspeed``, ``precision_from_deepspeed``): its keys win over
-    the YAML's, flags win over both."""
+def apply_deepspeed(cfg: RunConfig, path: str, flagged: set[str], world_size: int) -> list[str]:
+    """Apply the DeepSpeed JSON at ``path`` with the one reader (``training.deepspeed``), after the
+    YAML and the flags (``flagged``: the ``section.field`` names they set, which it leaves alone);
+    returns the start-up lines. Errors name the file and the DeepSpeed key."""
     try:
-        data = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"--deepspeed-config {path}: file not found") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"--deepspeed-config {path}: invalid JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"--deepspeed-config {path}: expected a JSON object, got {type(data).__name__}")
-    try:
-        if "zero_optimization" in data:
-            cfg.zero = dataclasses.replace(cfg.zero, **zero_fields_from_deepspeed(data["zero_optimization"]))
-        if "activation_checkpointing" in data:
-            cfg.activation_checkpointing = dataclasses.replace(
-                cfg.activation_checkpointing, **activation_fields_from_deepspeed(data["activation_checkpointing"]))
-        cfg.zero = dataclasses.replace(cfg.zero, **grad_accum_from_deepspeed(data))
-        precision = precision_from_deepspeed(data)
+        return deepspeed.apply_deepspeed(deepspeed.load_json(path), cfg, set_field, flagged, world_size)
     except ValueError as e:
         raise ConfigError(f"--deepspeed-config {path}: {e}") from None
-    if "precision" in precision:
-        cfg.training.precision = precision.pop("precision")
-    for name, value in precision.items():  # fp16 loss scaling
-        set_field(cfg, "optimizer", name, value)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="Pretrain a GPT with zerotron (TP x PP x ZeRO-DP).")
+def build_parser(exit_codes: str = "") -> argparse.ArgumentParser:
+    """The flags; --help lists every config field (``config_help``) and then ``exit_codes``."""
+    p = argparse.ArgumentParser(description="Pretrain a GPT with zerotron (TP x PP x ZeRO-DP).",
+                                epilog=config_help.epilog(exit_codes),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="YAML run config (see configs/)")
-    p.add_argument("--deepspeed-config", help="DeepSpeed JSON: zero_optimization and activation_checkpointing are read")
+    p.add_argument("--deepspeed-config", help="a DeepSpeed config JSON: every key honoured, mapped, noted "
+                   "at start-up or refused (README: DeepSpeed JSON); it wins over --config, flags win over it")
     for flag, (section, name) in SHORT_FLAGS.items():
         if flag in BOOL_FLAGS:
             p.add_argument(f"--{flag}", dest=f"{section}.{name}", action="store_const", const="true",
-                           help=f"sets {section}.{name}=true")
+                           help=config_help.short_flag_help(section, name, switch=True))
         else:
-            p.add_argument(f"--{flag}", dest=f"{section}.{name}", metavar="V", help=f"sets {section}.{name}")
+            p.add_argument(f"--{flag}", dest=f"{section}.{name}", metavar="V",
+                           help=config_help.short_flag_help(section, name))
     return p
 
 
-def parse_config(argv: list[str] | None = None) -> RunConfig:
-    """Parse flags into a ``RunConfig`` (not yet validated against a world size)."""
-    parser = build_parser()
+def parse_config(argv: list[str] | None = None, exit_codes: str = "", world_size: int | None = None) -> RunConfig:
+    """Parse flags into a ``RunConfig`` (not yet validated against a world size). ``world_size``
+    (default ``$WORLD_SIZE``, else 1) sizes a DeepSpeed JSON's batch triple."""
+    parser = build_parser(exit_codes)
     args, rest = parser.parse_known_args(argv)
     cfg = RunConfig()
     if args.config:
@@ -191,11 +182,11 @@ def parse_config(argv: list[str] | None = None) -> RunConfig:
             raise ConfigError(f"--config {args.config}: the file is empty (no sections); write the run's "
                               f"sections (see configs/tiny.yaml) or drop --config to run on the defaults")
         apply_mapping(cfg, data, args.config)
-    if args.deepspeed_config:
-        apply_deepspeed(cfg, args.deepspeed_config)
+    flagged: set[str] = set()  # section.field set on the command line: a DeepSpeed JSON leaves them
     for dest, value in vars(args).items():
         if "." in dest and value is not None:
             set_field(cfg, *dest.split(".", 1), value)
+            flagged.add(dest)
     i = 0
     while i < len(rest):  # generic --section.field VALUE (or --section.field=VALUE)
         token = rest[i]
@@ -208,5 +199,12 @@ def parse_config(argv: list[str] | None = None) -> RunConfig:
             value, i = rest[i + 1], i + 1
         section, name = key.split(".", 1)
         set_field(cfg, section.replace("-", "_"), name.replace("-", "_"), value)
+        flagged.add(f"{section.replace('-', '_')}.{name.replace('-', '_')}")
         i += 1
+    if args.deepspeed_config:
+        world = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", 1))
+        lines = apply_deepspeed(cfg, args.deepspeed_config, flagged, world)
+        if int(os.environ.get("RANK", 0)) == 0:  # once per run, before any process group
+            for line in lines:
+                print(f"[deepspeed] {line}", flush=True)
     return cfg

@@ -11,6 +11,7 @@ instead of leaving some of them waiting in a collective.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import typing
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from zerotron.activation import ActivationCheckpointConfig
 from zerotron.model.config import GPTConfig
 from zerotron.parallel import ParallelDims
 from zerotron.parallel.pipeline import SCHEDULES
+from zerotron.training.schedule import check_schedule
 from zerotron.zero.config import PRECISIONS, ZeroConfig
 from zerotron.zero.loss_scaler import check_loss_scaling
 
@@ -53,6 +55,7 @@ class DataSection:
     tokenizer: str | None = None  # sentencepiece model; None with the built-in corpus
     cache_dir: str = ".cache/zerotron"
     default_corpus_vocab: int = 1024
+    prefetch: int = 2  # steps of micro-batches read ahead by a background thread; 0: none
 
 
 @dataclass
@@ -70,6 +73,14 @@ class OptimizerSection:
     loss_scale_window: int = 1000
     hysteresis: int = 2
     min_loss_scale: float = 1.0
+    loss_scale: float = 0.0  # fp16: > 0 is a static scale (DeepSpeed's fp16.loss_scale); 0: dynamic
+    consecutive_hysteresis: bool = False  # fp16: every clean step restores the hysteresis budget
+    adam_w_mode: bool = True  # False: Adam with L2 weight decay added to the gradient (DeepSpeed's key)
+    # the schedule family (training/schedule.py): megatron | deepspeed (DeepSpeed's lr_schedules, step for step)
+    schedule: str = "megatron"
+    warmup_min_lr: float = 0.0  # the rate the warm-up starts from
+    warmup_type: str = "linear"  # linear | log (DeepSpeed's default; deepspeed schedule only)
+    schedule_steps: int | None = None  # where the decay ends; None: training.train_steps
 
 
 @dataclass
@@ -92,6 +103,8 @@ class LoggingSection:
     wandb_mode: str = "offline"  # offline | online | disabled
     wandb_project: str = "zerotron"
     peak_tflops: float | None = None  # per-device peak for MFU; None: from the device table
+    wall_clock_breakdown: bool = False  # forward / backward / step seconds in each record (device-synchronized)
+    tensorboard: bool = False  # also write <run_dir>/tensorboard (needs the tensorboard package)
 
 
 @dataclass
@@ -102,6 +115,7 @@ class CheckpointSection:
     keep_last: int = 2  # of this run's checkpoints (another run's are never pruned)
     fallback: bool = False  # newest checkpoint corrupt: load the newest intact earlier one
     override_schedule: bool = False  # resume although lr schedule / global batch / seed differ
+    consolidated_16bit: bool = False  # each checkpoint also holds consolidated.safetensors (DeepSpeed's gather_16bit)
 
 
 @dataclass
@@ -147,6 +161,11 @@ class RunConfig:
             raise ConfigError(
                 f"training.global_batch_size={t.global_batch_size} is not divisible by training.micro_batch_size*dp="
                 f"{t.micro_batch_size}*{dp}; use a multiple of {t.micro_batch_size * dp}")
+        if self.parallel.virtual_stages > 1 and self.num_microbatches % self.parallel.pp:
+            raise ConfigError(f"parallel.virtual_stages={self.parallel.virtual_stages}: the interleaved schedule runs "
+                              f"micro-batches in groups of parallel.pp={self.parallel.pp}, but there are "
+                              f"{self.num_microbatches} (training.global_batch_size / (micro_batch_size * dp)); use a "
+                              f"global_batch_size of a multiple of {self.parallel.pp * t.micro_batch_size * dp}")
         if self.parallel.pp > 1 and self.zero.stage == 3:
             raise ConfigError("zero.stage=3 with parallel.pp>1 is not supported (each stage would gather its "
                               "parameters once per micro-batch); use zero.stage<=2 with pipelines")
@@ -161,9 +180,14 @@ class RunConfig:
             if not 0 <= getattr(o, name) < 1:
                 raise ConfigError(f"optimizer.{name}={getattr(o, name)} must be in [0, 1)")
         try:
-            check_loss_scaling(o.initial_loss_scale, o.loss_scale_window, o.hysteresis, o.min_loss_scale)
+            check_loss_scaling(o.initial_loss_scale, o.loss_scale_window, o.hysteresis, o.min_loss_scale,
+                               o.loss_scale, o.consecutive_hysteresis)
         except ValueError as e:
             raise ConfigError(f"optimizer.{e}") from None
+        try:
+            check_schedule(o)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         _positive("optimizer.clip_grad", o.clip_grad, allow_zero=True)
         m = self.model
         for name in ("dropout", "attention_dropout"):
@@ -174,11 +198,17 @@ class RunConfig:
             _positive(f"logging.{name}", getattr(lg, name), allow_zero=name != "log_interval")
         if lg.peak_tflops is not None:
             _positive("logging.peak_tflops", lg.peak_tflops, fix="the device's peak TFLOP/s, or null for the table")
+        if lg.tensorboard and importlib.util.find_spec("tensorboard") is None:
+            raise ConfigError("logging.tensorboard=true needs the tensorboard package (torch.utils.tensorboard "
+                              "writes through it); pip install tensorboard, or set logging.tensorboard=false")
         _positive("checkpoint.save_interval", self.checkpoint.save_interval, allow_zero=True)
         _positive("checkpoint.keep_last", self.checkpoint.keep_last)
         if self.checkpoint.save:  # resolved once here, so every reader sees the same directory
             self.checkpoint.save = self.checkpoint.save.replace(RUN_DIR, self.logging.run_dir)
         _positive("data.default_corpus_vocab", self.data.default_corpus_vocab)
+        if isinstance(self.data.prefetch, bool) or not isinstance(self.data.prefetch, int) or self.data.prefetch < 0:
+            raise ConfigError(f"data.prefetch={self.data.prefetch!r} must be an integer >= 0 (steps read "
+                              f"ahead; 0 reads each step when it starts)")
         for i, w in enumerate(self.data.data_weights):
             _positive(f"data.data_weights[{i}]", w, allow_zero=True, fix="weights are sampling proportions")
         if self.data.data_weights and not sum(self.data.data_weights) > 0:

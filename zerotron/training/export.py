@@ -3,11 +3,17 @@
 One parameter is assembled from its shards, converted and written before the next is read, so
 memory is bounded by the largest tensor, not the model -- the failure mode of DeepSpeed's
 ``zero_to_fp32`` and Megatron's converters that users keep reporting.
+
+The Hugging Face directory carries the tokenizer the checkpoint was trained with (the copy the
+checkpoint holds, checked against its recorded SHA-256), because weights without it are unusable:
+``AutoTokenizer`` would otherwise hand back a one-token GPT-2 vocabulary that encodes any text to
+``[]``, and ``generate`` could not know where a document ends.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Iterator
@@ -15,7 +21,7 @@ from typing import Iterator
 import torch
 
 from zerotron.training.checkpoint import _Assembler
-from zerotron.training.checkpoint_io import ShardReader, read_metadata, resolve_load_path
+from zerotron.training.checkpoint_io import CheckpointError, ShardReader, read_metadata, resolve_load_path, sha256_file
 from zerotron.training.safetensors_stream import SafetensorsStreamWriter
 from zerotron.zero.optimizer import DTYPES
 
@@ -91,8 +97,100 @@ def _hf_name_and_fn(name: str, heads: int):
     return prefix + hf_module + "." + leaf, fn or (lambda t: t)
 
 
-def export_hf_gpt2(checkpoint: str, out_dir: str, dtype: str = "fp32") -> Path:
-    """A directory that ``transformers.GPT2LMHeadModel.from_pretrained`` loads (tied lm_head)."""
+def tokenizer_model(checkpoint: str, override: str | None = None) -> Path:
+    """The sentencepiece model ``checkpoint`` was trained with: its own copy, verified.
+
+    ``override`` serves checkpoints that predate the record; where a record exists it must match,
+    since a different tokenizer would silently map every id to the wrong text.
+    """
+    meta, path, _ = _open(checkpoint)
+    rec = meta.get("tokenizer")
+    if override is not None:
+        if not Path(override).is_file():
+            raise CheckpointError(f"--tokenizer {override}: no such file; give the sentencepiece .model the run used")
+        if rec and sha256_file(Path(override)) != rec["sha256"]:
+            raise CheckpointError(f"--tokenizer {override} is not the tokenizer {path} was trained with "
+                                  f"({rec['path']}, SHA-256 {rec['sha256'][:12]}…); leave --tokenizer out to use "
+                                  f"the checkpoint's own copy")
+        return Path(override)
+    if not rec:
+        raise CheckpointError(f"{path} records no tokenizer (it predates checkpoints that keep theirs); pass the "
+                              f"sentencepiece model the run was trained with: --tokenizer PATH")
+    copy = path / rec["file"]
+    if not copy.is_file() or sha256_file(copy) != rec["sha256"]:
+        raise CheckpointError(f"{copy} is missing or does not match the SHA-256 in metadata.json; pass the "
+                              f"training tokenizer ({rec['path']}) with --tokenizer PATH")
+    return copy
+
+
+def _special_ids(model: Path) -> tuple[object, dict[str, int], dict[str, str]]:
+    """The model proto, and the special tokens' ids and pieces: bos, eos (zerotron's end-of-document,
+    appended after every training document) and pad, which is eos when the tokenizer has none
+    (GPT-2's convention, so batched ``generate`` needs no extra token)."""
+    from transformers.convert_slow_tokenizer import import_protobuf
+
+    proto = import_protobuf().ModelProto()
+    proto.ParseFromString(model.read_bytes())
+    spec = proto.trainer_spec
+    if spec.eos_id < 0:
+        raise CheckpointError(f"tokenizer {model} has no end-of-document (eos) piece; generate could not stop")
+    ids = {"eos": spec.eos_id, "pad": spec.pad_id if spec.pad_id >= 0 else spec.eos_id}
+    if spec.bos_id >= 0:
+        ids["bos"] = spec.bos_id
+    if spec.unk_id >= 0:
+        ids["unk"] = spec.unk_id
+    pieces = {k: proto.pieces[i].piece for k, i in ids.items()}
+    token_ids = {f"{k}_token_id": i for k, i in ids.items() if k != "unk"}
+    return proto, token_ids, {f"{k}_token": p for k, p in pieces.items()}
+
+
+def write_hf_tokenizer(model: Path, out: Path, max_length: int) -> dict[str, int]:
+    """``tokenizer.json`` built by transformers' own SentencePiece converter, ``tokenizer_config.json``
+    and the ``tokenizer.model`` itself; returns the special ids for ``config.json``.
+
+    The converter follows the model's normalizer spec (identity, no dummy prefix, byte fallback),
+    so the fast tokenizer gives SentencePiece's ids. ``split_special_tokens``: SentencePiece never
+    reads ``</s>`` in text as the control token, and neither must the export, or text quoting it
+    would encode differently than the training data did. One difference remains: zerotron encodes
+    a literal U+2581 (SentencePiece's space marker) as its UTF-8 bytes, the converted tokenizer as
+    a space; decoding zerotron's ids is exact either way.
+    """
+    from transformers import GenerationConfig, PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import SpmConverter
+
+    proto, ids, pieces = _special_ids(model)
+    scored = [(p.piece, p.score) for p in proto.pieces]
+    vocab = scored if proto.trainer_spec.model_type == 1 else {piece: i for i, (piece, _) in enumerate(scored)}
+    backend = SpmConverter.build_tokenizer_from_spm_proto(proto, vocab)
+    # left padding: a decoder-only model continues a batch of prompts from their last real token
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, model_max_length=max_length, split_special_tokens=True,
+                                  padding_side="left", **pieces)
+    tok.save_pretrained(out)
+    config_path = out / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"  # the name every transformers version resolves
+    config_path.write_text(json.dumps(config, indent=1))
+    shutil.copyfile(model, out / "tokenizer.model")  # for sentencepiece users (and zerotron's Tokenizer.load)
+    GenerationConfig(**ids).save_pretrained(out)  # generate stops at the end-of-document id
+    return ids
+
+
+def _require_transformers() -> None:
+    try:
+        from transformers.convert_slow_tokenizer import SpmConverter
+    except ImportError as exc:
+        raise CheckpointError(f"the Hugging Face export needs transformers ({exc}); pip install 'transformers>=5'") \
+            from None
+    if not hasattr(SpmConverter, "build_tokenizer_from_spm_proto"):
+        raise CheckpointError("the Hugging Face export needs transformers>=5 (its SentencePiece converter); "
+                              "pip install -U 'transformers>=5'")
+
+
+def export_hf_gpt2(checkpoint: str, out_dir: str, dtype: str = "fp32", tokenizer: str | None = None) -> Path:
+    """A directory that ``GPT2LMHeadModel.from_pretrained`` (tied lm_head) and ``AutoTokenizer.from_pretrained``
+    load, with ``generation_config.json``; ``tokenizer`` only for checkpoints that record none."""
+    tok_model = tokenizer_model(checkpoint, tokenizer)  # both fail before anything is written
+    _require_transformers()
     meta, _, _ = _open(checkpoint)
     m, dt = meta["model"], _dtype(dtype)
     heads, vocab = m["num_heads"], m["vocab_size"]
@@ -115,5 +213,14 @@ def export_hf_gpt2(checkpoint: str, out_dir: str, dtype: str = "fp32") -> Path:
               "n_inner": ffn, "activation_function": "gelu" if m.get("gelu_approximate") == "none" else "gelu_new", "resid_pdrop": 0.0, "embd_pdrop": 0.0,
               "attn_pdrop": 0.0, "layer_norm_epsilon": m.get("layernorm_eps", 1e-5),
               "tie_word_embeddings": True, "torch_dtype": str(dt).removeprefix("torch.")}
+    config.update(write_hf_tokenizer(tok_model, out, positions))
     (out / "config.json").write_text(json.dumps(config, indent=1))
     return out
+
+
+def write_consolidated(checkpoint: str, precision: str) -> Path:
+    """``<checkpoint>/consolidated.safetensors``: the whole model in the run's working dtype (16-bit
+    for fp16/bf16 runs, else fp32), what DeepSpeed's ``stage3_gather_16bit_weights_on_model_save``
+    gives a user who wants one file to load; written by one rank after the checkpoint is complete."""
+    dtype = precision if precision in ("fp16", "bf16") else "fp32"
+    return export_safetensors(checkpoint, str(Path(checkpoint) / "consolidated.safetensors"), dtype)

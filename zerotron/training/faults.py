@@ -10,14 +10,22 @@ matching step -- any step when ``@step`` is absent):
 * ``kill_after_shard``   checkpoint.save_checkpoint: this rank's shard is written, the checkpoint
                          is not yet committed -> ``os._exit(9)`` (a writer crash mid-checkpoint)
 * ``kill_before_commit`` checkpoint.save_checkpoint: metadata.json written, ``.tmp`` not renamed
+* ``enospc``             checkpoint.save_checkpoint: this rank's shard write raises ``OSError(ENOSPC)``,
+                         as a full disk of this rank's node alone would (the ranks of one host share
+                         a file system: a real full disk cannot single out one of them)
 * ``kill``               trainer, start of a step -> ``os._exit(9)`` (a rank dies, like kill -9)
 * ``stall``              trainer, start of a step: sleeps ``ZEROTRON_FAULT_STALL_S`` seconds (default
                          3600; the heartbeat thread keeps running: "alive but stuck"), then exits 9
 * ``nan``                trainer, start of a step: fills the first parameter with NaN (a blown-up weight)
+* ``pause``              trainer, start of a step: waits until the file ``ZEROTRON_FAULT_PAUSE_FILE``
+                         exists (at most ``ZEROTRON_FAULT_STALL_S`` s), then goes on. Armed on every
+                         rank, no collective is pending meanwhile: a run that is still busy, however
+                         fast it trains, while the drill starts a second run on its directory
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 import time
@@ -51,11 +59,20 @@ def armed(point: str, step: int, rank: int) -> bool:
     return (want_step is None or want_step == step) and (want_rank is None or want_rank == rank)
 
 
-def hit(point: str, step: int, rank: int) -> None:
-    """Kill (``kill*``) or stall (``stall``) this process when ``point`` is armed; else nothing."""
+def hit(point: str, step: int, rank: int, path: os.PathLike | str | None = None) -> None:
+    """Kill (``kill*``), stall (``stall``) or pause (``pause``) this process, or raise ENOSPC writing
+    ``path`` (``enospc``), when ``point`` is armed; else nothing."""
     if not armed(point, step, rank):
         return
     print(f"[fault] rank {rank}: injected {point} at step {step}", file=sys.stderr, flush=True)
+    if point == "enospc":
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+    if point == "pause":
+        until = time.monotonic() + float(os.environ.get("ZEROTRON_FAULT_STALL_S", "3600"))
+        release = os.environ.get("ZEROTRON_FAULT_PAUSE_FILE", "")
+        while time.monotonic() < until and not (release and os.path.exists(release)):
+            time.sleep(0.1)
+        return
     if point == "stall":
         time.sleep(float(os.environ.get("ZEROTRON_FAULT_STALL_S", "3600")))
     os._exit(EXIT_CODE)

@@ -1,8 +1,5 @@
-"""Metrics: console progress bar, ``<run-dir>/metrics.jsonl`` and wandb, written by global rank 0.
-
-wandb works with no account: the default mode is ``offline`` (files under ``<run-dir>/wandb``,
-``wandb sync`` uploads them later); ``online`` without credentials falls back to offline with a
-warning instead of prompting for a login on a cluster node.
+"""Metrics: console lines (and a progress bar on a terminal), ``<run-dir>/metrics.jsonl``, wandb
+and optionally TensorBoard (both in ``training/tracking.py``), written by global rank 0.
 
 The training step leaves its values on the device (``parallel.host_sync``); a logged record is
 read to the host here, all its tensors in one read (``host_values``), at the log interval only.
@@ -11,7 +8,6 @@ read to the host here, all its tensors in one read (``host_values``), at the log
 from __future__ import annotations
 
 import json
-import os
 import resource
 import sys
 import time
@@ -21,6 +17,7 @@ from typing import Any
 import torch
 
 from zerotron.parallel import host_sync
+from zerotron.training import tracking
 
 
 def peak_memory(device: torch.device) -> dict[str, int]:
@@ -52,66 +49,52 @@ def host_values(record: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _wandb_has_credentials() -> bool:
-    if os.environ.get("WANDB_API_KEY"):
-        return True
-    netrc = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
-    return netrc.exists() and "api.wandb.ai" in netrc.read_text(errors="ignore")
-
-
 class MetricsLogger:
     """Writes one JSON object per logged step; only the rank with ``enabled=True`` writes."""
 
     def __init__(self, run_dir: str, config: dict[str, Any], enabled: bool, wandb_mode: str = "offline",
-                 project: str = "zerotron", total_steps: int = 0, start_step: int = 0):
+                 project: str = "zerotron", total_steps: int = 0, start_step: int = 0, tensorboard: bool = False):
         self.enabled = enabled
-        self._wandb = None
-        self._bar = None
+        self._wandb = self._tb = self._bar = None
+        self.total_steps = total_steps
         if not enabled:
             return
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._file = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
         if wandb_mode != "disabled":
-            self._wandb = self._start_wandb(config, wandb_mode, project)
-        if sys.stderr.isatty() or os.environ.get("ZEROTRON_PROGRESS"):
+            self._wandb = tracking.start_wandb(self.run_dir, config, wandb_mode, project)
+        if tensorboard:
+            self._tb = tracking.TensorBoard(self.run_dir)
+        if sys.stderr.isatty():  # a bar on a terminal; elsewhere (a log file) each log line says step N/M and the ETA
             from tqdm import tqdm
 
             self._bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
 
-    def _start_wandb(self, config: dict, mode: str, project: str):
-        if mode == "online" and not _wandb_has_credentials():
-            print("[zerotron] wandb: no account configured (WANDB_API_KEY / ~/.netrc); logging offline instead",
-                  file=sys.stderr)
-            mode = "offline"
-        try:
-            import wandb
-        except ImportError:
-            print("[zerotron] wandb is not installed; metrics go to metrics.jsonl only", file=sys.stderr)
-            return None
-        os.environ.setdefault("WANDB_SILENT", "true")
-        return wandb.init(project=project, mode=mode, dir=str(self.run_dir), config=config,
-                          name=self.run_dir.name, reinit="finish_previous")
-
-    def log(self, record: dict[str, Any]) -> None:
+    def log(self, record: dict[str, Any], suffix: str = "") -> None:
+        """Write ``record``; its console line ends with ``suffix`` (the run log's elapsed time and ETA)."""
         if not self.enabled:
             return
         record = host_values(record)
         self._file.write(json.dumps(record) + "\n")
+        flat = {k: v for k, v in record.items() if isinstance(v, (int, float))}
+        for group, nbytes in (record.get("comm_bytes") or {}).items():
+            flat[f"comm_bytes/{group}"] = nbytes
         if self._wandb is not None:
-            flat = {k: v for k, v in record.items() if isinstance(v, (int, float))}
-            for group, nbytes in (record.get("comm_bytes") or {}).items():
-                flat[f"comm_bytes/{group}"] = nbytes
             self._wandb.log(flat, step=record["step"])
+        if self._tb is not None:
+            self._tb.log(flat, record["step"])
         if "eval_loss" in record:
-            self.message(f"eval {record['step']:>6} | loss {record['eval_loss']:.4f} | ppl {record['eval_ppl']:.2f}")
+            self.message(f"eval at step {record['step']}/{self.total_steps} | loss {record['eval_loss']:.4f} | ppl {record['eval_ppl']:.2f}")
             return
-        line = (f"step {record['step']:>6} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
+        line = (f"step {record['step']}/{self.total_steps} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
                 f"grad_norm {record.get('grad_norm', float('nan')):.3f} | tok/s {record.get('tokens_per_s', 0):,.0f} | "
                 f"TFLOP/s {record.get('tflops_per_device', 0):.3f}")
+        if record.get("mfu") is not None:
+            line += f" | MFU {record['mfu']:.1%} | HFU {record['hfu']:.1%}"
         if record.get("loss_scale") is not None and record.get("loss_scale") != 1.0:
             line += f" | scale {record['loss_scale']:.0f}"
-        self.message(line)
+        self.message(line + suffix)
 
     def progress(self, steps: int = 1) -> None:
         if self._bar is not None:
@@ -133,25 +116,48 @@ class MetricsLogger:
         self._file.close()
         if self._wandb is not None:
             self._wandb.finish()
+        if self._tb is not None:
+            self._tb.close()
 
 
 class Throughput:
-    """Tokens/s, samples/s, TFLOP/s per device and MFU over the last logging window."""
+    """Tokens/s, samples/s, TFLOP/s per device, MFU and HFU over the last logging window.
 
-    def __init__(self, flops_per_step: float, tokens_per_step: int, samples_per_step: int, world_size: int,
-                 peak_tflops: float | None):
-        self.flops_per_step, self.tokens, self.samples = flops_per_step, tokens_per_step, samples_per_step
+    ``tflops_per_device`` and ``hfu`` count the FLOPs the devices did (activation recompute
+    included); ``mfu`` only the model's (``model.flops``): recompute makes a step slower without
+    training more, so it lowers MFU instead of counting as useful work. Both are None where the
+    device's peak is unknown (metrics.jsonl and wandb get both whenever it is known)."""
+
+    def __init__(self, model_flops_per_step: float, hardware_flops_per_step: float, tokens_per_step: int,
+                 samples_per_step: int, world_size: int, peak_tflops: float | None):
+        self.model_flops, self.hardware_flops = model_flops_per_step, hardware_flops_per_step
+        self.tokens, self.samples = tokens_per_step, samples_per_step
         self.world, self.peak = world_size, peak_tflops
         self._t0, self._steps = time.perf_counter(), 0
+
+    @classmethod
+    def of_run(cls, cfg, mcfg, world_size: int, device: torch.device) -> "Throughput":
+        """The run's FLOPs per step (global batch, vocabulary padded at its TP) and its device's peak:
+        ``logging.peak_tflops``, ``ZEROTRON_PEAK_TFLOPS`` or the table for the device and precision."""
+        from zerotron.model.flops import device_peak_tflops, flops_per_iteration
+        from zerotron.zero.optimizer import DTYPES
+
+        t, tp = cfg.training, cfg.parallel.tp
+        recompute = cfg.activation_checkpointing.checkpoint_activations
+        model = flops_per_iteration(mcfg, t.global_batch_size, mcfg.seq_length, recompute=False, tp=tp)
+        hardware = flops_per_iteration(mcfg, t.global_batch_size, mcfg.seq_length, recompute=recompute, tp=tp)
+        peak = device_peak_tflops(device, DTYPES[t.precision], cfg.logging.peak_tflops)
+        return cls(model, hardware, t.global_batch_size * mcfg.seq_length, t.global_batch_size, world_size, peak)
 
     def step(self) -> None:
         self._steps += 1
 
-    def read(self) -> dict[str, float]:
+    def read(self) -> dict[str, float | None]:
         elapsed = max(time.perf_counter() - self._t0, 1e-9)
         n, self._steps, self._t0 = self._steps, 0, time.perf_counter()
-        tflops = self.flops_per_step * n / elapsed / self.world / 1e12
-        out = {"tokens_per_s": self.tokens * n / elapsed, "samples_per_s": self.samples * n / elapsed,
-               "tflops_per_device": tflops, "step_time_s": elapsed / max(n, 1)}
-        out["mfu"] = tflops / self.peak if self.peak else None  # None: no peak known for this device
-        return out
+        per_device = n / elapsed / self.world / 1e12
+        tflops, model_tflops = self.hardware_flops * per_device, self.model_flops * per_device
+        return {"tokens_per_s": self.tokens * n / elapsed, "samples_per_s": self.samples * n / elapsed,
+                "tflops_per_device": tflops, "step_time_s": elapsed / max(n, 1),
+                "mfu": model_tflops / self.peak if self.peak else None,
+                "hfu": tflops / self.peak if self.peak else None}

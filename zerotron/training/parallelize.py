@@ -6,10 +6,12 @@
    in the working dtype: shapes only, until step 4 gives the parameters their storage.
 2. **Tensor parallelism** -- built into the layers (column/row-parallel linears, vocab-parallel
    embedding and loss; Megatron-LM §3), so it is decided by ``grid.tp_size`` when the stage is
-   made: every parameter carries its ``ShardInfo`` from birth.
+   made: every parameter carries its ``ShardInfo`` from birth. ``parallel.sequence_parallel``
+   (Korthikanti et al. 2022) is decided there too: it changes the layers' collectives and layout.
 3. **Activation checkpointing** -- ZeRO-R (ZeRO §6.1, §6.3): which block inputs are kept, where
    (Pa, Pa+cpu) and how (MD); its buffer is sized by the micro-batches a stage holds at once,
-   which the pipeline schedule decides.
+   which the pipeline schedule decides (an interleaved rank's v model chunks are one module here).
+   Selective recompute (the attention core only, Korthikanti §5) is installed by the same call.
 4. **ZeRO-DP** (ZeRO §5) -- the optimizer partitions states, gradients and (stage 3) parameters
    over DP; stage 3 gathers in explicit units ``[model, *model.blocks]``: the root (embeddings,
    final norm, head) for the whole forward and backward, each block only while it runs. It
@@ -57,6 +59,21 @@ def model_dtype(precision: str) -> torch.dtype:
     return DTYPES[precision]
 
 
+def checkpointed_forwards_in_flight(cfg: RunConfig, grid: Grid, chunk_sizes: list[int]) -> int:
+    """The ``microbatches_in_flight`` that sizes activation checkpointing's MD buffer, which holds
+    (checkpoints of a forward of all the rank's blocks) x that many slots. An interleaved rank
+    keeps ``microbatches_in_flight(..., v)`` chunk-forwards of ``ceil(chunk / k)`` checkpoints each:
+    round up to whole-stage forwards so every one of them has a slot."""
+    p = cfg.parallel
+    chunk_forwards = microbatches_in_flight(p.pipeline_schedule, grid.pp_size, grid.pp_rank, cfg.num_microbatches,
+                                            p.virtual_stages)
+    if len(chunk_sizes) == 1:
+        return chunk_forwards
+    k = cfg.activation_checkpointing.checkpoint_every
+    per_chunk = max(-(-n // k) for n in chunk_sizes)
+    return -(-(chunk_forwards * per_chunk) // -(-sum(chunk_sizes) // k))
+
+
 def parallelize_gpt(cfg: RunConfig, model_cfg: GPTConfig, grid: Grid, device: torch.device | None = None,
                     layout_independent_init: bool = True) -> ParallelGPT:
     """Build this rank's part of the GPT and everything that parallelizes it, from one validated
@@ -68,15 +85,15 @@ def parallelize_gpt(cfg: RunConfig, model_cfg: GPTConfig, grid: Grid, device: to
     t, o = cfg.training, cfg.optimizer
     device = torch.get_default_device() if device is None else torch.device(device)
     model = build_stage(model_cfg, grid, dtype=model_dtype(t.precision), device="meta", seed=t.seed,
-                        layout_independent_init=layout_independent_init)
-    in_flight = microbatches_in_flight(cfg.parallel.pipeline_schedule, grid.pp_size, grid.pp_rank,
-                                       cfg.num_microbatches)
+                        layout_independent_init=layout_independent_init,
+                        sequence_parallel=cfg.parallel.sequence_parallel)
+    in_flight = checkpointed_forwards_in_flight(cfg, grid, model.chunk_sizes)
     activations = apply_activation_checkpointing(model, grid, cfg.activation_checkpointing,
                                                  microbatches_in_flight=in_flight)
     scaler = make_loss_scaler(t.precision, o.initial_loss_scale, o.loss_scale_window, o.hysteresis,
-                              o.min_loss_scale)
+                              o.min_loss_scale, o.loss_scale, o.consecutive_hysteresis)
     optimizer = ZeroOptimizer(model, grid, cfg.zero, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
                               weight_decay=o.weight_decay, clip_grad=o.clip_grad,
                               stage3_units=[model, *model.blocks], precision=t.precision, loss_scaler=scaler,
-                              master_init=model.init_parameter_, device=device)
+                              master_init=model.init_parameter_, device=device, adam_w_mode=o.adam_w_mode)
     return ParallelGPT(model, optimizer, activations)

@@ -3,7 +3,7 @@ whether that checkpoint may continue it.
 
 * **Ownership.** Rank 0 holds ``<checkpoint.save>/zerotron.lock`` (``run_lock.py``) for the whole
   run. A run's id is a fingerprint of its config apart from ``training.train_steps``, logging and
-  how checkpoints are taken (``IGNORED``), so a restart of the same command -- ``torchrun
+  how and where checkpoints are taken (``IGNORED``), so a restart of the same command -- ``torchrun
   --max-restarts`` -- is the same run, and a command that trains something else is another.
   Each checkpoint records the id; pruning deletes only its own run's.
 * **Which checkpoint.** ``checkpoint.load=auto`` (the default) resumes the newest verified
@@ -38,10 +38,12 @@ from zerotron.training.checkpoint_io import (CheckpointError, complete_checkpoin
                                              resolve_load_path, sha256_file, step_of)
 from zerotron.training.run_lock import RunLock, RunLockError
 
-# not part of what a run trains: its length, how it is logged, how its checkpoints are taken
-IGNORED = ("training.train_steps", "logging.*", "checkpoint.load", "checkpoint.fallback",
+# not part of what a run trains: its length, how it is logged, how and where its checkpoints are
+# taken (a checkpoint directory copied or moved elsewhere still continues the same run)
+IGNORED = ("training.train_steps", "logging.*", "checkpoint.save", "checkpoint.load", "checkpoint.fallback",
            "checkpoint.override_schedule", "checkpoint.keep_last", "checkpoint.save_interval")
 SCHEDULE = ("optimizer.lr", "optimizer.min_lr", "optimizer.warmup_steps", "optimizer.decay",
+            "optimizer.schedule", "optimizer.warmup_min_lr", "optimizer.warmup_type", "optimizer.schedule_steps",
             "training.global_batch_size", "training.seed")
 
 

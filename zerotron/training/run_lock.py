@@ -92,6 +92,45 @@ def describe(holder: dict) -> str:
             f"started {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(holder.get('started', 0)))}")
 
 
+def _refusal(directory: Path, path: Path, holder: dict, host: str) -> str | None:
+    """Why ``holder``'s lock on ``directory`` stands (the refusal to print), or None when it is stale."""
+    idle = _idle_s(path)
+    if holder.get("host") != host and idle < STALE_S:
+        return (f"checkpoint.save={directory} is in use by a run on another host ({describe(holder)}; "
+                f"{path}, refreshed {idle:.0f} s ago); wait for it to end or give this run another "
+                f"checkpoint.save. If that run is gone, its lock is taken over once it has not "
+                f"been refreshed for {STALE_S:.0f} s, or delete {path}")
+    if holder.get("host") == host and _alive(int(holder.get("pid", -1)), holder.get("start_ticks")):
+        return (f"checkpoint.save={directory} is in use by another run ({describe(holder)}; {path}); "
+                f"wait for it to end or give this run another checkpoint.save (or logging.run_dir, "
+                f"when checkpoint.save is under it)")
+    return None
+
+
+def job_key() -> str:
+    """Which job this process belongs to, the same on every rank and node of it: the launcher's
+    identity (SLURM job, torchrun run id and rendezvous address, or ``ZEROTRON_JOB_ID``, which
+    the test launcher sets); "" when there is none. A lock held by one's own job is no refusal."""
+    names = ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT", "ZEROTRON_JOB_ID")
+    return ",".join(f"{n}={os.environ[n]}" for n in names if os.environ.get(n))
+
+
+def check_free(directory: str | Path) -> None:
+    """Raise ``RunLockError`` if a live run holds ``directory``'s lock; a look that takes nothing.
+
+    Every rank calls it in preflight, before ``init_process_group``, so a second run is refused
+    in the seconds its imports take rather than after its process group, grid and start-up
+    collectives (half a minute on a loaded machine). ``RunLock.acquire`` still decides when two
+    runs start at the same moment."""
+    path = Path(directory) / LOCK_NAME
+    holder = _read(path)
+    if holder and job_key() and holder.get("job") == job_key():  # rank 0 of this job took it first
+        return
+    refusal = _refusal(Path(directory), path, holder, socket.gethostname()) if holder else None
+    if refusal:
+        raise RunLockError(refusal)
+
+
 class RunLock:
     """The lock this process holds on a checkpoint directory; ``release()`` is idempotent."""
 
@@ -117,7 +156,7 @@ class RunLock:
         path = directory / LOCK_NAME
         pid = os.getpid()
         info = {"host": socket.gethostname(), "pid": pid, "run_id": run_id, "started": time.time(),
-                "start_ticks": _start_ticks(pid)}
+                "start_ticks": _start_ticks(pid), "job": job_key()}
         note = None
         with _serialized(directory):
             for _ in range(20):
@@ -131,18 +170,9 @@ class RunLock:
                             continue
                         holder = {}
                     idle = _idle_s(path)
-                    if holder and holder.get("host") != info["host"] and idle < STALE_S:
-                        raise RunLockError(
-                            f"checkpoint.save={directory} is in use by a run on another host ({describe(holder)}; "
-                            f"{path}, refreshed {idle:.0f} s ago); wait for it to end or give this run another "
-                            f"checkpoint.save. If that run is gone, its lock is taken over once it has not "
-                            f"been refreshed for {STALE_S:.0f} s, or delete {path}")
-                    if holder and holder.get("host") == info["host"] and _alive(int(holder.get("pid", -1)),
-                                                                                holder.get("start_ticks")):
-                        raise RunLockError(
-                            f"checkpoint.save={directory} is in use by another run ({describe(holder)}; {path}); "
-                            f"wait for it to end or give this run another checkpoint.save (or logging.run_dir, "
-                            f"when checkpoint.save is under it)")
+                    refusal = _refusal(directory, path, holder, info["host"]) if holder else None
+                    if refusal:
+                        raise RunLockError(refusal)
                     why = ("process no longer running" if holder.get("host") == info["host"]
                            else f"not refreshed for {idle:.0f} s") if holder else ""
                     note = (f"took over the stale lock of {describe(holder)} ({why})" if holder

@@ -160,7 +160,7 @@ def validate_model(cfg: RunConfig, vocab_size: int | None = None):
              or get_preset(cfg.model.preset).vocab_size)
     try:
         mcfg = model_config(cfg, vocab)
-        split_layers(mcfg.num_layers, cfg.parallel.pp)
+        split_layers(mcfg.num_layers, cfg.parallel.pp, virtual_stages=cfg.parallel.virtual_stages)
     except ConfigError:
         raise
     except (TypeError, ValueError) as e:
@@ -217,6 +217,12 @@ def check_save_dir(cfg: RunConfig, mcfg) -> None:
     except OSError as e:
         raise ConfigError(f"checkpoint.save={path}: cannot write in {where} ({e.strerror}); choose a writable "
                           f"directory or fix its permissions") from None
+    from zerotron.training.run_lock import RunLockError, check_free
+
+    try:  # a live run's directory: refused now, not after init_process_group (the lock is taken there)
+        check_free(path)
+    except RunLockError as e:
+        raise ConfigError(str(e)) from None
     need, n, per = checkpoint_bytes(cfg, mcfg)
     free = shutil.disk_usage(where).free
     if free < need:

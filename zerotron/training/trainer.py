@@ -18,7 +18,6 @@ import math
 import signal
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from zerotron.parallel import collectives as C
@@ -26,14 +25,17 @@ from zerotron.parallel import host_sync
 from zerotron.parallel.runtime import DistEnv
 from zerotron.training import checkpoint as ckpt
 from zerotron.training import faults, resume
+from zerotron.training.batches import BatchLoader
 from zerotron.training.config import RunConfig
+from zerotron.training.export import write_consolidated
 from zerotron.training.metrics import MetricsLogger, Throughput, host_values, peak_memory
-from zerotron.training.schedule import learning_rate
+from zerotron.training.phase_times import PhaseTimes
+from zerotron.training.schedule import lr_at
 from zerotron.training.parallelize import parallelize_gpt
+from zerotron.training.run_log import RunLog
 from zerotron.training.setup_run import build_grid, model_config, prepare_data
 from zerotron.training.step import run_step
 from zerotron.training.step_memory import StepMemory
-from zerotron.zero.optimizer import DTYPES
 
 
 class TrainingStopped(RuntimeError):
@@ -57,13 +59,13 @@ class Trainer:
             raise
 
     def _build(self, cfg: RunConfig, env: DistEnv, grid) -> None:
-        from zerotron.data import GPTDataset, PretrainSampler, prepare_dataset_index
-        from zerotron.model.flops import flops_per_iteration, peak_tflops
+        from zerotron.data import GPTDataset, prepare_dataset_index
 
         self.data = prepare_data(cfg, grid)
         self.mcfg = model_config(cfg, self.data.vocab_size)
         t = cfg.training
         self.memory = StepMemory(cfg.logging.log_interval)
+        self.phases = PhaseTimes(self.memory, env.device) if cfg.logging.wall_clock_breakdown else None
         with self.memory.construction():
             plan = parallelize_gpt(cfg, self.mcfg, grid, device=env.device)
         self.model, self.opt, self.activations = plan.model, plan.optimizer, plan.activations
@@ -82,7 +84,10 @@ class Trainer:
                 prepare_dataset_index(self.data.eval_prefixes, None, num_samples=n_eval, **ds_args)
             C.barrier(grid.world_group)
             self.eval_ds = GPTDataset(self.data.eval_prefixes, None, num_samples=n_eval, **ds_args)
-        self._sampler_cls = PretrainSampler
+        self.batches, self.eval_batches = (
+            BatchLoader(ds, t.micro_batch_size, t.global_batch_size, cfg.num_microbatches, grid.dp_rank,
+                        grid.dp_size, env.device, depth=cfg.data.prefetch) if ds is not None else None
+            for ds in (self.train_ds, self.eval_ds))
         self.step, self.consumed = 0, 0
         if self.resume.path is not None:
             state = ckpt.load_checkpoint(str(self.resume.path), self.model, self.opt, grid,
@@ -90,14 +95,12 @@ class Trainer:
                                          verified=self.resume.verified)
             self.step, self.consumed = state["step"], state["consumed_samples"]
             self._restore_rng(state["rng"])
-        recompute = cfg.activation_checkpointing.checkpoint_activations
-        flops = flops_per_iteration(self.mcfg, t.global_batch_size, seq, recompute=recompute)
-        device_name = torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else "cpu"
-        peak = cfg.logging.peak_tflops or peak_tflops(device_name, DTYPES[t.precision])
-        self.throughput = Throughput(flops, t.global_batch_size * seq, t.global_batch_size, grid.world_size, peak)
-        self.logger = MetricsLogger(cfg.logging.run_dir, cfg.to_dict(), enabled=grid.rank == 0,
+        self.throughput = Throughput.of_run(cfg, self.mcfg, grid.world_size, env.device)
+        self.run_log = RunLog(self)  # prints the banner (training/run_log.py)
+        self.logger = MetricsLogger(cfg.logging.run_dir, self.run_log.tracked_config(), enabled=grid.rank == 0,
                                     wandb_mode=cfg.logging.wandb_mode, project=cfg.logging.wandb_project,
-                                    total_steps=t.train_steps, start_step=self.step)
+                                    total_steps=t.train_steps, start_step=self.step,
+                                    tensorboard=cfg.logging.tensorboard)
         self._stop_requested = self.stopped = False
         # first step whose loss was non-finite (-1: none yet) and that loss, kept on the device
         self._bad_step = torch.full((), -1.0, dtype=torch.float64, device=env.device)
@@ -138,20 +141,6 @@ class Trainer:
             torch.cuda.set_rng_state(rng.pop("torch_cuda"), self.env.device)
         self.model.rng.set_states({k[len("model/"):]: v for k, v in rng.items() if k.startswith("model/")})
 
-    def _batch(self, dataset, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tokens to the device; from pinned memory without waiting (a pageable copy syncs the stream)."""
-        tokens = torch.from_numpy(np.stack([dataset[i] for i in indices]).astype(np.int64))
-        pinned = host_sync.pinned(self.env.device)
-        tokens = (tokens.pin_memory() if pinned else tokens).to(self.env.device, non_blocking=pinned)
-        return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-
-    def _micro_batches(self, dataset, consumed: int):
-        t = self.cfg.training
-        sampler = self._sampler_cls(len(dataset), consumed, t.micro_batch_size, t.global_batch_size,
-                                    self.grid.dp_rank, self.grid.dp_size)
-        it = iter(sampler)
-        return [next(it) for _ in range(self.cfg.num_microbatches)]
-
     def _dp_mean(self, value: torch.Tensor) -> torch.Tensor:
         """The mean over DP of a 0-dim device value, as a 0-dim float64 device tensor (no host read)."""
         x = value.detach().to(torch.float64).reshape(1).clone()
@@ -165,6 +154,7 @@ class Trainer:
         """Drill hooks (zerotron/training/faults.py): kill or stall this rank, or poison a weight."""
         faults.hit("kill", step, self.grid.rank)
         faults.hit("stall", step, self.grid.rank)
+        faults.hit("pause", step, self.grid.rank)
         if faults.armed("nan", step, self.grid.rank):
             with torch.no_grad():
                 next(self.model.parameters()).fill_(float("nan"))
@@ -174,7 +164,7 @@ class Trainer:
         (bf16, fp32), gradient norm -- is non-finite, and that loss: a non-finite gradient reaches
         the weights there, and a checkpoint of them must never be written."""
         bad = ~torch.isfinite(loss)
-        if isinstance(grad_norm, torch.Tensor) and not self.opt.scaler.dynamic:
+        if isinstance(grad_norm, torch.Tensor) and not self.opt.scaler.scaled:
             bad = bad | ~torch.isfinite(grad_norm)
         new = bad & (self._bad_step < 0)
         self._bad_step = torch.where(new, float(self.step + 1), self._bad_step)
@@ -219,14 +209,15 @@ class Trainer:
         """One global batch: ``loss`` (the DP mean) and ``grad_norm`` are 0-dim device tensors.
         Raises ``TrainingStopped`` at a log step (or the last) if a loss so far was non-finite."""
         cfg, t = self.cfg, self.cfg.training
-        lr = learning_rate(self.step, lr=cfg.optimizer.lr, min_lr=cfg.optimizer.min_lr,
-                           warmup_steps=cfg.optimizer.warmup_steps, total_steps=t.train_steps,
-                           decay=cfg.optimizer.decay)
+        lr = lr_at(self.step, cfg.optimizer, t.train_steps)
         self.opt.set_lr(lr)
         self._inject_faults(self.step + 1)  # test hook: no-op unless ZEROTRON_FAULT is set
-        data = [self._batch(self.train_ds, indices) for indices in self._micro_batches(self.train_ds, self.consumed)]
+        data = self.batches.get(self.consumed)  # read ahead in the background (training/batches.py)
         self.memory.begin_step(self.step + 1, self.opt)
-        res = run_step(self.model, self.opt, data, self.grid, cfg.parallel.pipeline_schedule, self.memory)
+        res = run_step(self.model, self.opt, data, self.grid, cfg.parallel.pipeline_schedule,
+                       self.phases or self.memory)
+        if self.phases is not None:
+            self.phases.step_done()
         info = res.info
         loss = res.loss_sum if res.dp_reduced else self._dp_mean(res.loss_sum)
         self._watch_loss(loss, info.get("grad_norm"))
@@ -245,9 +236,9 @@ class Trainer:
         total, count = torch.zeros((), dtype=torch.float64, device=self.env.device), 0
         t = self.cfg.training
         for k in range(self.cfg.logging.eval_steps):
-            data = [self._batch(self.eval_ds, ix) for ix in self._micro_batches(self.eval_ds, k * t.global_batch_size)]
+            data = self.eval_batches.get(k * t.global_batch_size)
             if self.grid.pp_size > 1:
-                shape = (t.micro_batch_size, self.mcfg.seq_length, self.mcfg.hidden_size)
+                shape = self.model.hidden_shape(t.micro_batch_size)  # [s/t, b, h] with sequence parallelism
                 dtype = next(self.model.parameters()).dtype  # 16-bit after the optimizer cast them
                 total = total + eval_step(self.model, data, self.grid, shape, dtype=dtype, device=self.env.device)
                 count += 1
@@ -266,8 +257,13 @@ class Trainer:
         path = ckpt.save_checkpoint(c.save, self.step, self.model, self.opt, self.grid,
                                     consumed_samples=self.consumed, model_config=self.model_config_dict(),
                                     run_config=self.cfg.to_dict(), rng_states=self._rng_states(),
-                                    run_id=self.run_id, keep_last=c.keep_last)
+                                    run_id=self.run_id, keep_last=c.keep_last, tokenizer=self.data.tokenizer_path)
         self.log(f"[checkpoint] saved {path}")
+        if c.consolidated_16bit:  # DeepSpeed's stage3_gather_16bit_weights_on_model_save
+            if self.grid.rank == 0:
+                self.log(f"[checkpoint] wrote {write_consolidated(path, self.cfg.training.precision)}")
+            C.barrier(self.grid.world_group)
+        self.run_log.saved(path)
         return path
 
     def _stop_agreed(self) -> bool:
@@ -284,6 +280,8 @@ class Trainer:
                "comm_bytes": {g: b // window
                               for g, b in self.grid.stats.since(self._comm_mark).bytes_by_group().items()}}
         rec.update({f"model_state_{k}": v for k, v in self.opt.memory_report().items()})
+        if self.phases is not None:  # logging.wall_clock_breakdown: seconds per phase
+            rec.update(self.phases.record())
         if self.memory.active:  # this step was measured (MemoryTracker; parallel/memory_tracker.py)
             rec.update(self.memory.record())
         if self.activations is not None:
@@ -297,15 +295,21 @@ class Trainer:
     def train(self) -> dict:
         """Run to ``train_steps`` (or a SIGTERM); metrics, wandb and the lock are closed however it ends."""
         try:
-            return self._loop()
+            last = self._loop()
+            self.run_log.summary(last, self.stopped)
+            return last
         finally:
             self.logger.close()
             self.release_lock()
+            for loader in (self.batches, self.eval_batches):
+                if loader is not None:
+                    loader.close()
 
     def _loop(self) -> dict:
         t, lg, c = self.cfg.training, self.cfg.logging, self.cfg.checkpoint
         skipped, last, window = 0, {}, 0
         self._comm_mark = self.grid.stats.snapshot()
+        self.run_log.start()
         while self.step < t.train_steps:
             out = self.train_step()
             skipped += int(bool(out.get("skipped")))
@@ -314,7 +318,7 @@ class Trainer:
             window += 1
             if self.step % lg.log_interval == 0 or self.step == t.train_steps:
                 last, window = self._record(out, skipped, window), 0
-                self.logger.log(last)
+                self.logger.log(last, self.run_log.logged(last))
             if self.eval_ds is not None and lg.eval_interval and self.step % lg.eval_interval == 0:
                 ev = self.evaluate()
                 self.logger.log({"step": self.step, **ev})

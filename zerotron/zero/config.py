@@ -1,4 +1,5 @@
-"""ZeRO-DP settings: one validated dataclass, plus a reader for DeepSpeed ``zero_optimization`` dicts.
+"""ZeRO-DP settings: one validated dataclass, its fields named after DeepSpeed's ``zero_optimization`` keys
+(a DeepSpeed JSON is read by ``zerotron.training.deepspeed``, the one reader).
 
 The stages are the paper's cumulative partitions (ZeRO §5): 0 = plain data parallelism,
 1 = Pos (optimizer states), 2 = Pos+g (+ gradients), 3 = Pos+g+p (+ parameters). Bucket sizes are
@@ -11,7 +12,8 @@ partition inside a node so the backward all-gather never leaves it) and ``zero_q
 (qgZ: int8 hierarchical all-to-all reduce-scatter). ZeRO-Infinity (arXiv 2104.07857) keys put the
 optimizer state on NVMe: ``offload_optimizer_device="nvme"`` with its ``nvme_path`` and
 ``buffer_count``, the step done in ``sub_group_size`` tiles; ``offload_param_device="nvme"`` puts the
-stage-3 parameter partition there too (read per unit just before its all-gather).
+stage-3 parameter partition there too (read per unit just before its all-gather), and
+``offload_param_device="cpu"`` in host memory (``host_params``).
 
 ``grad_accum_dtype`` is the dtype gradients are accumulated over micro-batches, reduced over DP
 and held in (the flat buffer, the buckets, the Pos+g partition): fp32 by default for 16-bit runs,
@@ -22,13 +24,14 @@ gradient per parameter instead of 2 (split by Nd from stage 2 on, ZeRO §5.2).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 # fp64 runs parameters, masters, moments and reductions in float64: the reference tier of the
 # parity tests (float64 against float64 leaves no round-off to hide a bug behind); 2x fp32 memory.
 PRECISIONS = ("fp32", "fp16", "bf16", "fp64")
 GRAD_ACCUM_DTYPES = ("fp32", "bf16", "fp16")
-# DeepSpeed's DtypeEnum spellings of ``data_types.grad_accum_dtype``
+
+
 def _is_int(value, at_least: int) -> bool:
     """A real int (bool is not one, whatever Python says) no smaller than ``at_least``."""
     return isinstance(value, int) and not isinstance(value, bool) and value >= at_least
@@ -63,7 +66,7 @@ class ZeroConfig:
     offload_optimizer_buffer_count: int = 4
     sub_group_size: int = int(1e9)
     # ZeRO-Infinity parameter offload (stage 3): the parameter partition in a file (infinity.disk_params)
-    offload_param_device: str = "none"  # "none" | "nvme"
+    offload_param_device: str = "none"  # "none" | "cpu" (host memory, zero.host_params) | "nvme"
     offload_param_nvme_path: str | None = None
     offload_param_buffer_count: int = 5
     # dtype of gradient accumulation and reduction: None = fp32 for fp16/bf16, the precision otherwise
@@ -81,6 +84,11 @@ class ZeroConfig:
         if self.grad_accum_dtype is not None:
             return self.grad_accum_dtype
         return "fp32" if precision in ("fp16", "bf16") else precision
+
+    def bucket_elements(self, largest_param: int) -> int:
+        """The flat layout's chunk, i.e. bucket, size (CB): the smaller of the reduce and all-gather
+        buckets, where 0 -- DeepSpeed's "one parameter at a time" -- is the largest parameter's size."""
+        return min(self.reduce_bucket_size or largest_param, self.allgather_bucket_size or largest_param)
 
     @property
     def qgz_node_size(self) -> int:
@@ -101,10 +109,11 @@ class ZeroConfig:
         for key in ("overlap_comm", "contiguous_gradients", "offload_optimizer"):
             if not isinstance(getattr(self, key), bool):
                 bad(key, "must be true or false")
-        for key in ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size"):
-            value = getattr(self, key)
-            if not _is_int(value, at_least=1):
-                bad(key, "must be a positive number of elements, e.g. 500000000")
+        for key in ("reduce_bucket_size", "allgather_bucket_size"):
+            if not _is_int(getattr(self, key), at_least=0):
+                bad(key, "must be a number of elements, e.g. 500000000 (0: one parameter at a time, as DeepSpeed)")
+        if not _is_int(self.stage3_prefetch_bucket_size, at_least=1):
+            bad("stage3_prefetch_bucket_size", "must be a positive number of elements, e.g. 50000000")
         value = self.stage3_param_persistence_threshold
         if not _is_int(value, at_least=0):
             bad("stage3_param_persistence_threshold", "must be a number of elements >= 0 (0 partitions everything)")
@@ -171,8 +180,10 @@ class ZeroConfig:
                 if getattr(self, key) == "nvme":
                     bad(key, "the NVMe files hold fp32 and the precision is fp64; use precision fp32, fp16 or "
                              "bf16 with NVMe offload")
-        if self.offload_param_device not in ("none", "nvme"):
-            bad("offload_param_device", "use 'none' or 'nvme' (parameter offload to 'cpu' is not implemented)")
+        if self.offload_param_device not in ("none", "cpu", "nvme"):
+            bad("offload_param_device", "use 'none', 'cpu' (host memory) or 'nvme' (a file)")
+        if self.offload_param_device == "cpu" and self.stage != 3:
+            bad("offload_param_device", "parameter offload needs stage=3 (only Pos+g+p partitions parameters)")
         if self.offload_param_device == "nvme":
             if self.stage != 3:
                 bad("offload_param_device", "parameter offload needs stage=3 (only Pos+g+p partitions parameters)")
@@ -181,20 +192,3 @@ class ZeroConfig:
             value = self.offload_param_buffer_count
             if not _is_int(value, at_least=2):
                 bad("offload_param_buffer_count", "need an integer >= 2 (one unit read ahead, one written behind)")
-
-    @classmethod
-    def from_deepspeed(cls, ds: dict, **overrides) -> "ZeroConfig":
-        """Build from a DeepSpeed config: either the whole JSON dict or its ``zero_optimization`` part.
-
-        ``overrides`` are ZeroConfig fields that win over the dict. Precision and loss scaling are
-        the ``fp16``/``bf16`` sections, read by ``precision_from_deepspeed``.
-        """
-        from zerotron.zero.deepspeed_json import zero_fields_from_deepspeed
-
-        kw = zero_fields_from_deepspeed(ds)
-        names = {f.name for f in fields(cls)}
-        for key in overrides:
-            if key not in names:
-                raise ValueError(f"ZeroConfig has no field {key!r}; fields are {sorted(names)}")
-        kw.update(overrides)
-        return cls(**kw).validate()

@@ -58,6 +58,7 @@ class GradReducer:
         self.expected = [len({pc.param for pc in c.pieces if params[pc.param].requires_grad}) for c in chunks]
         self.ready = [0] * len(chunks)
         self.reduced = [False] * len(chunks)
+        self.touched = [False] * len(chunks)  # a gradient arrived in this round (see ``flush``)
         self.packed_chunks = [0] * len(params)
         self.arrivals = [1] * len(params)  # gradient arrivals per backward, learned from the last one
         self.seen = [0] * len(params)      # arrivals in this round
@@ -124,6 +125,8 @@ class GradReducer:
         elif self.sync:
             self._stage(i, param)
         self.pending = True
+        for ci in self.layout.param_chunks[i]:
+            self.touched[ci] = True
         if not self.sync:
             return
         self.seen[i] += 1
@@ -264,11 +267,16 @@ class GradReducer:
             self._deliver(c, out, add=True)
         self.late = {}
 
-    def flush(self) -> None:
-        """Reduce every chunk not yet reduced in this round (unused params count as zero), wait, reset."""
+    def flush(self, only_touched: bool = False) -> None:
+        """Reduce every chunk not yet reduced in this round (unused params count as zero), wait, reset.
+
+        ``only_touched``: skip chunks no gradient reached in this round -- a backward of one model
+        chunk of an interleaved pipeline stage reaches only that chunk's buckets; reducing the
+        others would add zeros to the partition (stage 2) at the cost of a collective each. Every
+        DP rank runs the same backward, so they skip the same chunks."""
         if self.pending:
             for ci in range(len(self.layout.chunks)):
-                if not self.reduced[ci]:
+                if not self.reduced[ci] and (self.touched[ci] or not only_touched):
                     self._reduce(ci)
         self.wait()
         if self.late:
@@ -277,6 +285,7 @@ class GradReducer:
         self.seen = [0] * len(self.seen)
         self.ready = [0] * len(self.ready)
         self.reduced = [False] * len(self.reduced)
+        self.touched = [False] * len(self.touched)
         self.pending = False
 
     def wait(self) -> None:

@@ -4,7 +4,15 @@ The loss is multiplied by ``scale`` before backward so small fp16 gradients do n
 An overflow (inf/NaN anywhere in the global gradient, detected on every rank by the same
 all-reduce that computes the clipping norm) skips the step everywhere; after ``hysteresis``
 overflows the scale is halved (never below ``min_scale``). After ``window`` clean steps it doubles
-and the hysteresis budget is restored. bf16 and fp32 use a constant scale of 1.
+and the hysteresis budget is restored (with ``consecutive_hysteresis``, DeepSpeed's option, every
+clean step restores it, so only consecutive overflows halve the scale). bf16 and fp32 use a
+constant scale of 1.
+
+A *static* fp16 scale (DeepSpeed's ``fp16.loss_scale > 0``) multiplies the loss by a constant and
+still skips overflowed steps -- what DeepSpeed's static ``LossScaler`` does -- but never changes.
+
+``scaled`` says whether the loss is multiplied and overflow checked (every fp16 scaler);
+``dynamic`` whether the scale moves.
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ class LossScaler:
     """Constant scale (bf16, fp32): never skips for scale reasons, never changes."""
 
     dynamic = False
+    scaled = False
 
     def __init__(self, scale: float = 1.0):
         self.scale = float(scale)
@@ -29,14 +38,24 @@ class LossScaler:
         (a bf16 run resumed from an fp16 checkpoint must not inherit its loss scale)."""
 
 
+class StaticLossScaler(LossScaler):
+    """fp16 with a constant scale (DeepSpeed's ``fp16.loss_scale > 0``): the loss is scaled and an
+    overflowed step skipped, as with the dynamic scaler, but the scale never moves."""
+
+    scaled = True
+
+
 class DynamicLossScaler(LossScaler):
     """fp16 scaler: halve on overflow (after ``hysteresis`` of them), double after ``window`` clean steps."""
 
     dynamic = True
+    scaled = True
 
-    def __init__(self, initial_scale: float, window: int, hysteresis: int, min_scale: float):
+    def __init__(self, initial_scale: float, window: int, hysteresis: int, min_scale: float,
+                 consecutive_hysteresis: bool = False):
         super().__init__(initial_scale)
         self.window, self.hysteresis, self.min_scale = window, hysteresis, float(min_scale)
+        self.consecutive_hysteresis = consecutive_hysteresis
         self.hysteresis_left = hysteresis
         self.clean_steps = 0
 
@@ -49,6 +68,8 @@ class DynamicLossScaler(LossScaler):
             self.clean_steps = 0
             return
         self.clean_steps += 1
+        if self.consecutive_hysteresis:
+            self.hysteresis_left = self.hysteresis
         if self.clean_steps % self.window == 0:
             self.scale *= 2.0
             self.hysteresis_left = self.hysteresis
@@ -66,17 +87,29 @@ class DynamicLossScaler(LossScaler):
 
 
 def make_loss_scaler(precision: str, initial_loss_scale: float = 2.0 ** 16, loss_scale_window: int = 1000,
-                     hysteresis: int = 2, min_loss_scale: float = 1.0) -> LossScaler:
-    """The scaler a precision needs: dynamic for fp16 (DeepSpeed's ``fp16`` section defaults), a
-    constant 1 otherwise. Raises ``ValueError`` naming the setting and the fix."""
+                     hysteresis: int = 2, min_loss_scale: float = 1.0, loss_scale: float = 0.0,
+                     consecutive_hysteresis: bool = False) -> LossScaler:
+    """The scaler a precision needs: for fp16 dynamic (DeepSpeed's ``fp16`` section defaults) or,
+    with ``loss_scale > 0``, static at that scale; a constant 1 otherwise. Raises ``ValueError``
+    naming the setting and the fix."""
     if precision != "fp16":
         return LossScaler(1.0)
-    check_loss_scaling(initial_loss_scale, loss_scale_window, hysteresis, min_loss_scale)
-    return DynamicLossScaler(initial_loss_scale, loss_scale_window, hysteresis, min_loss_scale)
+    check_loss_scaling(initial_loss_scale, loss_scale_window, hysteresis, min_loss_scale, loss_scale,
+                       consecutive_hysteresis)
+    if loss_scale > 0:
+        return StaticLossScaler(loss_scale)
+    return DynamicLossScaler(initial_loss_scale, loss_scale_window, hysteresis, min_loss_scale,
+                             consecutive_hysteresis)
 
 
-def check_loss_scaling(initial_loss_scale, loss_scale_window, hysteresis, min_loss_scale) -> None:
+def check_loss_scaling(initial_loss_scale, loss_scale_window, hysteresis, min_loss_scale, loss_scale=0.0,
+                       consecutive_hysteresis=False) -> None:
     """Raise ``ValueError`` starting with the setting's name (``min_loss_scale=...``) and the fix."""
+    if not (_is_number(loss_scale) and loss_scale >= 0):
+        raise ValueError(f"loss_scale={loss_scale!r}: must be >= 0 (0: dynamic scaling from initial_loss_scale; "
+                         f"> 0: that constant scale)")
+    if not isinstance(consecutive_hysteresis, bool):
+        raise ValueError(f"consecutive_hysteresis={consecutive_hysteresis!r}: must be true or false")
     if not (_is_number(initial_loss_scale) and initial_loss_scale > 0):
         raise ValueError(f"initial_loss_scale={initial_loss_scale!r}: must be > 0, e.g. 65536")
     if not (_is_number(min_loss_scale) and 0 < min_loss_scale <= initial_loss_scale):

@@ -60,11 +60,12 @@ class ZeroOptimizer(PartitionStateIO):
                  eps: float = 1e-8, weight_decay: float = 0.0, clip_grad: float | None = None,
                  stage3_units: list[nn.Module] | None = None, precision: str = "fp32",
                  loss_scaler: LossScaler | None = None, master_init: MasterInit | None = None,
-                 device: torch.device | str | None = None):
+                 device: torch.device | str | None = None, adam_w_mode: bool = True):
         """``precision``: fp32 | fp16 | bf16 | fp64 (``PRECISIONS``), the dtype of the parameters;
         masters are ``promote_types(dtype, fp32)``, gradients accumulate in ``cfg.grad_accum(precision)``
         (fp32 for 16-bit runs unless ``grad_accum_dtype`` says otherwise). ``loss_scaler``: default
         ``make_loss_scaler(precision)`` (dynamic for fp16 with DeepSpeed's defaults).
+        ``adam_w_mode=False``: weight decay as Adam's L2 term instead of AdamW's (``adam.FlatAdamW``).
 
         ``master_init(name, out)`` (``materialize.MasterInit``, e.g. ``GPT.init_parameter_``): the
         initial values come from it, drawn per parameter in the master dtype, instead of from the
@@ -72,9 +73,9 @@ class ZeroOptimizer(PartitionStateIO):
         by parameters over the optimizer's buffers, see ``materialize``). ``device``: where the
         storage goes, default the parameters' device; required for a meta model."""
         cfg.validate(precision=precision)
-        if loss_scaler is not None and loss_scaler.dynamic != (precision == "fp16"):
-            raise ValueError(f"loss_scaler: a {'dynamic' if loss_scaler.dynamic else 'constant'} scaler with "
-                             f"precision={precision!r}; only fp16 scales the loss dynamically -- use "
+        if loss_scaler is not None and loss_scaler.scaled != (precision == "fp16"):
+            raise ValueError(f"loss_scaler: a {'loss-scaling' if loss_scaler.scaled else 'constant'} scaler with "
+                             f"precision={precision!r}; only fp16 scales the loss -- use "
                              f"make_loss_scaler(precision, ...)")
         _check_hyper(lr, betas, eps, weight_decay, clip_grad)
         check_meta(model, master_init)
@@ -100,14 +101,14 @@ class ZeroOptimizer(PartitionStateIO):
         groups, persistent, unit_mods, unit_groups = plan_groups(model, self.params, self.names, grid, cfg,
                                                                  stage3_units)
         self.layout = Layout([p.shape for p in self.params], groups, shards, rank,
-                             min(cfg.reduce_bucket_size, cfg.allgather_bucket_size), persistent)
+                             cfg.bucket_elements(max(p.numel() for p in self.params)), persistent)
         self.param_shapes = dict(zip(self.names, self.layout.shapes))
         no_decay = [len(shape) < 2 for shape in self.layout.shapes]  # params may be released (stage 3)
         self.decay_segments = [self.layout.segments(c, lambda i: not no_decay[i]) for c in self.layout.chunks]
         plan = strategies.build(cfg, grid, self.layout, self.dtype, self.master_dtype, self.device, owner=self,
                                 grad_dtype=self.grad_dtype)
         self.state, self.shards = plan.state, plan.shards
-        self.adam = FlatAdamW(self.state.device)
+        self.adam = FlatAdamW(self.state.device, adam_w_mode=adam_w_mode)
         max_shard = max(c.shard for c in self.layout.chunks)
         self.gather_in = torch.empty(max_shard, dtype=self.dtype, device=self.device) if 1 <= cfg.stage <= 2 else None
         cast_frozen(model, self.dtype, self.master_dtype, self.device, master_init)
@@ -192,7 +193,7 @@ class ZeroOptimizer(PartitionStateIO):
 
     # training interface ---------------------------------------------------------------------------
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        return loss * self.scaler.scale if self.scaler.dynamic else loss
+        return loss * self.scaler.scale if self.scaler.scaled else loss
 
     def backward(self, loss: torch.Tensor, last_microbatch: bool = True) -> None:
         """Backward of ``loss`` (already divided by the number of micro-batches), reducing as ZeRO prescribes."""
@@ -224,8 +225,8 @@ class ZeroOptimizer(PartitionStateIO):
         self.reducer.sync = self.stage == 2
         try:
             torch.autograd.backward(tensors, grad_tensors)
-            if self.reducer.sync:
-                self.reducer.flush()
+            if self.reducer.sync:  # an interleaved stage's backward reaches one model chunk's buckets
+                self.reducer.flush(only_touched=True)
         finally:
             self.reducer.sync = self._default_sync()
 
@@ -270,7 +271,7 @@ class ZeroOptimizer(PartitionStateIO):
             norm = norm / scale
         # fp16's skip decision is the step's one host read; a constant scale never skips, so
         # bf16/fp32 read nothing and a non-finite gradient reaches the loss (the trainer's NaN stop)
-        overflow = self.scaler.dynamic and not host_sync.read(finite, "overflow", placeholder=True)
+        overflow = self.scaler.scaled and not host_sync.read(finite, "overflow", placeholder=True)
         if not overflow:
             coef = clip_coef(norm, self.clip_grad, scale)
             st.step += 1

@@ -6,7 +6,8 @@ crosses the wire -- four independent choices, each behind one small protocol, so
 (``optimizer``, ``grad_reduce``, ``stage3``) keeps a single code path whatever is enabled:
 
 * ``ShardSource`` -- where stage 3 reads a group's parameter shard just before its all-gather:
-  memory (``MemoryShards``) or a file (``infinity.disk_params.DiskParams``, Infinity §5-6).
+  memory (``MemoryShards``), host memory (``host_params.HostParams``) or a file
+  (``infinity.disk_params.DiskParams``, Infinity §5-6).
 * ``Gather`` -- how a stage-3 group is all-gathered: ``PlainGather`` (ZeRO §5.3), qwZ
   (``zeropp.strategies.QuantizedGather``, ZeRO++ §3.1) or hpZ (``SecondaryGather``, §3.2).
 * ``ReduceScatter`` -- how a gradient bucket of stages 1-3 reaches its owners:
@@ -29,6 +30,7 @@ from typing import Callable, Protocol, Sequence
 import torch
 
 from zerotron.parallel import collectives as C
+from zerotron.zero.host_params import HostParams
 from zerotron.zero.infinity.disk_optimizer_state import DiskOptimizerState
 from zerotron.zero.infinity.disk_params import DiskParams
 from zerotron.zero.optimizer_state import OptimizerState
@@ -232,6 +234,8 @@ def build(cfg, grid, layout, dtype: torch.dtype, master_dtype: torch.dtype, devi
     shards = gather = None
     if cfg.stage == 3:
         shards = MemoryShards()
+        if cfg.offload_param_device == "cpu":
+            shards = HostParams(layout)
         if cfg.offload_param_device == "nvme":
             shards = DiskParams(layout, cfg.offload_param_nvme_path, grid.rank,
                                              cfg.offload_param_buffer_count, owner=owner)

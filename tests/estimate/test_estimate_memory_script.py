@@ -1,0 +1,58 @@
+"""``scripts/estimate_memory.py`` breaks a setup down only on a world size it was given.
+
+Every per-rank term but the activations divides by DP, so a default world size (it used to be
+400 GPUs) turns a 4-process config into a confident wrong answer; a tiny model's terms must read
+in units that show them, not as ``0.000 B``.
+"""
+
+import os
+import re
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
+import estimate_memory  # noqa: E402
+
+TINY = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "tiny.yaml")
+ZERO_VALUE = re.compile(r"(?<![\d.])0\.0+ ")  # "0.000 B", "0.00 GB": a value rounded away
+
+
+def run(capsys, *argv):
+    out = estimate_memory.main([*argv, "--c-batches", "4"])
+    return out, capsys.readouterr().out
+
+
+def test_a_config_without_a_world_size_asks_for_gpus(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        estimate_memory.main(["--config", TINY])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "does not fix the world size" in err and "--gpus N" in err
+    with pytest.raises(SystemExit) as exit_:
+        estimate_memory.main(["--preset", "zero-100b", "--tp", "16"])
+    assert exit_.value.code == 2 and "pass --gpus N" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        estimate_memory.main(["--config", TINY, "--gpus", "3"])  # tp 2 does not divide 3
+    assert exit_.value.code == 2 and "does not divide the 3 processes" in capsys.readouterr().err
+
+
+def test_tiny_config_breakdown_uses_the_given_world_and_readable_units(capsys):
+    out, text = run(capsys, "--config", TINY, "--gpus", "4")
+    b = out["breakdown"]
+    assert (b["gpus"], b["tp"], b["dp"], b["micro_batch"]) == (4, 2, 2, 8)  # tiny.yaml: TP 2, micro-batch 8
+    section = text[text.index("Breakdown per GPU"):text.index("largest GPT")]
+    assert "tiny on 4 GPUs, MP 2 x DP 2" in section
+    assert not ZERO_VALUE.search(section), section
+    assert re.search(r"params_total\s+\d+\.\d\d K", section) and re.search(r"total\s+\d+\.\d\d MB", section)
+
+
+def test_a_config_that_fixes_dp_gives_its_own_world(capsys, tmp_path):
+    with open(TINY, encoding="utf-8") as f:
+        text = f.read()
+    config = tmp_path / "tiny-dp4.yaml"
+    config.write_text(text.replace("  tp: 2\n", "  tp: 2\n  dp: 4\n"), encoding="utf-8")
+    out, _ = run(capsys, "--config", str(config))
+    assert (out["breakdown"]["gpus"], out["breakdown"]["dp"]) == (8, 4)
+    out, _ = run(capsys, "--config", TINY, "--gpus", "4", "--tp", "1", "--batch", "2")  # flags override the config
+    assert (out["breakdown"]["tp"], out["breakdown"]["dp"], out["breakdown"]["micro_batch"]) == (1, 4, 2)

@@ -1,0 +1,35 @@
+"""``scripts/checks/gpu_check.py --tiny`` on CPU: the one-GPU check's own code runs and can fail.
+
+The GPU figures themselves are only meaningful on a GPU (``bash scripts/gpu_check.sh``); here
+the script's path through parity, every ZeRO row, the FLOP/MFU arithmetic and its exit code is
+exercised, so a broken check is found before the one device run it gets.
+"""
+
+import contextlib
+import io
+
+from tests.harness import spawn
+
+
+def run_check(*argv):
+    from scripts.checks.gpu_check import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(["--tiny", *argv])
+    return rc, out.getvalue(), err.getvalue()
+
+
+def passing_then_failing():
+    # the failing run: a peak a million times too low makes MFU > 100%, which the check must refuse
+    return run_check(), run_check("--only", "s0+ckpt", "--peak-tflops", "1e-12")
+
+
+def test_tiny_check_passes_on_cpu_and_fails_on_an_impossible_mfu():
+    (rc, out, err), (bad_rc, bad_out, bad_err) = spawn(passing_then_failing, 1, timeout=120)[0]
+    assert rc == 0, err
+    rows = [line.split()[0] for line in out.splitlines() if line.startswith(("s0", "s1", "s2", "s3"))]
+    assert rows == ["s0", "s1", "s2", "s3", "s0+ckpt", "s1+ckpt", "s2+ckpt", "s3+ckpt", "s2+ckpt+Pa+cpu",
+                    "s2+offload"]
+    assert "worst rel. diff to CPU 0.0e+00" in out and "all checks passed" in out
+    assert bad_rc == 1 and "MFU" in bad_err and "impossible" in bad_err and "FAILED" in bad_out

@@ -1,0 +1,142 @@
+"""The DeepSpeed reader without training: bad keys exit 2 naming the key and the closest valid one
+(before any process group), the batch triple's arithmetic, precedence, the README's key table, and
+the loss scalers the fp16 section asks for."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from scripts.pretrain_gpt import main
+from zerotron.training.cli import parse_config
+from zerotron.training.deepspeed import from_deepspeed, markdown_table
+from zerotron.training.deepspeed.keys import TOP
+from zerotron.training.deepspeed.schema import rows
+
+BAD = [
+    ({"zero_optimisation": {"stage": 3}}, "zero_optimisation: not a DeepSpeed key at the top level (did you mean "
+                                          "zero_optimization?)"),
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "bufer_count": 4}}},
+     "zero_optimization.offload_param.bufer_count: not a DeepSpeed key in zero_optimization.offload_param (did "
+     "you mean buffer_count?)"),
+    ({"fp16": {"enabled": True, "initial_scale_pwr": 12}}, "did you mean initial_scale_power?"),
+    ({"zero_optimization": 2}, "zero_optimization must be a JSON object of DeepSpeed keys"),
+    ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "fp16.enabled and bf16.enabled are both true"),
+    ({"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4},
+     "train_batch_size != train_micro_batch_size_per_gpu x gradient_accumulation_steps x dp: 10 != 4 x 1 x 2 = 8"),
+    ({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2},
+     "32 != 4 x 2 x 2 = 16"),
+    ({"gradient_accumulation_steps": 4}, "gradient_accumulation_steps alone does not determine the batch"),
+    ({"zero_optimization": {"stage": "auto"}}, "zero_optimization.stage: \"auto\" is not resolvable"),
+    ({"scheduler": {"type": "OneCycle", "params": {}}}, "scheduler.type='OneCycle' is not implemented"),
+    ({"scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 10}}},
+     "total_num_steps is required by WarmupDecayLR"),
+    ({"scheduler": {"type": "WarmupLR", "params": {"total_num_steps": 10}}}, "WarmupLR takes no such parameter"),
+    ({"optimizer": {"type": "Adam", "params": {"lr": 1e-4, "max_grad_norm": 1.0}}}, "top-level gradient_clipping"),
+    ({"optimizer": {"type": "Lamb", "params": {}}}, "optimizer.type='Lamb'"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}},
+     "partial optimizer offload is not implemented"),
+    ({"zero_optimization": {"cpu_offload": True, "offload_optimizer": {"device": "cpu"}}}, "older spelling"),
+    ({"zero_optimization": {"stage3_prefetch_bucket_size": 1e6, "prefetch_bucket_size": 2e6}},
+     "same key with different values"),
+    ({"data_types": {"grad_accum_dtype": "fp32"}, "communication_data_type": "bf16", "bf16": {"enabled": True}},
+     "give one dtype"),
+    ({"amp": {"enabled": True}}, "amp={'enabled': True}: apex AMP is not used"),
+    ({"expert_parallel": {"enabled": True}}, "mixture of experts"),
+    ({"tensor_parallel": {"autotp_size": 3}}, "parallel.tp*parallel.pp=3*1=3"),
+]
+
+
+@pytest.mark.parametrize("ds,needle", BAD, ids=[str(i) for i in range(len(BAD))])
+def test_bad_configs_exit_2_naming_the_key(tmp_path, monkeypatch, capsys, ds, needle):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(ds))
+    import torch.distributed as dist
+
+    assert main(["--deepspeed-config", str(path)]) == 2
+    assert not dist.is_initialized()  # refused before init_process_group
+    err = capsys.readouterr().err
+    assert needle in err and f"--deepspeed-config {path}" in err, err
+
+
+def test_duplicate_key_and_not_json(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text('{"fp16": {"enabled": true}, "fp16": {"enabled": false}}')
+    with pytest.raises(ValueError, match="fp16: given twice"):
+        parse_config(["--deepspeed-config", str(path)], world_size=1)
+    path.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="expected a JSON object"):
+        parse_config(["--deepspeed-config", str(path)], world_size=1)
+
+
+def test_batch_triple_any_two_determine_the_third():
+    def batch(ds, world=4, tp=1):
+        cfg, _ = from_deepspeed({**ds, "tensor_parallel": {"autotp_size": tp}}, world_size=world)
+        return cfg.training.global_batch_size, cfg.training.micro_batch_size, cfg.validate(world).num_microbatches
+
+    assert batch({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 4}) == (64, 4, 4)
+    assert batch({"train_batch_size": 64, "gradient_accumulation_steps": 2}) == (64, 8, 2)
+    assert batch({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 3}) == (48, 4, 3)
+    assert batch({"train_batch_size": 64}) == (64, 16, 1)
+    assert batch({"train_micro_batch_size_per_gpu": 4}) == (16, 4, 1)
+    assert batch({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 4}, tp=2) == (64, 4, 8)  # dp = 2
+
+
+def test_precedence_yaml_json_flags(tmp_path, capsys):
+    yml, ds = tmp_path / "run.yaml", tmp_path / "ds.json"
+    yml.write_text("zero: {stage: 1, reduce_bucket_size: 1000}\noptimizer: {lr: 0.5, clip_grad: 3.0}\n")
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 2, "reduce_bucket_size": 2000},
+                              "gradient_clipping": 2.0, "train_micro_batch_size_per_gpu": 2}))
+    cfg = parse_config(["--config", str(yml), "--deepspeed-config", str(ds), "--zero-stage", "3"], world_size=2)
+    assert cfg.zero.stage == 3  # flag > JSON
+    assert cfg.zero.reduce_bucket_size == 2000 and cfg.optimizer.clip_grad == 2.0  # JSON > YAML
+    assert cfg.optimizer.lr == 0.5  # YAML where the JSON says nothing
+    assert (cfg.training.global_batch_size, cfg.training.micro_batch_size) == (4, 2)
+    out = capsys.readouterr().out
+    assert "zero_optimization.stage=2 is overridden by the command line: zero.stage=3" in out
+
+
+def test_auto_with_nothing_else_is_the_run_config():
+    cfg, lines = from_deepspeed({"fp16": {"enabled": "auto"}, "bf16": {"enabled": "auto"},
+                                 "gradient_clipping": "auto", "train_batch_size": "auto",
+                                 "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto"},
+                                world_size=2)
+    assert cfg.training.precision == "fp32"
+    assert "fp16.enabled: auto -> false (training.precision='fp32')" in lines
+
+
+def test_every_readme_row_is_the_schema():
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    assert markdown_table(TOP) in text, "README's DeepSpeed key table is stale: paste markdown_table(TOP)"
+    statuses = {status.split(";")[0] for _, status, _ in rows(TOP)}
+    assert statuses == {"honoured", "mapped", "no effect", "refused"}
+
+
+def test_fp16_scalers():
+    from zerotron.zero.loss_scaler import DynamicLossScaler, StaticLossScaler, make_loss_scaler
+
+    static = make_loss_scaler("fp16", loss_scale=1024.0, min_loss_scale=1024.0, initial_loss_scale=1024.0)
+    assert isinstance(static, StaticLossScaler) and static.scaled and not static.dynamic
+    for overflow in (True, True, False, True):
+        static.update(overflow)
+    assert static.scale == 1024.0
+    plain, consecutive = (DynamicLossScaler(8.0, window=100, hysteresis=2, min_scale=1.0, consecutive_hysteresis=c)
+                          for c in (False, True))
+    for s in (plain, consecutive):
+        for overflow in (True, False, True):  # two overflows with a clean step between them
+            s.update(overflow)
+    assert (plain.scale, consecutive.scale) == (4.0, 8.0)  # only consecutive ones count with the option
+    with pytest.raises(ValueError, match="loss_scale=-1"):
+        make_loss_scaler("fp16", loss_scale=-1)
+
+
+def test_reduce_bucket_size_zero_is_one_parameter_at_a_time():
+    from zerotron.zero import ZeroConfig
+
+    z = ZeroConfig(reduce_bucket_size=0).validate()
+    assert z.bucket_elements(largest_param=4096) == 4096
+    assert ZeroConfig(reduce_bucket_size=0, allgather_bucket_size=1000).bucket_elements(4096) == 1000

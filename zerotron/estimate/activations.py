@@ -1,0 +1,66 @@
+"""Activation bytes one transformer layer keeps for backward: Korthikanti et al. 2022 (arXiv
+2205.05198) Table 2, with tensor parallelism, sequence parallelism, selective and full recompute.
+
+Per layer, with s sequence, b micro-batch, h hidden, a heads, t the TP size, f the MLP width
+(4h in the paper), e bytes per activation value and m per dropout-mask value (the paper's e = 2,
+16-bit, and m = 1, a byte mask), in units of s·b·h:
+
+* **replicated over TP** (outside the TP GEMMs): the two LayerNorm inputs and the two GEMM
+  inputs they feed (QKV, fc1), 4e, and the two residual-dropout masks, 2m: 10 in the paper;
+* **split by TP**: Q, K, V (3e), the attention-output GEMM's input (e), GeLU's input and fc2's
+  input (e·f/h each): 24/t in the paper;
+* **attention core**: softmax output, its dropout mask and dropout output, (2e + m)·a·s/h per
+  s·b·h, split by TP: 5·a·s/(h·t) in the paper.
+
+So, as Table 2 has it: none ``34 + 5as/h``; TP ``10 + 24/t + 5as/(ht)``; TP + sequence
+parallelism ``34/t + 5as/(ht)`` (the replicated part is split along the sequence as well);
+selective recompute drops the attention-core term (``10 + 24/t``, ``34/t`` with SP); full
+recompute keeps only the layer's input, ``e`` (``2``), split over TP by sequence parallelism or
+Pa. A fused attention kernel (flash / memory-efficient, a GPU's SDPA) never stores the
+probabilities: the attention-core term is 0 there as with selective recompute.
+
+Where the kernels differ from the paper's accounting the arguments say so instead of a fudge
+factor: torch's CPU dropout keeps its mask as the scaled noise in the activation dtype (m = e),
+CUDA's fused dropout a byte mask (m = 1). The LayerNorm statistics (mean and 1/σ, fp32, per
+token) are below the paper's resolution and are given separately (``layernorm_stats_bytes``).
+"""
+
+from __future__ import annotations
+
+RECOMPUTE = ("none", "selective", "full")
+
+
+def layer_activation_bytes(b: int, s: int, h: int, heads: int, tp: int = 1, sequence_parallel: bool = False,
+                           recompute: str = "none", ffn: int | None = None, fused_attention: bool = False,
+                           act_bytes: int = 2, mask_bytes: int = 1, partition_activations: bool = False) -> float:
+    """Bytes one layer keeps for backward on one TP rank (module docstring; Table 2)."""
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute={recompute!r}: use one of {RECOMPUTE}")
+    e, m, t, f = act_bytes, mask_bytes, tp, 4 * h if ffn is None else ffn
+    sbh = s * b * h
+    if recompute == "full":  # the checkpoint: the layer's input, 1/t of it with SP or Pa
+        return sbh * e / (t if (sequence_parallel or partition_activations) else 1)
+    replicated = 4 * e + 2 * m
+    split = 4 * e + 2 * e * f / h
+    core = 0.0 if (recompute == "selective" or fused_attention) else (2 * e + m) * heads * s / h
+    return sbh * ((replicated / t if sequence_parallel else replicated) + split / t + core / t)
+
+
+def layernorm_stats_bytes(b: int, s: int, tp: int = 1, sequence_parallel: bool = False, norms: int = 2,
+                          stat_bytes: int = 4) -> float:
+    """Mean and reciprocal σ of each token, per LayerNorm (fp32 in torch's kernels for 16-bit
+    inputs): 2·s·b·4 bytes a norm, split along the sequence with SP. Not in Table 2."""
+    return norms * 2 * s * b * stat_bytes / (tp if sequence_parallel else 1)
+
+
+def korthikanti_table2(s: int, b: int, h: int, a: int, t: int) -> dict[str, float]:
+    """The paper's Table 2 rows, bytes per layer, written as printed (16-bit values, byte masks)."""
+    sbh = s * b * h
+    return {
+        "none": sbh * (34 + 5 * a * s / h),
+        "tp": sbh * (10 + 24 / t + 5 * a * s / (h * t)),
+        "tp+sp": sbh * (34 / t + 5 * a * s / (h * t)),
+        "tp+selective": sbh * (10 + 24 / t),
+        "tp+sp+selective": sbh * 34 / t,
+        "full": sbh * 2,
+    }

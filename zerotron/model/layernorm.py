@@ -1,0 +1,36 @@
+"""LayerNorm that runs apex's fused kernel on CUDA tensors when apex is importable.
+
+The kernel is chosen per call from the input's device, not when the module is built: the model
+is built on the meta device (parameters get their storage from the ZeRO optimizer later), so a
+choice made at construction would never see CUDA. The parameters are ``nn.LayerNorm``'s own
+(``weight``, ``bias``), so checkpoints and the Hugging Face export do not depend on apex.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from zerotron.parallel.shard_info import ShardInfo, set_shard_info
+
+try:  # NVIDIA apex's fused kernel, only when it is importable (never pip-installed: see DEVELOPERS.md)
+    from apex.normalization.fused_layer_norm import fused_layer_norm_affine as _apex_layer_norm
+except Exception:  # noqa: BLE001 - any import failure means "not available"
+    _apex_layer_norm = None
+
+
+class LayerNorm(nn.LayerNorm):
+    """``nn.LayerNorm`` with apex's fused forward/backward for CUDA inputs."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _apex_layer_norm is not None and x.is_cuda and self.elementwise_affine:
+            return _apex_layer_norm(x, self.weight, self.bias, self.normalized_shape, self.eps)
+        return super().forward(x)
+
+
+def make_layernorm(hidden: int, eps: float, dtype, device) -> nn.Module:
+    """A LayerNorm whose parameters are TP-replicated (every TP rank holds all of them)."""
+    ln = LayerNorm(hidden, eps=eps, dtype=dtype, device=device)
+    for p in ln.parameters():
+        set_shard_info(p, ShardInfo(None, tuple(p.shape)))
+    return ln

@@ -1,0 +1,216 @@
+"""``pretrain_gpt.py --help``, generated from the config tree: every ``--section.field`` with its
+type, default, choices and one line of help.
+
+Names, types and defaults are read from the dataclasses themselves (``RunConfig`` and the library
+sections it holds), so --help cannot drift from what the parser accepts; only the one-line
+descriptions live here, in ``HELP``, and ``tests/training/test_config_help.py`` fails when a field
+has none. A ``model`` field's default is "the preset's": the tiny preset's value is shown with it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import textwrap
+import typing
+from typing import Any
+
+from zerotron.model.presets import PRESETS
+from zerotron.parallel.pipeline import SCHEDULES
+from zerotron.zero.config import GRAD_ACCUM_DTYPES, PRECISIONS
+
+CHOICES: dict[str, tuple] = {
+    "model.preset": tuple(PRESETS),
+    "model.gelu_approximate": ("tanh", "none"),
+    "parallel.pipeline_schedule": SCHEDULES,
+    "zero.stage": (0, 1, 2, 3),
+    "zero.offload_optimizer_device": ("none", "cpu", "nvme"),
+    "zero.offload_param_device": ("none", "cpu", "nvme"),
+    "zero.grad_accum_dtype": GRAD_ACCUM_DTYPES,
+    "training.precision": PRECISIONS,
+    "optimizer.decay": ("cosine", "linear", "constant"),
+    "optimizer.schedule": ("megatron", "deepspeed"),
+    "optimizer.warmup_type": ("linear", "log"),
+    "activation_checkpointing.recompute_granularity": ("full", "selective"),
+    "logging.wandb_mode": ("offline", "online", "disabled"),
+}
+
+HELP: dict[str, str] = {
+    "model.preset": "named shape to start from (tiny for CPU; the papers' shapes, listed at the end)",
+    "model.num_layers": "transformer blocks",
+    "model.hidden_size": "hidden size h",
+    "model.num_heads": "attention heads (divisible by parallel.tp)",
+    "model.vocab_size": "vocabulary; null: the tokenizer's (padded at run time for TP)",
+    "model.seq_length": "tokens per sample",
+    "model.dropout": "hidden/residual and embedding dropout",
+    "model.attention_dropout": "dropout on attention probabilities",
+    "model.make_vocab_size_divisible_by": "pad the vocabulary to a multiple of this x tp (Megatron: 128)",
+    "model.init_std": "std of the normal weight init (GPT-2: 0.02)",
+    "model.layernorm_eps": "LayerNorm epsilon",
+    "model.ffn_hidden_size": "MLP width; null: 4 x hidden_size",
+    "model.max_position_embeddings": "position table size; null: seq_length",
+    "model.gelu_approximate": "GeLU form: tanh (GPT-2's gelu_new) or none (erf)",
+    "parallel.tp": "tensor-parallel size (Megatron; keep it inside a node)",
+    "parallel.pp": "pipeline-parallel stages",
+    "parallel.dp": "data-parallel size; null or -1: world / (tp x pp)",
+    "parallel.pipeline_schedule": "1f1b (PipeDream-Flush) or afab (all forward, all backward)",
+    "parallel.sequence_parallel": "split LayerNorm/dropout/residual along the sequence over TP (tp > 1)",
+    "parallel.virtual_stages": "model chunks per pipeline rank: > 1 is interleaved 1F1B (pp >= 2); 1: none",
+    "zero.stage": "ZeRO-DP stage: 0 plain DP, 1 Pos, 2 Pos+g, 3 Pos+g+p",
+    "zero.overlap_comm": "overlap gradient reduction with backward (two buckets in flight)",
+    "zero.contiguous_gradients": "stages 0-1: gradients as views of one flat buffer (MD)",
+    "zero.reduce_bucket_size": "elements per gradient reduction bucket (CB)",
+    "zero.allgather_bucket_size": "elements per parameter all-gather bucket (CB)",
+    "zero.stage3_prefetch_bucket_size": "stage 3: elements gathered ahead of use",
+    "zero.stage3_param_persistence_threshold": "stage 3: parameters this small stay unpartitioned",
+    "zero.offload_optimizer": "ZeRO-Offload: fp32 optimizer state and step on the CPU (stage >= 1)",
+    "zero.zero_quantized_weights": "ZeRO++ qwZ: int8 stage-3 parameter all-gathers",
+    "zero.zero_quantized_gradients": "ZeRO++ qgZ: int8 hierarchical gradient reduce-scatter",
+    "zero.zero_hpz_partition_size": "ZeRO++ hpZ: ranks of the secondary parameter partition (a node)",
+    "zero.zero_quantization_block_size": "elements per quantization block (qwZ, qgZ)",
+    "zero.zero_quantized_gradients_node_size": "qgZ node size; 0: zero_hpz_partition_size",
+    "zero.offload_optimizer_device": "where optimizer state lives; none: follows offload_optimizer",
+    "zero.offload_optimizer_nvme_path": "ZeRO-Infinity: directory for the optimizer-state files",
+    "zero.offload_optimizer_buffer_count": "ZeRO-Infinity: optimizer tiles in memory at once",
+    "zero.sub_group_size": "ZeRO-Infinity: elements per optimizer tile",
+    "zero.offload_param_device": "stage 3: the parameter partition in host memory (cpu) or a file (nvme)",
+    "zero.offload_param_nvme_path": "directory for the parameter-partition files",
+    "zero.offload_param_buffer_count": "parameter shards in memory at once (read-ahead)",
+    "zero.grad_accum_dtype": "gradient accumulation/reduction dtype; null: fp32 for 16-bit runs",
+    "activation_checkpointing.checkpoint_activations": "keep only chunk inputs, recompute in backward",
+    "activation_checkpointing.checkpoint_every": "transformer layers per checkpoint",
+    "activation_checkpointing.partition_activations": "Pa: each TP rank keeps 1/tp of every checkpoint",
+    "activation_checkpointing.cpu_checkpointing": "checkpoints in host memory (Pa+cpu with Pa)",
+    "activation_checkpointing.contiguous_memory_optimization": "MD: checkpoints in one pre-allocated buffer",
+    "activation_checkpointing.number_checkpoints": "slots of the MD buffer; null: one per chunk",
+    "activation_checkpointing.synchronize_checkpoint_boundary": "device synchronize per chunk (debugging)",
+    "activation_checkpointing.recompute_granularity": "full: checkpointed chunks; selective: every layer's attention core",
+    "data.data_path": "token-file prefixes (.bin/.idx), comma-separated; empty: the built-in corpus",
+    "data.data_weights": "sampling weight per data_path entry; empty: by size",
+    "data.eval_path": "token-file prefixes for evaluation",
+    "data.tokenizer": "sentencepiece model the token files were made with",
+    "data.cache_dir": "built-in corpus and sample-index cache",
+    "data.default_corpus_vocab": "vocabulary of the built-in corpus's tokenizer",
+    "data.prefetch": "steps of micro-batches read ahead by a background thread; 0: none",
+    "optimizer.lr": "peak learning rate",
+    "optimizer.min_lr": "learning rate at the end of decay",
+    "optimizer.warmup_steps": "linear warm-up steps",
+    "optimizer.decay": "learning-rate decay after warm-up",
+    "optimizer.weight_decay": "AdamW decoupled weight decay (not on biases and LayerNorms)",
+    "optimizer.beta1": "Adam beta1",
+    "optimizer.beta2": "Adam beta2",
+    "optimizer.eps": "Adam epsilon",
+    "optimizer.clip_grad": "global gradient-norm clip; 0: off",
+    "optimizer.initial_loss_scale": "fp16: starting dynamic loss scale",
+    "optimizer.loss_scale_window": "fp16: overflow-free steps before the scale doubles",
+    "optimizer.hysteresis": "fp16: overflows tolerated before the scale halves",
+    "optimizer.min_loss_scale": "fp16: lowest loss scale",
+    "optimizer.loss_scale": "fp16: > 0 a static loss scale; 0 dynamic",
+    "optimizer.consecutive_hysteresis": "fp16: every clean step restores the hysteresis budget",
+    "optimizer.adam_w_mode": "AdamW (decoupled decay); false: Adam with L2 decay in the gradient",
+    "optimizer.schedule": "learning-rate schedule family: megatron, or deepspeed's lr_schedules",
+    "optimizer.warmup_min_lr": "learning rate the warm-up starts from",
+    "optimizer.warmup_type": "warm-up shape (deepspeed schedule only)",
+    "optimizer.schedule_steps": "step where the decay ends; null: training.train_steps",
+    "training.train_steps": "optimizer steps (global batches) of the whole run",
+    "training.micro_batch_size": "samples per rank per forward/backward",
+    "training.global_batch_size": "samples per optimizer step (micro_batch_size x dp x accumulation)",
+    "training.precision": "parameters' precision; 16-bit keeps fp32 masters; fp64 is the tests' reference",
+    "training.seed": "seed of init, dropout and data order",
+    "logging.run_dir": "metrics.jsonl, config.yaml, wandb and tensorboard files",
+    "logging.log_interval": "steps per console/metrics line",
+    "logging.eval_interval": "steps between evaluations; 0: none",
+    "logging.eval_steps": "global batches per evaluation",
+    "logging.wandb_mode": "offline: files under run_dir (wandb sync uploads); online needs an account",
+    "logging.wandb_project": "wandb project name",
+    "logging.peak_tflops": "per-device peak TFLOP/s for MFU; null: from the device table",
+    "logging.wall_clock_breakdown": "forward/backward/step seconds in each record (synchronizes the device)",
+    "logging.tensorboard": "also write TensorBoard event files to run_dir/tensorboard",
+    "checkpoint.save": "checkpoint directory ({run_dir} = logging.run_dir); null: none",
+    "checkpoint.save_interval": "steps between checkpoints; 0: only at the end and on SIGTERM",
+    "checkpoint.load": "auto: this run's newest in save; a directory; none: from scratch",
+    "checkpoint.keep_last": "this run's checkpoints kept",
+    "checkpoint.fallback": "newest checkpoint corrupt: load the newest intact earlier one",
+    "checkpoint.consolidated_16bit": "each checkpoint also holds consolidated.safetensors (working dtype)",
+    "checkpoint.override_schedule": "resume although lr schedule, global batch or seed differ",
+}
+
+
+def config_fields(cfg=None) -> list[tuple[str, Any, Any]]:
+    """``(section.field, type, default)`` of every field of the run config tree, in its order."""
+    if cfg is None:
+        from zerotron.training.config import RunConfig
+
+        cfg = RunConfig()
+    out = []
+    for section in dataclasses.fields(cfg):
+        sec = getattr(cfg, section.name)
+        hints = typing.get_type_hints(type(sec))
+        out += [(f"{section.name}.{f.name}", hints[f.name], getattr(sec, f.name)) for f in dataclasses.fields(sec)]
+    return out
+
+
+def type_name(tp: Any) -> str:
+    """``int``, ``float?`` (null allowed), ``list[str]`` ..."""
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if type(None) in typing.get_args(tp):
+        return type_name(args[0]) + "?"
+    if typing.get_origin(tp) is list:
+        return f"list[{type_name(typing.get_args(tp)[0])}]"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _default(key: str, value: Any) -> str:
+    if key == "model.vocab_size":
+        return "null (the tokenizer's vocabulary)"
+    if key.startswith("model.") and key != "model.preset" and value is None:
+        tiny = getattr(PRESETS["tiny"], key.split(".", 1)[1], None)
+        return f"the preset's (tiny: {_show(tiny)})"
+    return _show(value)
+
+
+def _show(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, list):
+        return ",".join(map(str, value)) or "[]"
+    if isinstance(value, float) and value.is_integer() and abs(value) >= 1e4:
+        return f"{value:.0f}"
+    return str(value)
+
+
+def describe(key: str, tp: Any, default: Any) -> str:
+    """``TYPE, default D[, one of ...]: help`` for one field (also the help of its short flag)."""
+    choices = CHOICES.get(key)
+    text = f"{type_name(tp)}, default {_default(key, default)}"
+    if choices and key != "model.preset":
+        text += f", one of {'|'.join(map(str, choices))}"
+    return f"{text}: {HELP.get(key, '(undocumented)')}"
+
+
+def short_flag_help(section: str, name: str, switch: bool = False) -> str:
+    """Help of a short flag: the field it sets, then the field's description; ``switch``: a flag
+    that takes no value and sets the boolean field to true."""
+    key = f"{section}.{name}"
+    tp, default = next((t, d) for k, t, d in config_fields() if k == key)
+    return f"{'sets ' if switch else ''}--{key}{' true' if switch else ''} ({describe(key, tp, default)})"
+
+
+def epilog(exit_codes: str = "") -> str:
+    """Every config field, section by section, then ``exit_codes``."""
+    lines = ["config fields: --section.field VALUE (or --section.field=VALUE) on the command line, or",
+             "'section: {field: value}' in the --config YAML; flags win over the YAML, and the defaults",
+             "below are the built-in ones a YAML replaces. Lists are comma-separated; null/none clears",
+             "an optional (TYPE?) field.", ""]
+    section = None
+    for key, tp, default in config_fields():
+        if key.split(".")[0] != section:
+            section = key.split(".")[0]
+            lines.append(f"{section}:")
+        lines.append(f"  --{key}")
+        lines.append(f"      {describe(key, tp, default)}")
+    lines += textwrap.wrap(f"model.preset is one of: {', '.join(PRESETS)}", 100, subsequent_indent="  ", break_on_hyphens=False)
+    if exit_codes:
+        lines += ["", exit_codes]
+    return "\n".join(lines)

@@ -1,0 +1,146 @@
+"""DeepSpeed's ``optimizer``, ``scheduler`` and ``gradient_clipping`` as the trainer's optimizer section.
+
+A present ``optimizer`` / ``scheduler`` section *constructs* a DeepSpeed object, so a parameter it
+leaves out takes DeepSpeed's default (FusedAdam: betas (0.9, 0.999), eps 1e-8, weight decay 0;
+WarmupLR: warmup_min_lr 0, warmup_num_steps 1000, log warm-up), each printed at start-up. The
+schedulers map onto ``optimizer.schedule=deepspeed`` (``training/schedule.py``), which is
+DeepSpeed's arithmetic step for step, including its one-iteration offset. ``"auto"`` takes the
+run config's value (the Hugging Face Trainer's convention).
+"""
+
+from __future__ import annotations
+
+from zerotron.training.deepspeed.plan import Plan, flag, number, whole
+from zerotron.training.deepspeed.schema import DeepSpeedKeyError
+
+ADAM_DEFAULTS = {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}  # FusedAdam's
+_SCHEDULERS = {  # DeepSpeed's lr_schedules: decay, the parameters each constructor takes, their defaults
+    "WarmupLR": ("constant", {"warmup_min_lr": 0.0, "warmup_max_lr": None, "warmup_num_steps": 1000,
+                              "warmup_type": "log", "last_batch_iteration": -1}),
+    "WarmupDecayLR": ("linear", {"total_num_steps": None, "warmup_min_lr": 0.0, "warmup_max_lr": 0.001,
+                                 "warmup_num_steps": 1000, "warmup_type": "log", "last_batch_iteration": -1}),
+    "WarmupCosineLR": ("cosine", {"total_num_steps": None, "warmup_min_ratio": 0.0, "warmup_num_steps": 1000,
+                                  "cos_min_ratio": 0.0001, "warmup_type": "log", "last_batch_iteration": -1}),
+}
+_NOT_MAPPED = {"OneCycle": "its cyclic momentum changes Adam's beta1 every step, which zerotron's optimizer "
+                           "does not do", "LRRangeTest": "a learning-rate range test is not a training schedule"}
+
+
+def optimizer(plan: Plan, sec: dict) -> None:
+    kind = sec.get("type")
+    if not isinstance(kind, str) or kind.lower() not in ("adam", "adamw"):
+        raise DeepSpeedKeyError(f"optimizer.type={kind!r}: zerotron trains with Adam or AdamW (its ZeRO "
+                                f"optimizer's own); use \"Adam\" or \"AdamW\"")
+    params = sec.get("params") or {}
+    p = "optimizer.params"
+    for key, default in ADAM_DEFAULTS.items():
+        value = params.get(key, default)
+        path = f"{p}.{key}"
+        if key not in params:
+            plan.note(f"{path} not given: {default} (DeepSpeed's FusedAdam default)")
+        if value == "auto":
+            if key == "betas":
+                plan.set(path, "optimizer.beta1", lambda cfg: cfg.optimizer.beta1)  # printed once, with beta2
+                plan.set(path, "optimizer.beta2", lambda cfg: cfg.optimizer.beta2, auto="optimizer.beta1, "
+                         "optimizer.beta2", show=lambda cfg: f"[{cfg.optimizer.beta1}, {cfg.optimizer.beta2}]")
+            else:
+                plan.set(path, f"optimizer.{key}", lambda cfg, key=key: getattr(cfg.optimizer, key),
+                         auto=f"optimizer.{key}")
+        elif key == "betas":
+            if not (isinstance(value, (list, tuple)) and len(value) == 2):
+                raise DeepSpeedKeyError(f"{path}={value!r}: give two numbers, e.g. [0.9, 0.95]")
+            plan.set(path, "optimizer.beta1", number(path, value[0]))
+            plan.set(path, "optimizer.beta2", number(path, value[1]))
+        else:
+            plan.set(path, f"optimizer.{key}", number(path, value))
+    # DeepSpeed: "Adam" is AdamW unless adam_w_mode is false; "AdamW" always decouples the decay
+    w_mode = flag(f"{p}.adam_w_mode", params.get("adam_w_mode", True))
+    if kind.lower() == "adamw" and not w_mode:
+        plan.note(f"accepted, no effect here: {p}.adam_w_mode=false (DeepSpeed's AdamW decouples weight decay "
+                  f"whatever it says; use type Adam for L2)")
+        w_mode = True
+    plan.set(f"{p}.adam_w_mode" if "adam_w_mode" in params else "optimizer.type", "optimizer.adam_w_mode", w_mode)
+
+
+def clipping(plan: Plan, ds: dict) -> None:
+    if "gradient_clipping" not in ds:
+        plan.set("gradient_clipping", "optimizer.clip_grad", lambda cfg: cfg.optimizer.clip_grad)
+        plan.note("gradient_clipping not given: optimizer.clip_grad stays the run config's (DeepSpeed's default "
+                  "0 would not clip; give gradient_clipping: 0 for that)")
+        return
+    value = ds["gradient_clipping"]
+    if value == "auto":
+        plan.set("gradient_clipping", "optimizer.clip_grad", lambda cfg: cfg.optimizer.clip_grad,
+                 auto="optimizer.clip_grad")
+    else:
+        plan.set("gradient_clipping", "optimizer.clip_grad", number("gradient_clipping", value))
+
+
+def scheduler(plan: Plan, sec: dict) -> None:
+    kind = sec.get("type")
+    if kind in _NOT_MAPPED:
+        raise DeepSpeedKeyError(f"scheduler.type={kind!r} is not implemented: {_NOT_MAPPED[kind]}; use "
+                                f"WarmupLR, WarmupDecayLR or WarmupCosineLR")
+    if kind not in _SCHEDULERS:
+        raise DeepSpeedKeyError(f"scheduler.type={kind!r}: use one of {sorted(_SCHEDULERS)}")
+    decay, defaults = _SCHEDULERS[kind]
+    params = sec.get("params") or {}
+    p = "scheduler.params"
+    for key in params:
+        if key not in defaults:
+            raise DeepSpeedKeyError(f"{p}.{key}: {kind} takes no such parameter (DeepSpeed would fail on it); "
+                                    f"its parameters are {sorted(defaults)}")
+    for key, default in defaults.items():
+        if key not in params and default is None and key == "total_num_steps":
+            raise DeepSpeedKeyError(f"{p}.total_num_steps is required by {kind}; give the steps of the decay "
+                                    f"(or \"auto\": training.train_steps)")
+        if key not in params and key != "last_batch_iteration" and default is not None:
+            plan.note(f"{p}.{key} not given: {default} ({kind}'s default)")
+    value = {k: params.get(k, d) for k, d in defaults.items()}
+    plan.set("scheduler.type", "optimizer.schedule", "deepspeed")
+    plan.set("scheduler.type", "optimizer.decay", decay)
+    plan.set(f"{p}.warmup_type", "optimizer.warmup_type", _warmup_type(value["warmup_type"]))
+    _steps(plan, value)
+    if kind == "WarmupCosineLR":  # ratios of the optimizer's rate, the peak
+        for key, target in (("warmup_min_ratio", "warmup_min_lr"), ("cos_min_ratio", "min_lr")):
+            ratio = number(f"{p}.{key}", value[key])
+            plan.set(f"{p}.{key}", f"optimizer.{target}", lambda cfg, r=ratio: r * cfg.optimizer.lr)
+        return
+    peak = value["warmup_max_lr"]
+    if peak == "auto":
+        plan.set(f"{p}.warmup_max_lr", "optimizer.lr", lambda cfg: cfg.optimizer.lr, auto="optimizer.lr")
+    elif peak is not None:  # WarmupLR without it warms up to the optimizer's rate
+        plan.set(f"{p}.warmup_max_lr", "optimizer.lr", number(f"{p}.warmup_max_lr", peak))
+    low = value["warmup_min_lr"]
+    if low == "auto":  # the Hugging Face Trainer fills 0
+        plan.set(f"{p}.warmup_min_lr", "optimizer.warmup_min_lr", 0.0, auto="0, the Hugging Face Trainer's value")
+    else:
+        plan.set(f"{p}.warmup_min_lr", "optimizer.warmup_min_lr", number(f"{p}.warmup_min_lr", low))
+    if decay == "linear":  # WarmupDecayLR decays back to warmup_min_lr
+        plan.set(f"{p}.warmup_min_lr", "optimizer.min_lr", lambda cfg: cfg.optimizer.warmup_min_lr)
+
+
+def _steps(plan: Plan, value: dict) -> None:
+    p = "scheduler.params"
+    if value["last_batch_iteration"] != -1:
+        raise DeepSpeedKeyError(f"{p}.last_batch_iteration={value['last_batch_iteration']!r}: a resumed "
+                                f"schedule comes from the checkpoint's step; remove it")
+    warm = value["warmup_num_steps"]
+    if warm == "auto":
+        plan.set(f"{p}.warmup_num_steps", "optimizer.warmup_steps", lambda cfg: cfg.optimizer.warmup_steps,
+                 auto="optimizer.warmup_steps")
+    else:
+        plan.set(f"{p}.warmup_num_steps", "optimizer.warmup_steps", whole(f"{p}.warmup_num_steps", warm, 1))
+    if "total_num_steps" in value:
+        total = value["total_num_steps"]
+        if total == "auto":
+            plan.set(f"{p}.total_num_steps", "optimizer.schedule_steps", None,
+                     auto="training.train_steps", show=lambda cfg: str(cfg.training.train_steps))
+        else:
+            plan.set(f"{p}.total_num_steps", "optimizer.schedule_steps", whole(f"{p}.total_num_steps", total, 1))
+
+
+def _warmup_type(value) -> str:
+    if value not in ("log", "linear"):  # DeepSpeed warns and falls back to log; a typo should not train
+        raise DeepSpeedKeyError(f"scheduler.params.warmup_type={value!r}: use \"log\" or \"linear\"")
+    return value
