@@ -35,10 +35,12 @@ import torch
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
+from zerotron.data.progress import Progress
 from zerotron.model import GPTConfig, flops_per_iteration
 from zerotron.testing.launch import spawn
 from zerotron.training.cli import apply_mapping
 from zerotron.training.config import RunConfig
+from zerotron.training.tracking import WANDB_DIRS
 from zerotron.zero.accounting import expected_model_state_bytes
 from zerotron.estimate.memory_model import Setup, estimate, max_layers
 
@@ -129,6 +131,7 @@ def ablation_worker(a) -> dict:
 
     grid = Grid(ParallelDims(tp=a.tp))
     out = {}
+    shown = Progress("ablations", total=len(a.configs), unit="config", enabled=grid.rank == 0, interval=0.0)
     for name in a.configs:
         row = train_and_measure(grid, a, name, a.layers, a.steps)
         pred_l = max_layers(setup_of(a, name, a.layers, a.tp, grid.dp_size), a.cap_bytes, accounted_only=True,
@@ -145,6 +148,8 @@ def ablation_worker(a) -> dict:
                 break
         best = max([n for n, ok in probes.items() if ok], default=0)
         out[name] = {**row, "max_layers": best, "max_layers_predicted": pred_l, "probes": sorted(probes.items())}
+        shown.update(1)
+    shown.close()
     return out
 
 
@@ -181,12 +186,15 @@ def run(a) -> dict:
                      **{f"ratio_{k}": ratio(m[k], p[k]) for k in ("model_states", "checkpoints_device",
                                                                   "checkpoints_host", "accounted")}})
     dp_rows = []
+    sweep = Progress("model states over DP", total=len(a.dp_sweep), unit="layout", interval=0.0)
     for nd in a.dp_sweep:
         res = launch(dp_worker, nd, a)[0]
+        sweep.update(1)
         for stage, m in res.items():
             want = expected_model_state_bytes(m["params_per_rank"], nd, stage)
             dp_rows.append({"dp": nd, "stage": stage, "params": m["params_per_rank"], "measured": m["model_states"],
                             "formula": want, "ratio": m["model_states"] / want})
+    sweep.close()
     return {"rows": rows, "dp_rows": dp_rows, "seconds": time.time() - t0}
 
 
@@ -225,6 +233,8 @@ def parse_args(argv=None):
 
 def main(argv=None) -> dict:
     a = parse_args(argv)
+    for var, sub in WANDB_DIRS.items():  # wandb's cache and debug logs beside the results, not in ~/.cache
+        os.environ.setdefault(var, str((Path(a.out) / "wandb" / sub).resolve()))
     res = run(a)
     write_outputs(a, res, lambda layers: model_cfg(a, layers).exact_num_params(a.tp))
     print(results_table(a, res) + f"\n{res['seconds']:.0f} s; results in {a.out}, figures in {a.figures}")

@@ -40,6 +40,7 @@ class Progress:
         self.stream = stream or sys.stderr
         self.enabled = enabled
         self.done = self.tokens = 0
+        self._shown: int | None = None  # self.done when the last plain line was printed
         self.start = self._last = time.perf_counter()
         self._bar = None
         if enabled and (self.stream.isatty() if tty is None else tty):
@@ -70,7 +71,7 @@ class Progress:
         rate = self.done / elapsed
         parts = [f"{human(self.done)}/{human(self.total)} {self.unit} ({100 * self.done / max(self.total, 1):.1f}%)"
                  if self.total else f"{human(self.done)} {self.unit}",
-                 f"{human(rate)} {self.unit}/s"]
+                 f"{human(rate) if rate >= 10 else f'{rate:.2f}'} {self.unit}/s"]
         if self.tokens:
             parts.append(f"{human(self.tokens / elapsed)} tok/s")
         parts.append(f"{clock(elapsed)} elapsed")
@@ -81,11 +82,12 @@ class Progress:
 
     def _line(self, now: float) -> None:
         print(self.line(now), file=self.stream, flush=True)
+        self._shown = self.done
 
     def close(self) -> None:
         if not self.enabled:
             return
         if self._bar is not None:
             self._bar.close()
-        else:
+        elif self._shown != self.done:  # the last line already says where it ended
             self._line(time.perf_counter())
