@@ -1,6 +1,6 @@
 """Reliability drill: inject faults into real multi-process runs (torchrun) and check nothing is lost.
 
-    .venv/bin/python scripts/drill.py                          # every scenario in every layout (~1 h on 2 cores)
+    .venv/bin/python scripts/drill.py                          # 22 scenarios x 3 layouts (~40 min on 2 cores)
     .venv/bin/python scripts/drill.py --only kill9,sigstop --layouts tp2xpp2
     .venv/bin/python scripts/drill.py --list
 

@@ -101,7 +101,6 @@ class Drill:
                 + (f" ({', '.join(kinds)}; first by the {how})" if kinds else ""))
         return (first[0] - t_fault if first else None), text, len(naming) == len(survivors)
 
-
     def short(self, text: str, n: int = 110) -> str:
         """``text`` with the drill's directory written as ``…``, cut to ``n`` characters."""
         for prefix in sorted({str(self.root.parent.resolve()), str(self.root.parent)}, key=len, reverse=True):
