@@ -78,24 +78,17 @@ def _offload(plan: Plan, z: dict, p: str) -> None:
         if old in z:
             device = "cpu" if flag(f"{p}.{old}", z[old]) else "none"
             _device(plan, f"{p}.{old}", target, device)
-    off = z.get("offload_optimizer")
-    if off is not None:
-        where = f"{p}.offload_optimizer"
-        _device(plan, f"{where}.device", "optimizer", off.get("device", "none"))
-        if "nvme_path" in off:
-            plan.set(f"{where}.nvme_path", "zero.offload_optimizer_nvme_path", off["nvme_path"])
-        if "buffer_count" in off:
-            plan.set(f"{where}.buffer_count", "zero.offload_optimizer_buffer_count",
-                     whole(f"{where}.buffer_count", off["buffer_count"]))
-    par = z.get("offload_param")
-    if par is not None:
-        where = f"{p}.offload_param"
-        _device(plan, f"{where}.device", "param", par.get("device", "none"))
-        if "nvme_path" in par:
-            plan.set(f"{where}.nvme_path", "zero.offload_param_nvme_path", par["nvme_path"])
-        if "buffer_count" in par:
-            plan.set(f"{where}.buffer_count", "zero.offload_param_buffer_count",
-                     whole(f"{where}.buffer_count", par["buffer_count"]))
+    for section, target in (("offload_optimizer", "optimizer"), ("offload_param", "param")):
+        sub = z.get(section)
+        if sub is None:
+            continue
+        where = f"{p}.{section}"
+        _device(plan, f"{where}.device", target, sub.get("device", "none"))
+        if "nvme_path" in sub:
+            plan.set(f"{where}.nvme_path", f"zero.{section}_nvme_path", sub["nvme_path"])
+        if "buffer_count" in sub:
+            plan.set(f"{where}.buffer_count", f"zero.{section}_buffer_count",
+                     whole(f"{where}.buffer_count", sub["buffer_count"]))
 
 
 def _device(plan: Plan, path: str, what: str, device) -> None:
