@@ -37,6 +37,7 @@ def worker(args, stage: int) -> dict:
     run = RunConfig()
     run.zero.stage, run.zero.reduce_bucket_size, run.zero.allgather_bucket_size = stage, args.bucket, args.bucket
     run.zero.stage3_param_persistence_threshold = 0
+    run.zero.stage3_prefetch_bucket_size = prefetch_elements(args)
     run.training.precision, run.training.micro_batch_size = args.precision, 1
     run.training.global_batch_size = grid.dp_size
     mem = StepMemory(interval=1)
@@ -57,7 +58,18 @@ def worker(args, stage: int) -> dict:
     out = mem.record()
     out["rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     out["model_states"] = opt.memory_report()["total_model_states"]
+    out["psi"] = opt.num_params
     return out
+
+
+def block_elements(args) -> int:
+    h = args.hidden
+    return 12 * h * h + 13 * h
+
+
+def prefetch_elements(args) -> int:
+    """``--prefetch`` units ahead, in elements (at least 1: 0 units means no prefetch)."""
+    return max(1, args.prefetch * block_elements(args))
 
 
 def predicted(args, stage: int) -> float:
@@ -67,7 +79,8 @@ def predicted(args, stage: int) -> float:
     cfg = GPTConfig(num_layers=args.layers, hidden_size=args.hidden, num_heads=max(1, args.hidden // 64),
                     vocab_size=args.vocab, seq_length=args.seq)
     e = estimate(Setup(cfg, dp=args.ranks, micro_batch=1, stage=stage, checkpoint_activations=False,
-                       contiguous_memory=False, precision=args.precision, bucket_size=args.bucket))
+                       contiguous_memory=False, precision=args.precision, bucket_size=args.bucket,
+                       prefetch_bucket_size=prefetch_elements(args)))
     return e["total"] * (1 - e["fragmentation_margin"])
 
 
@@ -82,6 +95,7 @@ def main() -> None:
     ap.add_argument("--bucket", type=int, default=5_000_000)
     ap.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
     ap.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3])
+    ap.add_argument("--prefetch", type=int, default=1, help="stage 3: blocks all-gathered ahead of use")
     args = ap.parse_args()
     phases = ("construction", "forward", "backward", "step")
     cats = ("parameters", "gradients", "optimizer_states", "activations", "temporaries", "other")
@@ -89,6 +103,7 @@ def main() -> None:
           f"DP {args.ranks}; MiB, max over ranks; peak by category at the step's peak", flush=True)
     print(f"{'stage':>5} " + " ".join(f"{p[:6]:>7}" for p in phases) + "  " + " ".join(f"{c[:6]:>7}" for c in cats)
           + f" {'peak':>7} {'model':>7} {'ratio':>6} {'RSS':>7} {'states':>7}")
+    rows: dict = {}
     for stage in args.stages:
         results = spawn(worker, args.ranks, args, stage, timeout=1800, store_dir="runs/bench")
 
@@ -100,6 +115,36 @@ def main() -> None:
         peak = top("mem_peak_bytes")
         print(f"{stage:>5} {row} {peak:7.1f} {pred:7.1f} {peak / pred:6.2f} {top('rss_bytes'):7.0f} "
               f"{top('model_states'):7.1f}", flush=True)
+        rows[stage] = {"forward": top("mem_forward_peak_bytes"), "rss": top("rss_bytes") / MiB,
+                       "states": top("model_states"), "construction": top("mem_construction_peak_bytes"),
+                       "step_peak": max(top(f"mem_{p}_peak_bytes") for p in phases[1:]),
+                       "activations": top("mem_peak_activations"), "psi": results[0]["psi"]}
+    stage3_checks(args, rows)
+
+
+def stage3_checks(args, rows: dict) -> None:
+    """Issue-15 bounds: stage 3's forward peak against its model states + the two largest units +
+    activations, and its whole-run RSS against stage 2's."""
+    if 3 not in rows:
+        return
+    r = rows[3]
+    h, v = args.hidden, args.vocab
+    units = sorted([block_elements(args), v * h + args.seq * h + 2 * h])[-2:]
+    unit_mib = sum(units) * (4 if args.precision == "fp32" else 2) / MiB
+    pb = 4 if args.precision == "fp32" else 2
+    states = (pb + 4 + 12) * r["psi"] / args.ranks / MiB  # 16-bit params, fp32 gradients, K = 12, all / Nd
+    bound = (states + unit_mib + r["activations"]) * 1.05
+    print(f"stage 3 forward peak {r['forward']:.1f} MiB <= ((2 + 4 + 12) Psi/Nd {states:.1f} + two largest units "
+          f"{unit_mib:.1f} + activations {r['activations']:.1f}) x 1.05 = {bound:.1f}: "
+          f"{'yes' if r['forward'] <= bound else 'NO'}")
+    print(f"stage 3 construction peak {r['construction']:.1f} <= step peak {r['step_peak']:.1f}: "
+          f"{'yes' if r['construction'] <= r['step_peak'] else 'NO'}")
+    if 2 in rows:
+        nd, pb = args.ranks, (4 if args.precision == "fp32" else 2)
+        want = 0.6 * (1 - 1 / nd) * pb * r["psi"] / MiB
+        saved = rows[2]["rss"] - r["rss"]
+        print(f"stage 3 peak RSS {r['rss']:.0f} MiB, {saved:.0f} below stage 2's {rows[2]['rss']:.0f} "
+              f"(at least 60% of (1 - 1/Nd) x 2 Psi = {want:.0f}): {'yes' if saved >= want else 'NO'}")
 
 
 if __name__ == "__main__":

@@ -128,3 +128,36 @@ def check_integer_avg_and_single_rank_groups():
 
 def test_integer_avg_and_single_member_groups():
     assert all(spawn(check_integer_avg_and_single_rank_groups, WORLD, timeout=30))
+
+
+def check_waited_outputs_are_freed():
+    import gc
+    import weakref
+
+    grid = Grid(ParallelDims())
+    freed = []
+    for op in ("all_gather", "all_reduce", "reduce_scatter"):
+        src = torch.ones(64)
+        if op == "all_gather":
+            out = torch.empty(64 * WORLD)
+            handle = C.all_gather(out, src, grid.world_group, async_op=True)
+        elif op == "all_reduce":
+            out = src
+            handle = C.all_reduce(out, grid.world_group, async_op=True)
+        else:
+            out = torch.empty(64 // WORLD)
+            handle = C.reduce_scatter(out, src, grid.world_group, async_op=True)
+        handle.wait()
+        ref = weakref.ref(out.untyped_storage())
+        del out, src, handle
+        gc.collect()
+        freed.append((op, ref() is None))
+    return freed
+
+
+def test_a_waited_collective_lets_its_tensors_go():
+    """The health watchdog follows an async collective until it completes; once the caller has
+    waited, it must not keep the Work -- a torch Work holds its tensors (stage 3's prefetched
+    parameters would otherwise outlive their release until the next prune)."""
+    for freed in spawn(check_waited_outputs_are_freed, WORLD, timeout=60):
+        assert all(ok for _, ok in freed), freed

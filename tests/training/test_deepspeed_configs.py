@@ -189,6 +189,9 @@ def test_precision_zero_and_checkpointing_as_the_json_says(runs):
         assert (cfg["zero"]["stage"], cfg["training"]["precision"]) == (stage, precision), name
     z3 = run_config(tmp, "hf_zero3_auto")["zero"]
     assert (z3["offload_param_device"], z3["offload_optimizer_device"], z3["reduce_bucket_size"]) == ("cpu", "cpu", 64 * 64)
+    for name in ("hf_zero3_auto", "bf16_stage3_monitors"):  # given as 1e9 / absent: DeepSpeed's 1e9
+        z = run_config(tmp, name)["zero"]
+        assert (z["stage3_max_live_parameters"], z["stage3_max_reuse_distance"]) == (10**9, 10**9), name
     assert run_config(tmp, "autotp_bfloat16")["parallel"]["tp"] == 2  # tensor_parallel.autotp_size
     assert run_config(tmp, "zero_offload_decay")["zero"]["offload_optimizer_device"] == "cpu"  # cpu_offload: true
     assert run_config(tmp, "warmup_cosine_adam_l2")["optimizer"]["adam_w_mode"] is False
@@ -218,7 +221,8 @@ def test_start_up_lines(runs):
         in text["hf_zero3_auto"]
     assert "accepted, no effect here: autotuning (" in text["autotuning_profiler"]
     assert "steps_per_print=2000 is overridden by the command line: logging.log_interval=1" in text["hf_zero2_auto"]
-    assert "accepted, no effect here: zero_optimization.stage3_max_live_parameters (" in text["infinity_nvme"]
+    assert "zero_optimization.stage3_max_reuse_distance not given: 1e+09, DeepSpeed's default" \
+        in text["bf16_stage3_monitors"]
     for name, (_, stdout, _) in out.items():  # each no-effect key once
         lines = [line for line in stdout.splitlines() if "accepted, no effect here" in line]
         assert len(lines) == len(set(lines)), name

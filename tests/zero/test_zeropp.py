@@ -40,8 +40,9 @@ def test_hpz_backward_gathers_stay_in_the_secondary_group():
     comm, full = h["comm"], h["full_numel"]
     assert set(k for k in comm if k.startswith("all_gather")) == {"all_gather/dp", "all_gather/dp_inner"}, comm
     assert comm["all_gather/dp"]["elements"] == full  # forward: one gather of every unit over DP
-    assert comm["all_gather/dp_inner"]["elements"] == full  # backward: the same volume, inside the node
-    assert base["comm"]["all_gather/dp"]["elements"] == 2 * full
+    # backward: the same volume inside the node, less the root unit (still gathered from forward)
+    assert comm["all_gather/dp_inner"]["elements"] == full - h["root_numel"]
+    assert base["comm"]["all_gather/dp"]["elements"] == 2 * full - base["root_numel"]
     mem = h["memory"]
     assert mem["secondary_params"] == full // 4 * 4  # 1/k of the parameters, fp32
     assert mem["total_model_states"] == base["memory"]["total_model_states"] + mem["secondary_params"]

@@ -28,6 +28,8 @@ s the sequence, h the hidden size, L the layers:
   s·b·h·(14 + 24/t) with a fused kernel, measured in zerotron by the dry run. The head (logits
   and cross-entropy) is b·s·V/t elements held as 16-bit logits plus fp32 log-softmax and fp32
   gradient, 10 bytes each. The larger of the two is live at a time.
+* **gathered parameters** (stage 3, §5.3): the root unit, the running block and the blocks
+  prefetched within ``stage3_prefetch_bucket_size``, 16-bit (``gathered_param_bytes``).
 * **fixed buffers** (CB, §6.2): zerotron's reduce buckets, the DP shard buffers, the fp32
   staging shard, the all-gather input and (with Pa) the one-checkpoint all-gather target. They
   depend on the bucket size, not on the model (``fixed_buffer_bytes`` mirrors
@@ -93,6 +95,10 @@ class Setup:
     # bytes per accumulated gradient element: None = zerotron's default (fp32 accumulation,
     # ``zero.grad_accum_dtype``), 2 = the paper's 16-bit gradients (2 + 2 + K)
     grad_bytes: int | None = None
+    # stage 3: elements gathered ahead of use, and DeepSpeed's reuse distance (0: released after use)
+    prefetch_bucket_size: int = int(5e7)
+    max_reuse_distance: int = 0
+    max_live_parameters: int = int(1e9)
 
     def with_config(self, name: str, **overrides) -> "Setup":
         """This setup under ZeRO configuration ``name`` (C1..C5, Table 3), CB + MD on."""
@@ -126,7 +132,9 @@ def setup_from_run_config(cfg, model: GPTConfig, gpus: int) -> Setup:
                  contiguous_gradients=z.contiguous_gradients,
                  bucket_size=z.bucket_elements(largest_param(model, cfg.parallel.tp)), overlap_comm=z.overlap_comm,
                  grad_bytes=BYTES[z.grad_accum(t.precision)], sequence_parallel=cfg.parallel.sequence_parallel,
-                 recompute_granularity=ac.recompute_granularity)
+                 recompute_granularity=ac.recompute_granularity,
+                 prefetch_bucket_size=z.stage3_prefetch_bucket_size, max_reuse_distance=z.stage3_max_reuse_distance,
+                 max_live_parameters=z.stage3_max_live_parameters)
 
 
 def largest_param(cfg: GPTConfig, tp: int = 1) -> int:
@@ -147,6 +155,24 @@ def params_per_rank(cfg: GPTConfig, tp: int = 1) -> int:
     split = 3 * h * h + 3 * h + h * h + h * f + f + f * h
     replicated = h + h + 4 * h  # proj bias, fc2 bias, two LayerNorms
     return l * (split // tp + replicated) + cfg.padded_vocab_size(tp) * h // tp + s * h + 2 * h
+
+
+def gathered_param_bytes(setup: "Setup", param_bytes: int) -> int:
+    """Stage 3's gathered 16-bit units at the peak (§5.3): the root unit (embeddings, final LN) is
+    gathered for the whole forward and backward, the running block, and the blocks prefetched
+    within ``prefetch_bucket_size`` (each only if it fits in what is left). With a reuse distance
+    above 0 units stay gathered between forward and backward: the whole model, up to the live cap."""
+    if setup.stage != 3:
+        return 0
+    cfg, t = setup.model, setup.tp
+    psi = params_per_rank(cfg, t)
+    block = (psi - cfg.padded_vocab_size(t) * cfg.hidden_size // t - cfg.max_positions * cfg.hidden_size
+             - 2 * cfg.hidden_size) // cfg.num_layers
+    root = psi - block * cfg.num_layers
+    if setup.max_reuse_distance > 0:
+        return param_bytes * min(psi, root + block + setup.max_live_parameters)
+    ahead = min(cfg.num_layers - 1, setup.prefetch_bucket_size // block) if block else 0
+    return param_bytes * (root + block * (1 + ahead))
 
 
 def model_state_bytes(psi: float, nd: int, stage: int, param_bytes: int = 2, grad_bytes: int | None = None) -> float:
@@ -243,7 +269,8 @@ def estimate(setup: Setup) -> dict:
     if setup.stage == 1 and not setup.contiguous_gradients:  # 16-bit .grad until the last micro-batch
         states += pb * psi - gb * psi + gb * -(-psi // nd)
     pa_gather = -(-b * s * h // t) * t * pb if pa and setup.checkpoint_activations else 0
-    used = states + ckpt["device"] + working + fixed + pa_gather
+    gathered = gathered_param_bytes(setup, pb)
+    used = states + ckpt["device"] + working + fixed + pa_gather + gathered
     return {
         "params_total": cfg.exact_num_params(t),
         "params_per_rank": psi,
@@ -252,6 +279,7 @@ def estimate(setup: Setup) -> dict:
         "checkpoints_host": ckpt["host"],
         "working": working,
         "fixed_buffers": fixed + pa_gather,
+        "gathered_params": gathered,
         "fragmentation_margin": setup.margin,
         "accounted": states + ckpt["device"] + fixed + pa_gather,
         "before_margin": used,

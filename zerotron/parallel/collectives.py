@@ -45,6 +45,8 @@ class Handle:
                     self._work.wait()
                 except RuntimeError as e:
                     raise _explain(self._op, self._group, e) from e
+                if self._group is not None and self._group.health is not None:
+                    self._group.health.completed(self._work)  # a Work keeps its tensors alive
             if self._finish is not None:
                 self._result = self._finish()
             self._done = True

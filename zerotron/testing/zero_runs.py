@@ -69,6 +69,8 @@ def train_gpt(zero_kw: dict, steps: int, per_rank: int = 4, seed: int = 11,
     losses = values if isinstance(values, list) else [values]
     out = {"losses": losses, "comm": comm, "memory": opt.memory_report(), "times": times,
            "full_numel": opt.layout.full_numel, "part_numel": opt.layout.part_numel, "psi": opt.num_params}
+    if opt.gatherer is not None:  # stage 3: the root unit stays gathered from forward into backward
+        out["root_numel"] = sum(opt.layout.groups[g].numel for g in opt.gatherer.unit_groups[0])
     if want_params:
         out["params"] = dict(opt.full_params())
     out.update(accounting.io_report(opt))  # ZeRO-Infinity: disk traffic of the state and the parameters

@@ -62,6 +62,8 @@ HELP: dict[str, str] = {
     "zero.allgather_bucket_size": "elements per parameter all-gather bucket (CB)",
     "zero.stage3_prefetch_bucket_size": "stage 3: elements gathered ahead of use",
     "zero.stage3_param_persistence_threshold": "stage 3: parameters this small stay unpartitioned",
+    "zero.stage3_max_live_parameters": "stage 3: cap on gathered elements kept for reuse or prefetched",
+    "zero.stage3_max_reuse_distance": "stage 3: keep a unit gathered if reused within this many elements",
     "zero.offload_optimizer": "ZeRO-Offload: fp32 optimizer state and step on the CPU (stage >= 1)",
     "zero.zero_quantized_weights": "ZeRO++ qwZ: int8 stage-3 parameter all-gathers",
     "zero.zero_quantized_gradients": "ZeRO++ qgZ: int8 hierarchical gradient reduce-scatter",

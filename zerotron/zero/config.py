@@ -53,6 +53,8 @@ class ZeroConfig:
     allgather_bucket_size: int = int(5e8)
     stage3_prefetch_bucket_size: int = int(5e7)
     stage3_param_persistence_threshold: int = int(1e5)
+    stage3_max_live_parameters: int = int(1e9)
+    stage3_max_reuse_distance: int = 0  # 0: each unit released after use (DeepSpeed's default is 1e9)
     offload_optimizer: bool = False
     # ZeRO++
     zero_quantized_weights: bool = False
@@ -114,6 +116,9 @@ class ZeroConfig:
                 bad(key, "must be a number of elements, e.g. 500000000 (0: one parameter at a time, as DeepSpeed)")
         if not _is_int(self.stage3_prefetch_bucket_size, at_least=1):
             bad("stage3_prefetch_bucket_size", "must be a positive number of elements, e.g. 50000000")
+        for key in ("stage3_max_live_parameters", "stage3_max_reuse_distance"):
+            if not _is_int(getattr(self, key), at_least=0):
+                bad(key, "must be a number of elements >= 0, e.g. 1000000000 (DeepSpeed's default)")
         value = self.stage3_param_persistence_threshold
         if not _is_int(value, at_least=0):
             bad("stage3_param_persistence_threshold", "must be a number of elements >= 0 (0 partitions everything)")

@@ -120,7 +120,8 @@ class ZeroOptimizer(PartitionStateIO):
         if cfg.stage == 3:
             self.part_param = self.shards.adopt(self.part_param)  # empty when the partition went to a file
             self.gatherer = ParamGatherer(self.layout, self.params, unit_mods, unit_groups, model, self.shards,
-                                          plan.gather, self.dtype, self.device, cfg.stage3_prefetch_bucket_size)
+                                          plan.gather, self.dtype, self.device, cfg.stage3_prefetch_bucket_size,
+                                          cfg.stage3_max_live_parameters, cfg.stage3_max_reuse_distance)
         self.scaler = loss_scaler or make_loss_scaler(precision)
         counted = [counts_in_norm(p, grid.tp_rank, n) for n, p in zip(self.names, self.params)]
         self.norm_segments = [self.layout.segments(c, lambda i: counted[i]) for c in self.layout.chunks]

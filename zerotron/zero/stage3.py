@@ -11,7 +11,10 @@ its ``ModuleList``/``ModuleDict``/``Sequential`` containers such as ``blocks`` (
   has its gradient (post-accumulate hooks) -- which is when autograd no longer needs it.
 
 That is one all-gather in forward and one in backward, plus the gradient reduce-scatter: 3Ψ per
-step, 1.5x plain DP (§7.2.2). The next units in the order recorded during the first forward are
+step, 1.5x plain DP (§7.2.2) -- also with activation checkpointing, whose recompute gathers the
+unit that its backward then uses. What autograd saves of a gathered parameter is a handle, not the
+buffer, and what stays gathered between uses follows DeepSpeed's ``stage3_max_reuse_distance`` and
+``stage3_max_live_parameters`` (``stage3_reuse``). The next units in the order recorded during the first forward are
 prefetched asynchronously up to ``stage3_prefetch_bucket_size`` elements (in reverse order during
 backward). Parameters smaller than ``stage3_param_persistence_threshold`` sit in one *persistent*
 group that stays gathered (their gather would cost more in latency than it saves in memory); they
@@ -29,6 +32,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from zerotron.zero.stage3_reuse import SavedParamViews, UseTrace, in_backward
 from zerotron.zero.strategies import Gather, ShardSource, merge_reports
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
@@ -75,8 +79,10 @@ class ParamGatherer:
     """Gathers, binds, releases and prefetches the partitioned parameters of stage 3."""
 
     def __init__(self, layout, params, units: list[nn.Module], unit_groups: list[list[int]], model: nn.Module,
-                 source: ShardSource, gather: Gather, dtype: torch.dtype, device: torch.device, prefetch_numel: int):
+                 source: ShardSource, gather: Gather, dtype: torch.dtype, device: torch.device, prefetch_numel: int,
+                 max_live_numel: int = int(1e9), max_reuse_distance: int = 0):
         self.layout, self.params, self.units = layout, params, units
+        self.max_live_numel, self.max_reuse_distance = max_live_numel, max_reuse_distance
         self.source, self.gather = source, gather
         self.backward_phase = False
         self.unit_groups, self.dtype, self.device = unit_groups, dtype, device
@@ -87,11 +93,15 @@ class ParamGatherer:
         self.refs, self.bwd_active, self.ready = [0] * n, [False] * n, [0] * n
         self.expected = [sum(1 for p in g.params if params[p].requires_grad) for g in layout.groups]
         self.order: list[int] = []
+        self.position: dict[int, int] = {}
         self.recording, self.cursor, self.stack = True, 0, []
+        self.views = SavedParamViews(self.full, self._regather)
+        self.trace = UseTrace([sum(layout.groups[g].numel for g in gs if not layout.groups[g].persistent)
+                               for gs in unit_groups])
         self.empty = torch.empty(0, dtype=dtype, device=device)
         self.index = {id(p): i for i, p in enumerate(params)}
         self.hooks = [model.register_forward_pre_hook(self._model_pre, prepend=True),
-                      model.register_forward_hook(self._model_post)]
+                      model.register_forward_hook(self._model_post, always_call=True)]
         for ui, u in enumerate(units):
             self.hooks.append(u.register_forward_pre_hook(lambda m, a, ui=ui: self._unit_pre(ui)))
             self.hooks.append(u.register_forward_hook(lambda m, a, out, ui=ui: self._unit_post(ui, out)))
@@ -109,6 +119,7 @@ class ParamGatherer:
         buf = torch.empty(self.layout.groups[g].numel, dtype=self.dtype, device=self.device)
         works = self.gather.gather(g, buf, self.source, self.backward_phase, async_op)
         self.full[g] = buf
+        self.views.buffers[SavedParamViews.key(buf)] = g
         for p in self.layout.groups[g].params:
             self.params[p].data = self.layout.param_view(buf, p)
         if async_op and works:
@@ -137,8 +148,27 @@ class ParamGatherer:
             self._complete(g)
         for p in self.layout.groups[g].params:
             self.params[p].data = self.empty
-        self.full.pop(g, None)
+        self._forget(g)
         self.bwd_active[g] = False
+
+    def _forget(self, g: int) -> None:
+        buf = self.full.pop(g, None)
+        if buf is not None:
+            self.views.buffers.pop(SavedParamViews.key(buf), None)
+
+    def _regather(self, g: int) -> torch.Tensor:
+        """Group ``g``'s gathered buffer for a saved view unpacked in backward (gathered if released)."""
+        self.ensure(g)
+        return self.full[g]
+
+    def live_numel(self) -> int:
+        return sum(self.layout.groups[g].numel for g in self.full if not self.layout.groups[g].persistent)
+
+    def _keep(self, ui: int) -> bool:
+        """DeepSpeed's reuse rule: keep a unit released in forward if it is used again within
+        ``max_reuse_distance`` elements of other units and the gathered total stays within the cap."""
+        return (self.trace.reuse_distance(ui) <= self.max_reuse_distance
+                and self.live_numel() <= self.max_live_numel)
 
     def release_all(self) -> None:
         """Drop every non-persistent group nobody is using (end of backward, after a step)."""
@@ -148,6 +178,7 @@ class ParamGatherer:
         self.bwd_active = [False] * len(self.bwd_active)
         self.ready = [0] * len(self.ready)
         self.source.settle()
+        self.trace.finish()
 
     def refresh_persistent(self) -> None:
         """After a step: the persistent params are re-gathered from the updated partitions (and whatever
@@ -155,11 +186,11 @@ class ParamGatherer:
         self.gather.invalidate()
         for g in self.layout.groups:
             if g.persistent:
-                self.full.pop(g.index, None)
+                self._forget(g.index)
                 self._gather(g.index, async_op=False)
 
     def _prefetch(self, pos: int, step: int) -> None:
-        budget, k = self.prefetch_numel, pos + step
+        budget, k = min(self.prefetch_numel, self.max_live_numel - self.live_numel()), pos + step
         if step < 0 and pos == 0:
             k = len(self.order) - 1  # the root's output gradient comes first; the last block is next
         while 0 <= k < len(self.order) and k != pos and not self.recording:
@@ -178,30 +209,47 @@ class ParamGatherer:
     # hooks ----------------------------------------------------------------------------------------
     def _model_pre(self, module, args) -> None:
         self.cursor, self.backward_phase = 0, False
+        self.trace.begin_microbatch()
+        self.views.enter()
 
     def _model_post(self, module, args, out) -> None:
-        self.recording = False
+        self.views.exit()
+        if self.recording:
+            self.recording = False
+            self.position = {ui: i for i, ui in reversed(list(enumerate(self.order)))}
         if not torch.is_grad_enabled():  # inference: nothing will come back for these
+            if self.trace.recording:
+                self.trace.trace.clear()  # the trace to learn from is a training micro-batch's
             self.release_all()
 
     def _unit_pre(self, ui: int) -> None:
-        pos = self.cursor
-        self.cursor += 1
-        self.backward_phase = False
+        recompute = in_backward()  # activation checkpointing runs the unit again just before its backward
+        self.trace.use(ui)
+        if recompute:
+            pos = self.position.get(ui, 0)
+        else:
+            pos = self.cursor
+            self.cursor += 1
+            if self.recording:
+                self.order.append(ui)
+        self.backward_phase = recompute
         self.stack.append(pos)
-        if self.recording:
-            self.order.append(ui)
         for g in self.unit_groups[ui]:
             self.refs[g] += 1
+            if recompute and not self.bwd_active[g]:  # held until its gradients are in, not re-gathered
+                self.bwd_active[g], self.ready[g] = True, 0
             self.ensure(g)
-        self._prefetch(pos, +1)
+        self._prefetch(pos, -1 if recompute else +1)
 
     def _unit_post(self, ui: int, out):
         pos = self.stack.pop()
+        keep = None
         for g in self.unit_groups[ui]:
             self.refs[g] -= 1
             if self.refs[g] == 0 and not self.bwd_active[g] and not self.layout.groups[g].persistent:
-                self.release(g)
+                keep = self._keep(ui) if keep is None else keep
+                if not keep:
+                    self.release(g)
         if torch.is_grad_enabled():
             for t in _tensors(out):
                 if t.requires_grad:
@@ -210,6 +258,7 @@ class ParamGatherer:
 
     def _backward_fetch(self, ui: int, pos: int) -> None:
         self.backward_phase = True
+        self.trace.use(ui)
         for g in self.unit_groups[ui]:
             if not self.bwd_active[g]:
                 self.bwd_active[g], self.ready[g] = True, 0

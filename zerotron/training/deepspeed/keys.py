@@ -66,16 +66,12 @@ ZERO = {
     "stage3_param_persistence_threshold": Key(H, "zero.stage3_param_persistence_threshold", auto=True),
     "model_persistence_threshold": Key(N, "zerotron puts no total cap on persistent parameters"),
     "stage3_model_persistence_threshold": Key(N, "zerotron puts no total cap on persistent parameters"),
-    "max_live_parameters": Key(N, "not implemented as a cap: zerotron bounds the gathered parameters by "
-                                  "releasing each unit after use and prefetching within stage3_prefetch_bucket_size"),
-    "stage3_max_live_parameters": Key(N, "not implemented as a cap: zerotron bounds the gathered parameters "
-                                         "by releasing each unit after use and prefetching within "
-                                         "stage3_prefetch_bucket_size"),
-    "max_reuse_distance": Key(N, "zerotron re-gathers every unit for its backward (DeepSpeed's behaviour at "
-                                 "distance 0); keeping units alive across reuse is not implemented"),
-    "stage3_max_reuse_distance": Key(N, "zerotron re-gathers every unit for its backward (DeepSpeed's "
-                                        "behaviour at distance 0); keeping units alive across reuse is not "
-                                        "implemented"),
+    "max_live_parameters": Key(H, "zero.stage3_max_live_parameters: gathered elements kept for reuse or "
+                                  "prefetched at most; absent: 1e9, DeepSpeed's default"),
+    "stage3_max_live_parameters": Key(H, "zero.stage3_max_live_parameters; absent: 1e9, DeepSpeed's default"),
+    "max_reuse_distance": Key(H, "zero.stage3_max_reuse_distance: a unit reused within this many elements "
+                                 "stays gathered; absent: 1e9, DeepSpeed's default"),
+    "stage3_max_reuse_distance": Key(H, "zero.stage3_max_reuse_distance; absent: 1e9, DeepSpeed's default"),
     "gather_16bit_weights_on_model_save": Key(M, "checkpoint.consolidated_16bit: each checkpoint also holds "
                                                  "consolidated.safetensors, the model in its working dtype"),
     "stage3_gather_16bit_weights_on_model_save": Key(M, "checkpoint.consolidated_16bit: each checkpoint also "

@@ -3,7 +3,7 @@
 
 The keys' *status* is ``keys.py``'s; this module turns the honoured and mapped ones into zerotron
 fields, with DeepSpeed's reading of them: ``overlap_comm`` absent at stage 3 is true (DeepSpeed's
-stage-dependent default), ``cpu_offload`` is the older spelling of ``offload_optimizer: cpu``, a
+stage-dependent default; so are the two ``stage3_max_*`` keys, 1e9), ``cpu_offload`` is the older spelling of ``offload_optimizer: cpu``, a
 present ``activation_checkpointing`` section turns checkpointing on, ``"enabled": "auto"`` follows
 ``training.precision``, and ``fp16.loss_scale > 0`` is a static scale.
 """
@@ -18,7 +18,10 @@ DTYPES = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "torch.float32": "
           "bf16": "bf16", "bfloat16": "bf16", "torch.bfloat16": "bf16",
           "fp16": "fp16", "float16": "fp16", "half": "fp16", "torch.float16": "fp16"}
 _ALIASES = (("stage3_prefetch_bucket_size", "prefetch_bucket_size"),
-            ("stage3_param_persistence_threshold", "param_persistence_threshold"))
+            ("stage3_param_persistence_threshold", "param_persistence_threshold"),
+            ("stage3_max_live_parameters", "max_live_parameters"),
+            ("stage3_max_reuse_distance", "max_reuse_distance"))
+_STAGE3_DEFAULTS = {"stage3_max_live_parameters": int(1e9), "stage3_max_reuse_distance": int(1e9)}
 _SAME = ("reduce_bucket_size", "allgather_bucket_size", "sub_group_size", "zero_hpz_partition_size",
          "zero_quantization_block_size", "zero_quantized_gradients_node_size")
 _BOOLS = ("contiguous_gradients", "overlap_comm", "zero_quantized_weights", "zero_quantized_gradients")
@@ -54,6 +57,9 @@ def zero(plan: Plan, z: dict) -> None:
         names = next((a for a in _ALIASES if a[0] == key), (key,))
         found = one_of(z, names, p)
         if found is None:
+            if key in _STAGE3_DEFAULTS and z.get("stage") == 3:
+                plan.set(f"{p}.{key}", f"zero.{key}", _STAGE3_DEFAULTS[key])
+                plan.note(f"{p}.{key} not given: {_STAGE3_DEFAULTS[key]:.0e}, DeepSpeed's default")
             continue
         name, value = found
         if value == "auto":  # the Hugging Face Trainer's rule, from the model's hidden size
