@@ -11,9 +11,11 @@ stage 3 (Pos+g+p with C4's ZeRO-R), all with CB (fixed buckets) and MD (contiguo
 and gradients), 16-bit. For each it measures, per rank, the model states
 (``ZeroOptimizer.memory_report()``), the checkpoint bytes (the checkpointing handle's
 ``step_report()``), the fixed buffers, the RSS, and TFLOP/s per device (recompute counted,
-``zerotron.model.flops``), then searches the most layers that fit a memory cap: every probe is
-a real run of a few steps. On a CPU the interpreter dominates RSS, so the cap is on the
-*accounted* bytes -- model states + device checkpoints + fixed buffers -- not on RSS.
+``zerotron.model.flops``) and the peak of live tensor storage (``MemoryTracker``: what is
+allocated, measured, not the optimizer's own sizes), then searches the most layers whose
+*measured* peak fits a memory cap: every probe is a real run of a few steps, and the memory
+model's prediction (its bytes before the fragmentation margin) is only where the walk starts. On
+a CPU the interpreter dominates RSS, so the cap is on live tensor bytes, not on RSS.
 Finally it measures model states per rank at DP 2, 4, 8 (TP 1) for stages 0–3 (Figure 1).
 
 Every measured figure is compared with the memory model's prediction; results go to CSV, JSONL,
@@ -40,6 +42,7 @@ from zerotron.model import GPTConfig, flops_per_iteration
 from zerotron.testing.launch import spawn
 from zerotron.training.cli import apply_mapping
 from zerotron.training.config import RunConfig
+from zerotron.training.step_memory import StepMemory
 from zerotron.training.tracking import WANDB_DIRS
 from zerotron.zero.accounting import expected_model_state_bytes
 from zerotron.estimate.memory_model import Setup, estimate, max_layers
@@ -99,17 +102,26 @@ def train_and_measure(grid, a, name: str, layers: int, steps: int) -> dict:
     ac.partition_activations = ac.partition_activations and grid.tp_size > 1  # Pa needs MP ranks (§6.1)
     t.precision, t.seed, t.micro_batch_size, t.global_batch_size = a.precision, 1234, a.batch, a.batch * grid.dp_size
     o.lr, o.beta2, o.weight_decay, o.clip_grad = 1e-4, 0.999, 0.0, 1.0
-    plan = parallelize_gpt(cfg.validate(grid.world_size), model_cfg(a, layers), grid)
+    tracked = StepMemory(interval=1)  # live storages (allocator's side), not the optimizer's sizes
+    with tracked.construction():
+        plan = parallelize_gpt(cfg.validate(grid.world_size), model_cfg(a, layers), grid)
     model, opt, handle = plan.model, plan.optimizer, plan.activations
+    tracked.register(opt)
     gen = torch.Generator().manual_seed(1000 * grid.dp_rank + layers)
     times, act = [], {}
-    for _ in range(steps):
+    for step in range(1, steps + 1):
         ids = torch.randint(0, 256, (a.batch, a.seq), generator=gen)
         t0 = time.perf_counter()
-        opt.backward(model(ids, ids))
-        opt.step()
+        tracked.begin_step(step, opt)
+        with tracked.phase("forward"):
+            loss = model(ids, ids)
+        with tracked.phase("backward"):
+            opt.backward(loss)
+        with tracked.phase("step"):
+            opt.step()
         times.append(time.perf_counter() - t0)
         act = handle.step_report() if handle else {}
+    peak = tracked.record()["mem_peak_bytes"]  # the last step's: the first records stage 3's order of use
     mem = opt.memory_report()
     device = max(act.get("peak_saved_device_bytes", 0),
                  act.get("md_buffer_bytes", 0) if act.get("md_buffer_placement") == "device" else 0)
@@ -120,9 +132,9 @@ def train_and_measure(grid, a, name: str, layers: int, steps: int) -> dict:
            "rss_bytes": int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
            if Path("/proc/self/statm").exists() else 0}
     row["accounted"] = row["model_states"] + device + row["fixed_buffers"]
-    worst = torch.tensor([float(row["accounted"]), min(times[1:] or times)])
+    worst = torch.tensor([float(row["accounted"]), float(peak), min(times[1:] or times)], dtype=torch.float64)
     C.all_reduce(worst, grid.world_group, op="max")  # every rank decides on the same numbers
-    row["accounted_max_rank"], row["step_s"] = int(worst[0]), float(worst[1])
+    row["accounted_max_rank"], row["peak"], row["step_s"] = int(worst[0]), int(worst[1]), float(worst[2])
     return row
 
 
@@ -134,12 +146,16 @@ def ablation_worker(a) -> dict:
     shown = Progress("ablations", total=len(a.configs), unit="config", enabled=grid.rank == 0, interval=0.0)
     for name in a.configs:
         row = train_and_measure(grid, a, name, a.layers, a.steps)
-        pred_l = max_layers(setup_of(a, name, a.layers, a.tp, grid.dp_size), a.cap_bytes, accounted_only=True,
-                            limit=a.max_search_layers)
-        probes, layers = {}, max(1, pred_l)
-        while True:  # walk from the prediction to the boundary; every probe is a real run
+        setup = setup_of(a, name, a.layers, a.tp, grid.dp_size)
+        pred_l = max_layers(setup, a.cap_bytes, basis="before_margin", limit=a.max_search_layers)
+        # the walk starts where the model predicts once scaled by its error on the run just measured
+        # (fewer probes); only where it starts, not where it ends, depends on the model
+        scale = row["peak"] / estimate(setup)["before_margin"]
+        start = max_layers(setup, a.cap_bytes / scale, basis="before_margin", limit=a.max_search_layers)
+        probes, layers = {}, max(1, start)
+        while True:  # walk from the prediction to the boundary; every probe is a real run, its measured peak
             if layers not in probes:
-                probes[layers] = train_and_measure(grid, a, name, layers, 2)["accounted_max_rank"] <= a.cap_bytes
+                probes[layers] = train_and_measure(grid, a, name, layers, 2)["peak"] <= a.cap_bytes
             if probes[layers] and layers + 1 not in probes and layers < a.max_search_layers:
                 layers += 1
             elif not probes[layers] and layers > 1:
@@ -183,6 +199,7 @@ def run(a) -> dict:
                      "max_params": psi_total, "tflops_per_device": tflops,
                      **{f"pred_{k}": p[k] for k in ("model_states", "checkpoints_device", "checkpoints_host",
                                                     "fixed_buffers", "accounted")},
+                     "pred_peak": p["before_margin"], "ratio_peak": ratio(m["peak"], p["before_margin"]),
                      **{f"ratio_{k}": ratio(m[k], p[k]) for k in ("model_states", "checkpoints_device",
                                                                   "checkpoints_host", "accounted")}})
     dp_rows = []
@@ -211,7 +228,7 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--precision", default="fp16", choices=["fp16", "bf16"])
     p.add_argument("--bucket", type=int, default=4096, help="reduce/all-gather bucket (CB), elements")
-    p.add_argument("--cap-kib", type=float, default=1536.0, help="cap on accounted bytes per rank, KiB")
+    p.add_argument("--cap-kib", type=float, default=3072.0, help="cap on the measured peak per rank, KiB")
     p.add_argument("--max-search-layers", type=int, default=48)
     p.add_argument("--dp-sweep", default="2,4,8")
     p.add_argument("--out", default=str(ROOT / "runs" / "ablations"))
@@ -221,7 +238,7 @@ def parse_args(argv=None):
     a = p.parse_args(argv)
     a.figures = a.figures or str(Path(a.out) / "figures")
     if a.quick:
-        a.layers, a.steps, a.batch, a.cap_kib, a.dp_sweep = 4, 2, 4, 512.0, "2,4"
+        a.layers, a.steps, a.batch, a.cap_kib, a.dp_sweep = 4, 2, 4, 1024.0, "2,4"
     a.configs = [c for c in a.configs.split(",") if c]
     bad = sorted(set(a.configs) - set(NAMES))
     if bad:

@@ -58,8 +58,11 @@ def check_accumulation_accuracy():
 
     grid = Grid(ParallelDims())
     data = batches(STEPS, MICRO, grid.dp_size, per_rank=PER_RANK)
-    truth = _reference(data, grid.dp_size, torch.float64)
-    ref32 = _reference(data, grid.dp_size, torch.float32)
+    # the two references are independent: rank 0 computes the float64 one, rank 1 the fp32 one
+    mine = _reference(data, grid.dp_size, torch.float64 if grid.dp_rank == 0 else torch.float32)
+    both = [None] * grid.dp_size
+    torch.distributed.all_gather_object(both, mine)
+    truth, ref32 = both[0], both[1]
 
     def err(final):
         return max((final[n].double() - truth[n].double()).abs().max().item() for n in truth)

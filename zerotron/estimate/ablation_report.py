@@ -57,10 +57,10 @@ def plot_all(a, res: dict, params_of) -> None:
         plt.close(fig)
 
     bars("ablation_max_model_size.png", [r["max_params"] / 1e3 for r in rows], "largest model (K params)",
-         f"Max model size per config, accounted cap {a.cap_kib:.0f} KiB/rank (TP {a.tp} x DP {a.dp})",
+         f"Max model size per config, measured-peak cap {a.cap_kib:.0f} KiB/rank (TP {a.tp} x DP {a.dp})",
          [params_of(r["max_layers_predicted"]) / 1e3 for r in rows])
-    bars("ablation_max_cached_memory.png", [r["accounted"] / kib for r in rows], "accounted peak per rank (KiB)",
-         f"Max accounted memory per config, {a.layers}-layer model", [r["pred_accounted"] / kib for r in rows])
+    bars("ablation_max_cached_memory.png", [r["peak"] / kib for r in rows], "measured peak per rank (KiB)",
+         f"Peak live tensor memory per config, {a.layers}-layer model", [r["pred_peak"] / kib for r in rows])
     bars("ablation_throughput.png", [r["tflops_per_device"] * 1e3 for r in rows], "GFLOP/s per rank",
          f"Throughput per config (CPU, gloo, {a.precision}, recompute counted)")
     fig, ax = plt.subplots(figsize=(6, 3.2))
@@ -81,14 +81,15 @@ def plot_all(a, res: dict, params_of) -> None:
 def results_table(a, res: dict) -> str:
     kb = 1024
     lines = [f"Layout TP {a.tp} x DP {a.dp}, GPT h={a.hidden} s={a.seq} b={a.batch} ({a.precision}), "
-             f"{a.layers} layers for the memory and throughput columns; cap {a.cap_bytes / kb:.0f} KiB accounted.", "",
+             f"{a.layers} layers for the memory and throughput columns; cap {a.cap_bytes / kb:.0f} KiB on the measured "
+             "peak of live tensors.", "",
              "| config | model states KiB (pred) | ckpt device KiB (pred) | ckpt host KiB (pred) | fixed KiB (pred) "
-             "| accounted KiB (pred) | RSS MiB | TFLOP/s/dev | max layers (pred) | max params |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| accounted KiB (pred) | measured peak KiB (pred) | RSS MiB | TFLOP/s/dev | max layers (pred) | max params |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
         cell = lambda k: f"{r[k] / kb:.1f} ({r['pred_' + k] / kb:.1f})"  # noqa: E731
         lines.append(f"| {r['config']} | {cell('model_states')} | {cell('checkpoints_device')} | {cell('checkpoints_host')} "
-                     f"| {cell('fixed_buffers')} | {cell('accounted')} | {r['rss_bytes'] / kb / kb:.0f} | "
+                     f"| {cell('fixed_buffers')} | {cell('accounted')} | {cell('peak')} | {r['rss_bytes'] / kb / kb:.0f} | "
                      f"{r['tflops_per_device']:.4f} | {r['max_layers']} ({r['max_layers_predicted']}) | {r['max_params']:,} |")
     lines += ["", "| DP | stage | Ψ per rank | measured KiB | formula KiB | ratio |", "|---|---|---|---|---|---|"]
     lines += [f"| {r['dp']} | {r['stage']} | {r['params']:,} | {r['measured'] / kb:.1f} | {r['formula'] / kb:.1f} | "

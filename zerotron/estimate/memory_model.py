@@ -287,19 +287,22 @@ def estimate(setup: Setup) -> dict:
     }
 
 
-def fits(setup: Setup, device_bytes: float, accounted_only: bool = False) -> bool:
+def fits(setup: Setup, device_bytes: float, accounted_only: bool = False, basis: str | None = None) -> bool:
+    """``basis``: which sum must fit -- ``total`` (with the fragmentation margin, the default),
+    ``accounted`` (``accounted_only``) or ``before_margin`` (what a live-storage tracker measures)."""
     e = estimate(setup)
-    return (e["accounted"] if accounted_only else e["total"]) <= device_bytes
+    return e[basis or ("accounted" if accounted_only else "total")] <= device_bytes
 
 
-def max_layers(setup: Setup, device_bytes: float, accounted_only: bool = False, limit: int = 100_000) -> int:
+def max_layers(setup: Setup, device_bytes: float, accounted_only: bool = False, limit: int = 100_000,
+               basis: str | None = None) -> int:
     """Most layers of ``setup.model``'s width that fit in ``device_bytes`` (0 if none).
 
     Every term grows monotonically with L, so a bisection over L is exact.
     """
     def ok(layers: int) -> bool:
         return fits(dataclasses.replace(setup, model=dataclasses.replace(setup.model, num_layers=layers)),
-                    device_bytes, accounted_only)
+                    device_bytes, accounted_only, basis)
 
     if not ok(1):
         return 0
