@@ -41,15 +41,13 @@ def worker(args, stage: int) -> dict:
     if not args.malloc_as_is:
         return_freed_memory()
 
-    from zerotron.model.config import GPTConfig
     from zerotron.parallel import Grid, ParallelDims
     from zerotron.training.config import RunConfig
     from zerotron.training.parallelize import parallelize_gpt
     from zerotron.training.step_memory import StepMemory
 
     grid = Grid(ParallelDims())
-    cfg = GPTConfig(num_layers=args.layers, hidden_size=args.hidden, num_heads=max(1, args.hidden // 64),
-                    vocab_size=args.vocab, seq_length=args.seq)
+    cfg = model_cfg(args)
     run = RunConfig()
     run.zero.stage, run.zero.reduce_bucket_size, run.zero.allgather_bucket_size = stage, args.bucket, args.bucket
     run.zero.stage3_param_persistence_threshold = 0
@@ -78,9 +76,17 @@ def worker(args, stage: int) -> dict:
     return out
 
 
+def model_cfg(args):
+    from zerotron.model.config import GPTConfig
+
+    return GPTConfig(num_layers=args.layers, hidden_size=args.hidden, num_heads=max(1, args.hidden // 64),
+                     vocab_size=args.vocab, seq_length=args.seq)
+
+
 def block_elements(args) -> int:
-    h = args.hidden
-    return 12 * h * h + 13 * h
+    from zerotron.estimate.memory_model import block_params_per_rank
+
+    return block_params_per_rank(model_cfg(args))
 
 
 def prefetch_elements(args) -> int:
@@ -90,10 +96,8 @@ def prefetch_elements(args) -> int:
 
 def predicted(args, stage: int) -> float:
     from zerotron.estimate.memory_model import Setup, estimate
-    from zerotron.model.config import GPTConfig
 
-    cfg = GPTConfig(num_layers=args.layers, hidden_size=args.hidden, num_heads=max(1, args.hidden // 64),
-                    vocab_size=args.vocab, seq_length=args.seq)
+    cfg = model_cfg(args)
     e = estimate(Setup(cfg, dp=args.ranks, micro_batch=1, stage=stage, checkpoint_activations=False,
                        contiguous_memory=False, precision=args.precision, bucket_size=args.bucket,
                        prefetch_bucket_size=prefetch_elements(args)))
@@ -147,8 +151,9 @@ def stage3_checks(args, rows: dict) -> None:
     if 3 not in rows:
         return
     r = rows[3]
-    h, v = args.hidden, args.vocab
-    units = sorted([block_elements(args), v * h + args.seq * h + 2 * h])[-2:]
+    from zerotron.estimate.memory_model import root_params_per_rank
+
+    units = sorted([block_elements(args), root_params_per_rank(model_cfg(args))])[-2:]
     unit_mib = sum(units) * (4 if args.precision == "fp32" else 2) / MiB
     pb = 4 if args.precision == "fp32" else 2
     states = (pb + 4 + 12) * r["psi"] / args.ranks / MiB  # 16-bit params, fp32 gradients, K = 12, all / Nd

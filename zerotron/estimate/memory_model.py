@@ -151,10 +151,21 @@ def params_per_rank(cfg: GPTConfig, tp: int = 1) -> int:
     (weights only: their biases, LayerNorms and the position table are replicated), and the word
     embedding over the vocabulary. Equals ``ZeroOptimizer.num_params`` for a ``GPT``.
     """
-    l, h, f, s = cfg.num_layers, cfg.hidden_size, cfg.ffn_size, cfg.max_positions
+    return cfg.num_layers * block_params_per_rank(cfg, tp) + root_params_per_rank(cfg, tp)
+
+
+def block_params_per_rank(cfg: GPTConfig, tp: int = 1) -> int:
+    """One transformer block's parameters on a TP rank (a stage-3 unit)."""
+    h, f = cfg.hidden_size, cfg.ffn_size
     split = 3 * h * h + 3 * h + h * h + h * f + f + f * h
     replicated = h + h + 4 * h  # proj bias, fc2 bias, two LayerNorms
-    return l * (split // tp + replicated) + cfg.padded_vocab_size(tp) * h // tp + s * h + 2 * h
+    return split // tp + replicated
+
+
+def root_params_per_rank(cfg: GPTConfig, tp: int = 1) -> int:
+    """What is not in a block: word-embedding slice, position table, final LayerNorm (the root unit)."""
+    h = cfg.hidden_size
+    return cfg.padded_vocab_size(tp) * h // tp + cfg.max_positions * h + 2 * h
 
 
 def gathered_param_bytes(setup: "Setup", param_bytes: int) -> int:
@@ -165,10 +176,7 @@ def gathered_param_bytes(setup: "Setup", param_bytes: int) -> int:
     if setup.stage != 3:
         return 0
     cfg, t = setup.model, setup.tp
-    psi = params_per_rank(cfg, t)
-    block = (psi - cfg.padded_vocab_size(t) * cfg.hidden_size // t - cfg.max_positions * cfg.hidden_size
-             - 2 * cfg.hidden_size) // cfg.num_layers
-    root = psi - block * cfg.num_layers
+    psi, block, root = params_per_rank(cfg, t), block_params_per_rank(cfg, t), root_params_per_rank(cfg, t)
     if setup.max_reuse_distance > 0:
         return param_bytes * min(psi, root + block + setup.max_live_parameters)
     ahead = min(cfg.num_layers - 1, setup.prefetch_bucket_size // block) if block else 0

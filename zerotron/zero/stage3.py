@@ -167,7 +167,7 @@ class ParamGatherer:
     def _keep(self, ui: int) -> bool:
         """DeepSpeed's reuse rule: keep a unit released in forward if it is used again within
         ``max_reuse_distance`` elements of other units and the gathered total stays within the cap."""
-        return (self.trace.reuse_distance(ui) <= self.max_reuse_distance
+        return (self.trace.reused_within(ui, self.max_reuse_distance)
                 and self.live_numel() <= self.max_live_numel)
 
     def release_all(self) -> None:
@@ -218,8 +218,7 @@ class ParamGatherer:
             self.recording = False
             self.position = {ui: i for i, ui in reversed(list(enumerate(self.order)))}
         if not torch.is_grad_enabled():  # inference: nothing will come back for these
-            if self.trace.recording:
-                self.trace.trace.clear()  # the trace to learn from is a training micro-batch's
+            self.trace.discard()
             self.release_all()
 
     def _unit_pre(self, ui: int) -> None:

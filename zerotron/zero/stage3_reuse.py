@@ -23,7 +23,7 @@ Two things decide how much of the partitioned model is resident at once (ZeRO §
 
 from __future__ import annotations
 
-import math
+import itertools
 from typing import NamedTuple
 
 import torch
@@ -91,7 +91,7 @@ class UseTrace:
     def __init__(self, unit_numel: list[int]):
         self.unit_numel = unit_numel
         self.trace: list[int] = []
-        self.recording, self.done = True, False
+        self.recording = True
         self.cursor = -1
 
     def begin_microbatch(self) -> None:
@@ -105,16 +105,24 @@ class UseTrace:
     def finish(self) -> None:
         """End of the first backward: the trace is complete."""
         if self.recording and self.trace:
-            self.recording, self.done = False, True
+            self.recording = False
 
-    def reuse_distance(self, ui: int) -> float:
-        """Elements of other units used from now until ``ui``'s next use (inf: not used again in this
-        micro-batch, or nothing is known yet) -- DeepSpeed's walk from the current step of its trace."""
-        if not self.done or self.cursor >= len(self.trace):
-            return math.inf
+    def discard(self) -> None:
+        """Forget a partial recording (an inference forward: the trace must be a training micro-batch's)."""
+        if self.recording:
+            self.trace.clear()
+
+    def reused_within(self, ui: int, limit: float) -> bool:
+        """Whether ``ui`` is used again in this micro-batch with at most ``limit`` elements of other
+        units used before -- DeepSpeed's walk from the current step of its trace, stopped at the limit
+        (it runs on every release). False while nothing is known yet."""
+        if self.recording or self.cursor >= len(self.trace):
+            return False
         between = 0
-        for u in self.trace[self.cursor + 1:]:
+        for u in itertools.islice(self.trace, self.cursor + 1, None):
             if u == ui:
-                return between
+                return True
             between += self.unit_numel[u]
-        return math.inf
+            if between > limit:
+                return False
+        return False
