@@ -42,6 +42,9 @@ def test_deepspeed_json_sections(tmp_path):
     (["--pp", "2", "--zero-stage", "3"], 2, "zero.stage=3 with parallel.pp>1"),
     (["--partition-activations"], 1, "activation_checkpointing.partition_activations"),
     (["--dropout", "1.5"], 1, "model.dropout=1.5"),
+    (["--optimizer.schedule", "onecycle", "--optimizer.cycle_momentum", "true", "--optimizer.decay_step_size", "1",
+      "--optimizer.decay_beta1_rate", "0.5"], 1, "optimizer.decay_beta1_rate=0.5: OneCycle's beta1 reaches"),
+    (["--optimizer.schedule", "onecycle", "--optimizer.decay_step_size", "-1"], 1, "optimizer.decay_step_size=-1"),
 ])
 def test_invalid_values_name_the_field(argv, world, needle):
     with pytest.raises(ConfigError) as info:

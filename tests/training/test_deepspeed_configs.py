@@ -1,14 +1,14 @@
 """DeepSpeed configs as people have them (tests/training/deepspeed_configs/: the key sets of the
 Hugging Face transformers ZeRO-2/3 configs, Megatron-DeepSpeed's GPT template, DeepSpeedExamples'
 Megatron ZeRO-2, ZeRO-Offload, ZeRO-Infinity, ZeRO++, autotuning and AutoTP examples, plus
-schedulers, static/dynamic fp16, "auto" and batch triples), each run for 3 steps on 2 gloo ranks
-through ``scripts/pretrain_gpt.py --deepspeed-config``, and held to what DeepSpeed would do, read
+schedulers (OneCycle too), static/dynamic fp16, "auto" and batch triples), each run for 3 steps on
+2 gloo ranks through ``scripts/pretrain_gpt.py --deepspeed-config``, and held to what DeepSpeed would do, read
 from ``metrics.jsonl``: the first loss scale is 2**initial_scale_power, a static scale stays put,
 the rate of every step is the DeepSpeed scheduler's own formula (written out here from
 ``deepspeed/runtime/lr_schedules.py``, not from zerotron's schedule), the global batch follows the
 batch triple, clipping changes the update, checkpointing is on.
 
-All 13 runs share one launch of 2 ranks (the suite runs on 2 cores): each rank calls ``main`` 13
+All 14 runs share one launch of 2 ranks (the suite runs on 2 cores): each rank calls ``main`` 14
 times, each joining its own gloo group through an env rendezvous as under torchrun.
 """
 
@@ -137,6 +137,26 @@ def warmup_cosine_lr(s, lr, warmup_ratio, cos_ratio, warmup, total, kind="log"):
     return lr * max(0.0, cos_ratio + (1 - cos_ratio) * (1 + math.cos(math.pi * progress)) / 2)
 
 
+def one_cycle(s, lo, hi, up, down, decay_rate=0.0, decay_size=0, moms=(0.8, 0.9), mom_rate=0.0):
+    """(rate, beta1) of OneCycle: _get_cycle_lr / _get_cycle_mom, then _get_decay_lr / _get_decay_mom."""
+    it = s - 1
+    if it < 0:
+        return lo, moms[0]
+    total = float(up + down)
+    if it < total:
+        batch_iteration = it + 1
+        cycle = math.floor(1 + batch_iteration / total)
+        x = 1.0 + batch_iteration / total - cycle
+        ratio = up / total
+        scale = x / ratio if x <= ratio else (x - 1) / (ratio - 1)
+        return lo + (hi - lo) * scale, moms[1] - (moms[1] - moms[0]) * scale
+    if decay_size == 0:
+        return lo, moms[1]
+    interval = (it - total + 1) / decay_size
+    lr = lo if decay_rate == 0 else lo / (1 + decay_rate * interval)
+    return lr, moms[1] if mom_rate == 0 else moms[1] * (1 + mom_rate * interval)
+
+
 def megatron_lr(s, lr, warmup=20):  # the run config's schedule (no scheduler section): warm-up steps
     return lr * (s + 1) / warmup
 
@@ -155,6 +175,7 @@ EXPECT = {
     "warmup_cosine_adam_l2": (8, lambda s: warmup_cosine_lr(s, 0.004, 0.01, 0.1, 2, 3, "linear"), 1.0, False),
     "bf16_stage3_monitors": (16, lambda s: warmup_lr(s, 0.0, 0.002, 10), 1.0, False),
     "clip_small": (8, lambda s: 0.01, 1.0, False),
+    "onecycle_momentum": (8, lambda s: one_cycle(s, 1e-4, 1e-3, 1, 1)[0], 1.0, False),
     "clip_none": (8, lambda s: 0.01, 1.0, False),
 }
 
@@ -201,6 +222,38 @@ def test_precision_zero_and_checkpointing_as_the_json_says(runs):
 
     with safe_open(str(consolidated[0]), "pt") as f:
         assert {str(f.get_tensor(k).dtype) for k in f.keys()} == {"torch.bfloat16"}
+
+
+def test_one_cycle_cycles_momentum(runs):
+    tmp, _ = runs
+    beta1 = [r["beta1"] for r in records(tmp, "onecycle_momentum")]
+    assert beta1 == pytest.approx([one_cycle(s, 1e-4, 1e-3, 1, 1, moms=(0.85, 0.95))[1] for s in range(3)],
+                                  rel=1e-12)
+    assert beta1[0] != beta1[2]
+    assert run_config(tmp, "onecycle_momentum")["optimizer"]["beta2"] == 0.99  # OneCycle's (momentum, 0.99)
+    assert all(r["beta1"] == 0.9 for r in records(tmp, "hf_zero2_auto"))  # no cycle: the optimizer's beta1
+
+
+@pytest.mark.parametrize("params", [
+    dict(up=3, down=5, decay_rate=0.5, decay_size=2, moms=(0.8, 0.9), mom_rate=0.01),
+    dict(up=4, down=4),
+    dict(up=2, down=7, decay_rate=1.0, decay_size=3),
+])
+def test_one_cycle_schedule_over_a_long_run(params):
+    """Past the cycle into the decay, against the transcription (no run needed: the run test above
+    shows the trainer applies the section's schedule)."""
+    from zerotron.training.config import OptimizerSection
+    from zerotron.training.schedule import betas_at, lr_at
+
+    moms = params.get("moms", (0.8, 0.9))
+    o = OptimizerSection(schedule="onecycle", lr=1e-3, warmup_min_lr=1e-4, warmup_steps=params["up"],
+                         cycle_down_steps=params["down"], decay_lr_rate=params.get("decay_rate", 0.0),
+                         decay_step_size=params.get("decay_size", 0), cycle_momentum=True, cycle_min_beta1=moms[0],
+                         beta1=moms[1], decay_beta1_rate=params.get("mom_rate", 0.0))
+    for s in range(40):
+        lr, beta1 = one_cycle(s, 1e-4, 1e-3, **params)
+        assert lr_at(s, o, 40) == pytest.approx(lr, rel=1e-12), s
+        assert betas_at(s, o)[0] == pytest.approx(beta1, rel=1e-12), s
 
 
 def test_clipping_changes_the_update(runs):

@@ -126,3 +126,46 @@ def check_bitwise(stage, extra):
 @pytest.mark.parametrize("stage,extra", VARIANTS, ids=[f"{s}-{'-'.join(e) or 'plain'}" for s, e in VARIANTS])
 def test_dp1_is_bit_identical_to_torch_doing_the_same_arithmetic(stage, extra):
     assert all(spawn(check_bitwise, 1, stage, extra, timeout=120))
+
+
+CYCLED_BETAS = [(0.85, 0.99), (0.85, 0.99), (0.95, 0.99), (0.9, 0.99), (0.8, 0.99)]  # OneCycle's per-step betas
+
+
+def check_cycled_betas():
+    """Betas given to ``set_lr`` each step (DeepSpeed's OneCycle) reach the Adam update: torch's
+    AdamW with the group's betas changed before every step, bit for bit."""
+    from zerotron.parallel import Grid, ParallelDims
+    from zerotron.zero import ZeroOptimizer
+    from zerotron.zero.adam import FlatAdamW
+
+    data = batches(STEPS, MICRO, 1)
+    ref = TinyLM()
+    params = list(ref.parameters())
+    torch_opt = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2]},
+                                   {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
+                                  foreach=False, **HYPER)
+    for betas, mbs in zip(CYCLED_BETAS, data):
+        for group in torch_opt.param_groups:
+            group["betas"] = betas
+        for x, y in mbs:
+            (ref(x, y) / len(mbs)).backward()
+        torch_opt.step()
+        torch_opt.zero_grad(set_to_none=True)
+    model = TinyLM()
+    opt = ZeroOptimizer(model, Grid(ParallelDims()), make_cfg(1), clip_grad=None, **HYPER)
+    opt.adam = FlatAdamW(opt.state.device, prefer_fused=False)
+
+    def cycle(step, micro, loss):
+        if micro == 0:
+            opt.set_lr(HYPER["lr"], CYCLED_BETAS[step])
+        return loss
+
+    zero_train(model, opt, data, 0, inject=cycle)
+    want = dict(ref.named_parameters())
+    for name, value in opt.full_params():
+        assert_bitwise(value, want[name].detach(), f"cycled betas: {name}")
+    return True
+
+
+def test_cycled_betas_reach_adam():
+    assert all(spawn(check_cycled_betas, 1, timeout=120))

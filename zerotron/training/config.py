@@ -21,7 +21,7 @@ from zerotron.activation import ActivationCheckpointConfig
 from zerotron.model.config import GPTConfig
 from zerotron.parallel import ParallelDims
 from zerotron.parallel.pipeline import SCHEDULES
-from zerotron.training.schedule import check_schedule
+from zerotron.training.schedule import betas_at, check_schedule
 from zerotron.zero.config import PRECISIONS, ZeroConfig
 from zerotron.zero.loss_scaler import check_loss_scaling
 
@@ -81,6 +81,13 @@ class OptimizerSection:
     warmup_min_lr: float = 0.0  # the rate the warm-up starts from
     warmup_type: str = "linear"  # linear | log (DeepSpeed's default; deepspeed schedule only)
     schedule_steps: int | None = None  # where the decay ends; None: training.train_steps
+    # schedule onecycle (DeepSpeed's OneCycle): lr is the cycle's top, warmup_min_lr its bottom, warmup_steps its rise
+    cycle_down_steps: int | None = None  # the fall; None: warmup_steps
+    decay_lr_rate: float = 0.0  # after the cycle: warmup_min_lr / (1 + rate * steps / decay_step_size)
+    decay_step_size: int = 0  # 0: no decay after the cycle
+    cycle_momentum: bool = False  # beta1 cycles inversely, from beta1 down to cycle_min_beta1
+    cycle_min_beta1: float = 0.8
+    decay_beta1_rate: float = 0.0  # after the cycle: beta1 * (1 + rate * steps / decay_step_size)
 
 
 @dataclass
@@ -188,6 +195,11 @@ class RunConfig:
             check_schedule(o)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        last_beta1 = betas_at(t.train_steps - 1, o)[0]
+        if not 0 <= last_beta1 < 1:
+            raise ConfigError(f"optimizer.decay_beta1_rate={o.decay_beta1_rate}: OneCycle's beta1 reaches "
+                              f"{last_beta1:.4g} by step {t.train_steps} (training.train_steps), outside Adam's "
+                              f"[0, 1); lower the rate or raise optimizer.decay_step_size")
         _positive("optimizer.clip_grad", o.clip_grad, allow_zero=True)
         m = self.model
         for name in ("dropout", "attention_dropout"):

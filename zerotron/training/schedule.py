@@ -16,6 +16,12 @@ DeepSpeed would use, step for step:
   whose constructor returns a ratio of 0), the second at iteration 0. The warm-up is ``log``
   (DeepSpeed's default: ``log(it + 1) / log(W)``) or ``linear`` (``it / W``) over
   ``W = max(2, warmup_steps)`` iterations, as DeepSpeed clamps it.
+* ``onecycle``: DeepSpeed's ``OneCycle`` (Smith's 1cycle policy, arXiv 1803.09820), with the same
+  one-iteration offset: the rate climbs linearly from ``warmup_min_lr`` to ``lr`` over
+  ``warmup_steps`` iterations, falls back over ``cycle_down_steps`` (default ``warmup_steps``),
+  then ``warmup_min_lr / (1 + decay_lr_rate * d / decay_step_size)`` at ``d`` iterations after the
+  cycle (constant when either is 0). With ``cycle_momentum`` Adam's beta1 moves the other way,
+  from ``beta1`` down to ``cycle_min_beta1`` and back, then grows by ``decay_beta1_rate``.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from __future__ import annotations
 import math
 
 DECAYS = ("cosine", "linear", "constant")
-SCHEDULES = ("megatron", "deepspeed")
+SCHEDULES = ("megatron", "deepspeed", "onecycle")
 WARMUP_TYPES = ("linear", "log")
 
 
@@ -69,9 +75,41 @@ def deepspeed_learning_rate(step: int, *, lr: float, min_lr: float, warmup_min_l
     raise ValueError(f"optimizer.decay={decay!r} is not one of {list(DECAYS)}")
 
 
+def one_cycle(step: int, o) -> tuple[float, float]:
+    """DeepSpeed's ``OneCycle``: (rate, beta1) of optimizer step ``step`` (0-based) under the
+    ``optimizer`` section ``o``; beta1 is ``o.beta1`` throughout unless ``o.cycle_momentum``."""
+    it, lo, hi = step - 1, o.warmup_min_lr, o.lr
+    top, bottom = o.beta1, (o.cycle_min_beta1 if o.cycle_momentum else o.beta1)
+    if it < 0:  # what the scheduler's constructor sets: the low rate, the low momentum
+        return lo, bottom
+    up = float(o.warmup_steps)
+    total = up + float(o.cycle_down_steps if o.cycle_down_steps is not None else o.warmup_steps)
+    if it < total:
+        x = (it + 1) / total
+        x -= math.floor(x)  # position within the cycle, in [0, 1)
+        ratio = up / total
+        height = x / ratio if x <= ratio else (x - 1) / (ratio - 1)
+        return lo + (hi - lo) * height, top - (top - bottom) * height
+    if o.decay_step_size == 0:
+        return lo, top
+    interval = (it - total + 1) / o.decay_step_size
+    return lo / (1 + o.decay_lr_rate * interval), (top * (1 + o.decay_beta1_rate * interval) if o.cycle_momentum
+                                                   else top)
+
+
+def betas_at(step: int, optimizer) -> tuple[float, float]:
+    """Adam's (beta1, beta2) for step ``step``: the section's, or OneCycle's cycled beta1."""
+    o = optimizer
+    if o.schedule == "onecycle" and o.cycle_momentum:
+        return one_cycle(step, o)[1], o.beta2
+    return o.beta1, o.beta2
+
+
 def lr_at(step: int, optimizer, train_steps: int) -> float:
     """The rate of step ``step`` under a run's ``optimizer`` section (``training.config.OptimizerSection``)."""
     o = optimizer
+    if o.schedule == "onecycle":
+        return one_cycle(step, o)[0]
     total = o.schedule_steps if o.schedule_steps is not None else train_steps
     if o.schedule == "deepspeed":
         return deepspeed_learning_rate(step, lr=o.lr, min_lr=o.min_lr, warmup_min_lr=o.warmup_min_lr,
@@ -86,18 +124,37 @@ def check_schedule(optimizer) -> None:
     o = optimizer
     if o.schedule not in SCHEDULES:
         raise ValueError(f"optimizer.schedule={o.schedule!r} is not one of {list(SCHEDULES)} (deepspeed: "
-                         f"DeepSpeed's WarmupLR / WarmupDecayLR / WarmupCosineLR)")
+                         f"DeepSpeed's WarmupLR / WarmupDecayLR / WarmupCosineLR; onecycle: its OneCycle)")
     if o.warmup_type not in WARMUP_TYPES:
         raise ValueError(f"optimizer.warmup_type={o.warmup_type!r} is not one of {list(WARMUP_TYPES)}")
     if o.warmup_type == "log" and o.schedule != "deepspeed":
         raise ValueError("optimizer.warmup_type='log' is DeepSpeed's warm-up; set optimizer.schedule=deepspeed "
                          "or use warmup_type=linear")
-    if o.schedule == "deepspeed" and not (isinstance(o.warmup_steps, int) and o.warmup_steps >= 1):
+    if o.schedule != "megatron" and not (isinstance(o.warmup_steps, int) and o.warmup_steps >= 1):
         raise ValueError(f"optimizer.warmup_steps={o.warmup_steps!r}: DeepSpeed's schedules need a positive "
-                         f"warmup_num_steps (it is clamped to at least 2)")
-    if not (isinstance(o.warmup_min_lr, (int, float)) and 0 <= o.warmup_min_lr <= o.lr):
+                         f"warmup_num_steps (cycle_first_step_size for OneCycle)")
+    if o.schedule == "onecycle":
+        _check_one_cycle(o)
+    elif not (isinstance(o.warmup_min_lr, (int, float)) and 0 <= o.warmup_min_lr <= o.lr):
         raise ValueError(f"optimizer.warmup_min_lr={o.warmup_min_lr!r} must be between 0 and optimizer.lr={o.lr}")
     n = o.schedule_steps
     if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
         raise ValueError(f"optimizer.schedule_steps={n!r} must be a positive number of steps, or null for "
                          f"training.train_steps")
+
+
+def _check_one_cycle(o) -> None:
+    """OneCycle's fields; its low rate may exceed its high one (DeepSpeed allows an inverted cycle)."""
+    for name in ("warmup_min_lr", "decay_lr_rate", "decay_beta1_rate"):
+        value = getattr(o, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise ValueError(f"optimizer.{name}={value!r} must be a number >= 0 (schedule onecycle)")
+    for name in ("cycle_down_steps", "decay_step_size"):
+        value = getattr(o, name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise ValueError(f"optimizer.{name}={value!r} must be a whole number of steps >= 0 (schedule onecycle)")
+    if not isinstance(o.cycle_momentum, bool):
+        raise ValueError(f"optimizer.cycle_momentum={o.cycle_momentum!r} must be true or false")
+    if o.cycle_momentum and not 0 <= o.cycle_min_beta1 < 1:
+        raise ValueError(f"optimizer.cycle_min_beta1={o.cycle_min_beta1!r} must be in [0, 1) (the cycle's lowest "
+                         f"beta1; optimizer.beta1 is its highest)")

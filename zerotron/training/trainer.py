@@ -30,7 +30,7 @@ from zerotron.training.config import RunConfig
 from zerotron.training.export import write_consolidated
 from zerotron.training.metrics import MetricsLogger, Throughput, host_values, peak_memory
 from zerotron.training.phase_times import PhaseTimes
-from zerotron.training.schedule import lr_at
+from zerotron.training.schedule import betas_at, lr_at
 from zerotron.training.parallelize import parallelize_gpt
 from zerotron.training.run_log import RunLog
 from zerotron.training.setup_run import build_grid, model_config, prepare_data
@@ -209,8 +209,8 @@ class Trainer:
         """One global batch: ``loss`` (the DP mean) and ``grad_norm`` are 0-dim device tensors.
         Raises ``TrainingStopped`` at a log step (or the last) if a loss so far was non-finite."""
         cfg, t = self.cfg, self.cfg.training
-        lr = lr_at(self.step, cfg.optimizer, t.train_steps)
-        self.opt.set_lr(lr)
+        lr, betas = lr_at(self.step, cfg.optimizer, t.train_steps), betas_at(self.step, cfg.optimizer)
+        self.opt.set_lr(lr, betas)
         self._inject_faults(self.step + 1)  # test hook: no-op unless ZEROTRON_FAULT is set
         data = self.batches.get(self.consumed)  # read ahead in the background (training/batches.py)
         self.memory.begin_step(self.step + 1, self.opt)
@@ -226,7 +226,7 @@ class Trainer:
         self.consumed += t.global_batch_size
         if self.step % max(1, cfg.logging.log_interval) == 0 or self.step == t.train_steps:
             self._check_finite()
-        return {"loss": loss, "lr": lr, **info}
+        return {"loss": loss, "lr": lr, "beta1": betas[0], **info}
 
     @torch.no_grad()
     def evaluate(self) -> dict:
@@ -274,7 +274,8 @@ class Trainer:
 
     def _record(self, out: dict, skipped: int, window: int) -> dict:
         """One metrics.jsonl object: loss, schedule, throughput, memory, comm bytes per step."""
-        rec = {"step": self.step, "loss": out["loss"], "lr": out["lr"], "grad_norm": out.get("grad_norm"),
+        rec = {"step": self.step, "loss": out["loss"], "lr": out["lr"], "beta1": out["beta1"],
+               "grad_norm": out.get("grad_norm"),
                "loss_scale": out.get("loss_scale"), "skipped_steps": skipped, **self.throughput.read(),
                **peak_memory(self.env.device),
                "comm_bytes": {g: b // window

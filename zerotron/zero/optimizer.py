@@ -255,9 +255,11 @@ class ZeroOptimizer(PartitionStateIO):
         chunks = [self.layout.chunks[ci] for ci in self.layout.groups[0].chunks]
         return self.reducer.grad_range(chunks[0].part_offset, chunks[-1].part_offset + chunks[-1].shard)
 
-    def set_lr(self, lr: float) -> None:
-        _check_hyper(lr, self.betas, self.eps, self.weight_decay, self.clip_grad)
-        self.lr = lr
+    def set_lr(self, lr: float, betas=None) -> None:
+        """The schedule's rate (and, for a cycled momentum, Adam's betas) for the next step."""
+        betas = self.betas if betas is None else tuple(betas)
+        _check_hyper(lr, betas, self.eps, self.weight_decay, self.clip_grad)
+        self.lr, self.betas = lr, betas
 
     def step(self) -> dict:
         if self.reducer.pending:

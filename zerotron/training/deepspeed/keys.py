@@ -153,6 +153,18 @@ SCHEDULER_PARAMS.update({
     "warmup_type": Key(M, "optimizer.warmup_type (log, DeepSpeed's default, or linear)"),
     "warmup_min_ratio": Key(M, "WarmupCosineLR: optimizer.warmup_min_lr = ratio * lr"),
     "cos_min_ratio": Key(M, "WarmupCosineLR: optimizer.min_lr = ratio * lr"),
+    "cycle_min_lr": Key(M, "OneCycle: optimizer.warmup_min_lr (the cycle's bottom)"),
+    "cycle_max_lr": Key(M, "OneCycle: optimizer.lr (the cycle's top)"),
+    "cycle_first_step_size": Key(M, "OneCycle: optimizer.warmup_steps (the rise)"),
+    "cycle_second_step_size": Key(M, "OneCycle: optimizer.cycle_down_steps (the fall)"),
+    "decay_lr_rate": Key(M, "OneCycle: optimizer.decay_lr_rate"),
+    "decay_step_size": Key(M, "OneCycle: optimizer.decay_step_size"),
+    "cycle_momentum": Key(M, "OneCycle: optimizer.cycle_momentum (and beta2 = 0.99, as DeepSpeed sets it)"),
+    "cycle_min_mom": Key(M, "OneCycle: optimizer.cycle_min_beta1"),
+    "cycle_max_mom": Key(M, "OneCycle: optimizer.beta1 (the cycle's top momentum)"),
+    "decay_mom_rate": Key(M, "OneCycle: optimizer.decay_beta1_rate"),
+    "cycle_first_stair_count": Key(N, "DeepSpeed's OneCycle stores it and never reads it"),
+    "cycle_second_stair_count": Key(N, "DeepSpeed's OneCycle stores it and never reads it"),
     "last_batch_iteration": Key(H, "-1", refuse=refuse_unless((-1,), "a resumed schedule comes from the "
                                 "checkpoint's step; remove it"), refused_when="unless -1"),
 })
@@ -191,8 +203,10 @@ TOP = {
     "optimizer": Key(H, "type Adam / AdamW: zerotron's AdamW", keys={
         "type": Key(H, "Adam (adam_w_mode true unless false) or AdamW"),
         "params": Key(H, "see below", keys=OPTIMIZER_PARAMS), "legacy_fusion": Key(N, _IMPL)}),
-    "scheduler": Key(M, "optimizer.schedule=deepspeed: WarmupLR / WarmupDecayLR / WarmupCosineLR step for step",
-                     keys={"type": Key(M, "WarmupLR: decay constant; WarmupDecayLR: linear; WarmupCosineLR: cosine"),
+    "scheduler": Key(M, "optimizer.schedule=deepspeed: WarmupLR / WarmupDecayLR / WarmupCosineLR step for step; "
+                        "optimizer.schedule=onecycle: OneCycle",
+                     keys={"type": Key(M, "WarmupLR: decay constant; WarmupDecayLR: linear; WarmupCosineLR: cosine; "
+                                          "OneCycle: onecycle (LRRangeTest refused)"),
                            "params": Key(M, "warmup_max_lr: optimizer.lr, warmup_num_steps: optimizer.warmup_steps,"
                                             " total_num_steps: optimizer.schedule_steps, warmup_min_lr: "
                                             "optimizer.warmup_min_lr (and min_lr)", keys=SCHEDULER_PARAMS)}),

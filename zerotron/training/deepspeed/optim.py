@@ -22,8 +22,14 @@ _SCHEDULERS = {  # DeepSpeed's lr_schedules: decay, the parameters each construc
     "WarmupCosineLR": ("cosine", {"total_num_steps": None, "warmup_min_ratio": 0.0, "warmup_num_steps": 1000,
                                   "cos_min_ratio": 0.0001, "warmup_type": "log", "last_batch_iteration": -1}),
 }
-_NOT_MAPPED = {"OneCycle": "its cyclic momentum changes Adam's beta1 every step, which zerotron's optimizer "
-                           "does not do", "LRRangeTest": "a learning-rate range test is not a training schedule"}
+_NOT_MAPPED = {"LRRangeTest": "a learning-rate range test is not a training schedule"}
+# OneCycle's constructor: DeepSpeed key -> (zerotron field, default; None: required)
+_ONE_CYCLE = {"cycle_min_lr": ("warmup_min_lr", None), "cycle_max_lr": ("lr", None),
+              "cycle_first_step_size": ("warmup_steps", 2000), "cycle_second_step_size": ("cycle_down_steps", None),
+              "decay_lr_rate": ("decay_lr_rate", 0.0), "decay_step_size": ("decay_step_size", 0),
+              "cycle_momentum": ("cycle_momentum", True), "cycle_min_mom": ("cycle_min_beta1", 0.8),
+              "cycle_max_mom": ("beta1", 0.9), "decay_mom_rate": ("decay_beta1_rate", 0.0)}
+_STAIRS = ("cycle_first_stair_count", "cycle_second_stair_count")  # no effect (keys.py): OneCycle never reads them
 
 
 def optimizer(plan: Plan, sec: dict) -> None:
@@ -81,8 +87,10 @@ def scheduler(plan: Plan, sec: dict) -> None:
     if kind in _NOT_MAPPED:
         raise DeepSpeedKeyError(f"scheduler.type={kind!r} is not implemented: {_NOT_MAPPED[kind]}; use "
                                 f"WarmupLR, WarmupDecayLR or WarmupCosineLR")
+    if kind == "OneCycle":
+        return one_cycle(plan, sec.get("params") or {})
     if kind not in _SCHEDULERS:
-        raise DeepSpeedKeyError(f"scheduler.type={kind!r}: use one of {sorted(_SCHEDULERS)}")
+        raise DeepSpeedKeyError(f"scheduler.type={kind!r}: use one of {sorted(_SCHEDULERS) + ['OneCycle']}")
     decay, defaults = _SCHEDULERS[kind]
     params = sec.get("params") or {}
     p = "scheduler.params"
@@ -120,11 +128,39 @@ def scheduler(plan: Plan, sec: dict) -> None:
         plan.set(f"{p}.warmup_min_lr", "optimizer.min_lr", lambda cfg: cfg.optimizer.warmup_min_lr)
 
 
+def one_cycle(plan: Plan, params: dict) -> None:
+    """OneCycle onto ``optimizer.schedule=onecycle``. With ``cycle_momentum`` DeepSpeed sets the
+    optimizer's betas to ``(momentum, 0.99)`` every step, so beta2 becomes 0.99 here too."""
+    p = "scheduler.params"
+    for key in params:
+        if key not in _ONE_CYCLE and key not in _STAIRS and key != "last_batch_iteration":
+            raise DeepSpeedKeyError(f"{p}.{key}: OneCycle takes no such parameter (DeepSpeed would fail on it); its "
+                                    f"parameters are {sorted([*_ONE_CYCLE, *_STAIRS, 'last_batch_iteration'])}")
+    _fresh_start(params.get("last_batch_iteration", -1))
+    plan.set("scheduler.type", "optimizer.schedule", "onecycle")
+    for key, (target, default) in _ONE_CYCLE.items():
+        path = f"{p}.{key}"
+        if key not in params and default is None and key != "cycle_second_step_size":
+            raise DeepSpeedKeyError(f"{path} is required by OneCycle (DeepSpeed's constructor has no default)")
+        value = params.get(key, default)
+        if key not in params and default is not None:
+            plan.note(f"{path} not given: {default} (OneCycle's default)")
+        if key == "cycle_momentum":
+            value = flag(path, value)
+        elif key in ("cycle_first_step_size", "cycle_second_step_size", "decay_step_size"):
+            value = None if value is None else whole(path, value, 1 if key == "cycle_first_step_size" else 0)
+        else:
+            value = number(path, value)
+        plan.set(path, f"optimizer.{target}", value)
+    if params.get("cycle_momentum", True):
+        plan.set(f"{p}.cycle_momentum", "optimizer.beta2", 0.99)
+        plan.note(f"{p}.cycle_momentum: optimizer.beta2 = 0.99, as DeepSpeed's OneCycle sets the betas to "
+                  f"(momentum, 0.99) every step")
+
+
 def _steps(plan: Plan, value: dict) -> None:
     p = "scheduler.params"
-    if value["last_batch_iteration"] != -1:
-        raise DeepSpeedKeyError(f"{p}.last_batch_iteration={value['last_batch_iteration']!r}: a resumed "
-                                f"schedule comes from the checkpoint's step; remove it")
+    _fresh_start(value["last_batch_iteration"])
     warm = value["warmup_num_steps"]
     if warm == "auto":
         plan.set(f"{p}.warmup_num_steps", "optimizer.warmup_steps", lambda cfg: cfg.optimizer.warmup_steps,
@@ -138,6 +174,12 @@ def _steps(plan: Plan, value: dict) -> None:
                      auto="training.train_steps", show=lambda cfg: str(cfg.training.train_steps))
         else:
             plan.set(f"{p}.total_num_steps", "optimizer.schedule_steps", whole(f"{p}.total_num_steps", total, 1))
+
+
+def _fresh_start(last_batch_iteration) -> None:
+    if last_batch_iteration != -1:
+        raise DeepSpeedKeyError(f"scheduler.params.last_batch_iteration={last_batch_iteration!r}: a resumed "
+                                f"schedule comes from the checkpoint's step; remove it")
 
 
 def _warmup_type(value) -> str:
