@@ -16,8 +16,9 @@ import pytest
 
 from tests.harness import spawn
 from zerotron.model import get_preset
-from zerotron.estimate.memory_model import (Setup, checkpoint_bytes, estimate, fixed_buffer_bytes, max_layers,
-                                        model_state_bytes, params_per_rank)
+from zerotron.estimate.memory_model import (Setup, checkpoint_bytes, estimate, max_layers, model_state_bytes,
+                                            params_per_rank)
+from zerotron.estimate.working_memory import fixed_buffer_bytes
 from zerotron.estimate.paper_tables import c_config_max_models, table1_text, table2_text
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -3,7 +3,7 @@
 Every term is derived from first principles (the ZeRO paper, arXiv 1910.02054) and checked
 against what zerotron's own runs hold (``ZeroOptimizer.memory_report()`` and the activation
 checkpointing handle's ``memory_report()``; see ``scripts/run_ablations.py`` and
-``tests/zero/test_memory_model.py``). Bytes per rank, with Ψ the parameters a rank's model
+``tests/estimate/test_memory_model.py``, ``scripts/bench/memory_grid.py``). Bytes per rank, with Ψ the parameters a rank's model
 replica holds (its TP slice), Nd the DP degree, t the MP (TP) degree, b the per-rank micro-batch,
 s the sequence, h the hidden size, L the layers:
 
@@ -27,12 +27,14 @@ s the sequence, h the hidden size, L the layers:
   the layer above, the recomputed output, and the last residual branch's output, 2 each --
   s·b·h·(14 + 24/t) with a fused kernel, measured in zerotron by the dry run. The head (logits
   and cross-entropy) is b·s·V/t elements held as 16-bit logits plus fp32 log-softmax and fp32
-  gradient, 10 bytes each. The larger of the two is live at a time.
+  gradient, 10 bytes each. The end of backward holds the tied embedding's two dense gradients
+  and their sum, 3·V/t·h 16-bit, when the checkpoints are gone; on gloo (a CPU run) a
+  reduce-scatter copies its bucket. Which of these coincide is ``working_memory.step_working_bytes``.
 * **gathered parameters** (stage 3, §5.3): the root unit, the running block and the blocks
   prefetched within ``stage3_prefetch_bucket_size``, 16-bit (``gathered_param_bytes``).
 * **fixed buffers** (CB, §6.2): zerotron's reduce buckets, the DP shard buffers, the fp32
   staging shard, the all-gather input and (with Pa) the one-checkpoint all-gather target. They
-  depend on the bucket size, not on the model (``fixed_buffer_bytes`` mirrors
+  depend on the bucket size, not on the model (``working_memory.fixed_buffer_bytes`` mirrors
   ``zero/grad_reduce.py``, ``zero/optimizer_state.py`` and ``zero/optimizer.py``).
 * **fragmentation margin** (§3.2, §6.3): the paper reports OOM with over 30% of memory free
   when long- and short-lived tensors interleave; MD (contiguous checkpoints and gradients)
@@ -47,7 +49,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from zerotron.estimate.activations import layer_activation_bytes
+from zerotron.estimate.working_memory import fixed_buffer_bytes, layer_working_bytes, step_working_bytes
 from zerotron.model.config import GPTConfig
 from zerotron.zero.accounting import expected_model_state_bytes
 
@@ -99,6 +101,7 @@ class Setup:
     prefetch_bucket_size: int = int(5e7)
     max_reuse_distance: int = 0
     max_live_parameters: int = int(1e9)
+    backend: str = "nccl"  # the DP collectives' library: gloo (a CPU run) copies what it reduce-scatters
 
     def with_config(self, name: str, **overrides) -> "Setup":
         """This setup under ZeRO configuration ``name`` (C1..C5, Table 3), CB + MD on."""
@@ -114,7 +117,7 @@ class Setup:
         return 0.10 if self.contiguous_memory else 0.30
 
 
-def setup_from_run_config(cfg, model: GPTConfig, gpus: int) -> Setup:
+def setup_from_run_config(cfg, model: GPTConfig, gpus: int, backend: str = "nccl") -> Setup:
     """The ``Setup`` of a validated ``RunConfig`` (``training.config``) on ``gpus`` GPUs: its model,
     MP and DP degrees, micro-batch, ZeRO stage, buckets, gradient dtype and checkpointing."""
     z, ac, t = cfg.zero, cfg.activation_checkpointing, cfg.training
@@ -134,7 +137,7 @@ def setup_from_run_config(cfg, model: GPTConfig, gpus: int) -> Setup:
                  grad_bytes=BYTES[z.grad_accum(t.precision)], sequence_parallel=cfg.parallel.sequence_parallel,
                  recompute_granularity=ac.recompute_granularity,
                  prefetch_bucket_size=z.stage3_prefetch_bucket_size, max_reuse_distance=z.stage3_max_reuse_distance,
-                 max_live_parameters=z.stage3_max_live_parameters)
+                 max_live_parameters=z.stage3_max_live_parameters, backend=backend)
 
 
 def largest_param(cfg: GPTConfig, tp: int = 1) -> int:
@@ -202,56 +205,6 @@ def checkpoint_bytes(b: int, s: int, h: int, layers: int, tp: int = 1, every: in
     return {"device": 0 if cpu else total, "host": total if cpu else 0}
 
 
-def layer_working_bytes(b: int, s: int, h: int, heads: int, tp: int = 1, fused_attention: bool = True,
-                        sequence_parallel: bool = False, selective: bool = False) -> float:
-    """Activations one transformer layer saves for backward (Korthikanti 2022, eq. 2 / Table 2, TP t)."""
-    return layer_activation_bytes(b, s, h, heads, tp, sequence_parallel, "selective" if selective else "none",
-                                  fused_attention=fused_attention)
-
-
-def recompute_working_bytes(b: int, s: int, h: int, heads: int, tp: int = 1, fused_attention: bool = True,
-                            sequence_parallel: bool = False, selective: bool = False) -> float:
-    """Peak of one checkpointed layer's backward beyond its checkpoint (module docstring); with
-    sequence parallelism the replicated 14 is split along the sequence too, but a column-parallel
-    GEMM's backward then holds its re-gathered input and the whole input gradient before the
-    reduce-scatter, 2 + 2 (``parallel.sequence_parallel._GatherLinear``)."""
-    probs = 0 if (fused_attention or selective) else 5 * heads * s / (h * tp)
-    return s * b * h * ((14 / tp + 4 if sequence_parallel else 14) + 24 / tp + probs)
-
-
-def head_working_bytes(b: int, s: int, vocab: int, tp: int = 1) -> float:
-    """Logits (16-bit) + fp32 log-softmax + fp32 gradient over this rank's vocabulary slice."""
-    return b * s * (vocab // tp) * 10
-
-
-def fixed_buffer_bytes(stage: int, bucket: int, nd: int, psi: int, param_bytes: int = 2,
-                       overlap: bool = False, grad_bytes: int | None = None, contiguous: bool = True) -> int:
-    """CB (§6.2): ZeRO buffers sized by the bucket, not the model (mirrors zerotron's optimizer).
-
-    C = the bucket rounded down to a multiple of Nd (capped by the padded model); per stage:
-    0: fp32 staging C (unsharded); 1: shard buffer, fp32 staging and all-gather input of C/Nd;
-    2: + a 16-bit bucket of C; 3: bucket, shard buffer and staging (no all-gather input).
-    ``overlap`` doubles the bucket and shard buffers (two in flight). Buckets and shard buffers
-    hold gradients (``grad_bytes``, default ``param_bytes``); fp32 gradients need no fp32 staging.
-    Stages 0-1 without ``contiguous`` gradients (no MD) reduce through packed buckets too.
-    """
-    g = param_bytes if grad_bytes is None else grad_bytes
-    staging = 0 if g == 4 else 4
-    shards = nd if stage >= 1 else 1
-    c = bucket - bucket % shards
-    c = min(c, -(-psi // shards) * shards)
-    shard, nbuf = c // shards, 2 if overlap else 1
-    packed = 0 if (stage >= 2 or contiguous) else nbuf * g * c
-    if stage == 0:
-        return staging * c + packed
-    out = nbuf * g * shard + staging * shard
-    if stage <= 2:
-        out += param_bytes * shard
-    if stage >= 2:
-        out += nbuf * g * c
-    return out + packed
-
-
 def estimate(setup: Setup) -> dict:
     """Per-rank bytes of every term (see the module docstring) and their sum with the margin."""
     cfg, t, nd, b = setup.model, setup.tp, setup.dp, setup.micro_batch
@@ -262,22 +215,21 @@ def estimate(setup: Setup) -> dict:
     states = model_state_bytes(psi, nd, setup.stage, pb, gb)
     sp, sel = setup.sequence_parallel and t > 1, setup.recompute_granularity == "selective"
     pa = setup.partition_activations and t > 1 and not sp  # with SP the checkpoint is already 1/t
-    fused = setup.fused_attention
-    layer = layer_working_bytes(b, s, h, cfg.num_heads, t, fused, sp, sel) * pb / 2
+    layer = layer_working_bytes(b, s, h, cfg.num_heads, t, setup.fused_attention, sp, sel) * pb / 2
+    largest_group = psi if setup.stage < 3 else max(block_params_per_rank(cfg, t), root_params_per_rank(cfg, t))
     if setup.checkpoint_activations:
         ckpt = checkpoint_bytes(b, s, h, l, t, setup.checkpoint_every, pa or sp, setup.cpu_checkpointing, pb)
-        segment = (recompute_working_bytes(b, s, h, cfg.num_heads, t, fused, sp, sel) * pb / 2
-                   + (setup.checkpoint_every - 1) * layer)
-        working = max(segment, head_working_bytes(b, s, cfg.padded_vocab_size(t), t))
     else:  # every layer's activations stay alive until its backward
         ckpt = {"device": int(layer * l), "host": 0}
-        working = head_working_bytes(b, s, cfg.padded_vocab_size(t), t)
-    fixed = fixed_buffer_bytes(setup.stage, setup.bucket_size, nd, psi, pb, setup.overlap_comm, gb,
+    gathered = gathered_param_bytes(setup, pb)
+    working = step_working_bytes(setup, psi=psi, largest_group=largest_group, kept=ckpt["device"], layer=layer,
+                                 gathered=gathered, root=pb * root_params_per_rank(cfg, t), param_bytes=pb,
+                                 grad_bytes=gb)
+    fixed = fixed_buffer_bytes(setup.stage, setup.bucket_size, nd, largest_group, pb, setup.overlap_comm, gb,
                                setup.contiguous_gradients)
     if setup.stage == 1 and not setup.contiguous_gradients:  # 16-bit .grad until the last micro-batch
         states += pb * psi - gb * psi + gb * -(-psi // nd)
     pa_gather = -(-b * s * h // t) * t * pb if pa and setup.checkpoint_activations else 0
-    gathered = gathered_param_bytes(setup, pb)
     used = states + ckpt["device"] + working + fixed + pa_gather + gathered
     return {
         "params_total": cfg.exact_num_params(t),

@@ -1,0 +1,147 @@
+"""The memory model against the measured peak over the ablation grid: ZeRO stages 0-3 x
+activation checkpointing off / on / Pa / Pa+cpu, at TP 2 x DP 2 and TP 1 x DP 4.
+
+    .venv/bin/python scripts/bench/memory_grid.py            # ~3 min on a 2-core CPU
+    .venv/bin/python scripts/bench/memory_grid.py --json     # one object per configuration
+
+Each configuration is built by ``parallelize_gpt`` from a ``RunConfig`` on 4 gloo ranks and
+trains ``--steps`` steps; the peak is the last step's live tensor storage (``MemoryTracker``: the
+allocator's side, not the optimizer's own sizes), the maximum over ranks. The prediction is
+``estimate(setup_from_run_config(...))["before_margin"]`` -- model states, gathered units,
+checkpoints, working memory and buffers, without the fragmentation margin a tracker cannot see;
+on a CPU the host is the device, so Pa+cpu's host checkpoints are counted there too.
+Pa partitions checkpoints over MP ranks (§6.1), so at TP 1 it has nothing to split and its two
+rows are skipped (the config refuses it). Exits 1 if any ratio is outside ``1 +- --tolerance``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from zerotron.testing.launch import spawn  # noqa: E402
+
+MiB = 1 << 20
+CHECKPOINTING = {"off": {}, "on": {"checkpoint_activations": True},
+                 "Pa": {"checkpoint_activations": True, "partition_activations": True},
+                 "Pa+cpu": {"checkpoint_activations": True, "partition_activations": True, "cpu_checkpointing": True}}
+LAYOUTS = ((2, 2), (1, 4))  # (tp, dp)
+
+
+def run_config(a, tp: int, stage: int, ckpt: str):
+    from zerotron.parallel import ParallelDims
+    from zerotron.training.config import RunConfig
+
+    cfg = RunConfig()
+    cfg.parallel = ParallelDims(tp=tp)
+    cfg.zero.stage = stage
+    cfg.zero.reduce_bucket_size = cfg.zero.allgather_bucket_size = a.bucket
+    cfg.zero.stage3_param_persistence_threshold = 0
+    for key, value in CHECKPOINTING[ckpt].items():
+        setattr(cfg.activation_checkpointing, key, value)
+    t = cfg.training
+    t.precision, t.micro_batch_size, t.global_batch_size = a.precision, a.batch, a.batch * (4 // tp)
+    return cfg
+
+
+def model_cfg(a):
+    from zerotron.model.config import GPTConfig
+
+    return GPTConfig(num_layers=a.layers, hidden_size=a.hidden, num_heads=a.heads or max(2, a.hidden // 64), vocab_size=a.vocab,
+                     seq_length=a.seq)
+
+
+def configurations(tp: int) -> list[tuple[int, str]]:
+    return [(stage, ckpt) for stage in (0, 1, 2, 3) for ckpt in CHECKPOINTING if tp > 1 or "Pa" not in ckpt]
+
+
+def worker(a, tp: int) -> dict:
+    import gc
+
+    import torch
+
+    from zerotron.parallel import Grid, ParallelDims
+    from zerotron.parallel import collectives as C
+    from zerotron.training.parallelize import parallelize_gpt
+    from zerotron.training.step_memory import StepMemory
+
+    grid = Grid(ParallelDims(tp=tp))
+    out = {}
+    for stage, ckpt in configurations(tp):
+        cfg = run_config(a, tp, stage, ckpt)
+        mem = StepMemory(interval=1)
+        with mem.construction():
+            plan = parallelize_gpt(cfg.validate(grid.world_size), model_cfg(a), grid)
+        model, opt = plan.model, plan.optimizer
+        mem.register(opt)
+        gen = torch.Generator().manual_seed(17 + grid.dp_rank)
+        for step in range(1, a.steps + 1):  # the first step of stage 3 records its order of use
+            ids = torch.randint(0, a.vocab, (a.batch, a.seq), generator=gen)
+            mem.begin_step(step, opt)
+            with mem.phase("forward"):
+                loss = model(ids, ids)
+            with mem.phase("backward"):
+                opt.backward(loss)
+            with mem.phase("step"):
+                opt.step()
+        rec = mem.record()
+        keys = ["mem_peak_bytes"] + [f"mem_{p}_peak_bytes" for p in ("forward", "backward", "step")]
+        worst = torch.tensor([float(rec.get(k, 0)) for k in keys], dtype=torch.float64)
+        C.all_reduce(worst, grid.world_group, op="max")
+        out[f"{stage}/{ckpt}"] = dict(zip(keys, (int(v) for v in worst)))
+        del plan, model, opt, loss
+        gc.collect()
+    return out
+
+
+def predicted(a, tp: int, stage: int, ckpt: str) -> dict:
+    from zerotron.estimate.memory_model import estimate, setup_from_run_config
+
+    cfg = run_config(a, tp, stage, ckpt).validate(4)
+    return estimate(setup_from_run_config(cfg, model_cfg(a), 4, backend="gloo"))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--heads", type=int, default=None, help="attention heads (default: hidden / 64, at least 2)")
+    ap.add_argument("--vocab", type=int, default=2048)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=2, help="micro-batch per rank")
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--bucket", type=int, default=200_000)
+    ap.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
+    ap.add_argument("--tolerance", type=float, default=0.05)
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    print(f"GPT {a.layers} x h{a.hidden}, vocab {a.vocab}, seq {a.seq}, micro-batch {a.batch}, {a.precision}, "
+          f"4 ranks; MiB, max over ranks, the last step's peak", flush=True)
+    print(f"{'layout':>9} {'stage':>5} {'ckpt':>7} {'fwd':>7} {'bwd':>7} {'step':>7} {'peak':>7} {'model':>7} "
+          f"{'ratio':>6}", flush=True)
+    bad, rows = 0, []
+    for tp, dp in LAYOUTS:
+        measured = spawn(worker, 4, a, tp, timeout=1800, collective_timeout=120, store_dir=str(ROOT / "runs" / "bench"))[0]
+        for stage, ckpt in configurations(tp):
+            m, p = measured[f"{stage}/{ckpt}"], predicted(a, tp, stage, ckpt)
+            want = p["before_margin"] + p["checkpoints_host"]  # the CPU's host memory is its device's
+            r = m["mem_peak_bytes"] / want
+            bad += abs(r - 1) > a.tolerance
+            rows.append({"tp": tp, "dp": dp, "stage": stage, "checkpointing": ckpt, **m,
+                         "predicted_bytes": int(want), "ratio": r})
+            print(f"{f'TP{tp}xDP{dp}':>9} {stage:>5} {ckpt:>7} "
+                  + " ".join(f"{m[f'mem_{ph}_peak_bytes'] / MiB:7.2f}" for ph in ("forward", "backward", "step"))
+                  + f" {m['mem_peak_bytes'] / MiB:7.2f} {want / MiB:7.2f} {r:6.3f}", flush=True)
+    if a.json:
+        print(json.dumps(rows))
+    print(f"{len(rows) - bad} of {len(rows)} within {a.tolerance:.0%}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""The memory that comes and goes inside a step, beside the model states: what a layer, a
+recomputed layer and the head hold, the tied embedding's gradients, the CB buffers and what a
+reduction in flight copies -- and at which moment of the step the largest of them coincide
+(``step_working_bytes``). ``memory_model.estimate`` adds them to the model states; the module
+docstring there derives each term, ``scripts/bench/memory_grid.py`` measures them.
+"""
+
+from __future__ import annotations
+
+from zerotron.estimate.activations import layer_activation_bytes
+
+def layer_working_bytes(b: int, s: int, h: int, heads: int, tp: int = 1, fused_attention: bool = True,
+                        sequence_parallel: bool = False, selective: bool = False) -> float:
+    """Activations one transformer layer saves for backward (Korthikanti 2022, eq. 2 / Table 2, TP t)."""
+    return layer_activation_bytes(b, s, h, heads, tp, sequence_parallel, "selective" if selective else "none",
+                                  fused_attention=fused_attention)
+
+
+def recompute_working_bytes(b: int, s: int, h: int, heads: int, tp: int = 1, fused_attention: bool = True,
+                            sequence_parallel: bool = False, selective: bool = False) -> float:
+    """Peak of one checkpointed layer's backward beyond its checkpoint (module docstring); with
+    sequence parallelism the replicated 14 is split along the sequence too, but a column-parallel
+    GEMM's backward then holds its re-gathered input and the whole input gradient before the
+    reduce-scatter, 2 + 2 (``parallel.sequence_parallel._GatherLinear``)."""
+    probs = 0 if (fused_attention or selective) else 5 * heads * s / (h * tp)
+    return s * b * h * ((14 / tp + 4 if sequence_parallel else 14) + 24 / tp + probs)
+
+
+def head_working_bytes(b: int, s: int, vocab: int, tp: int = 1) -> float:
+    """Logits (16-bit) + fp32 log-softmax + fp32 gradient over this rank's vocabulary slice."""
+    return b * s * (vocab // tp) * 10
+
+
+def head_backward_bytes(b: int, s: int, vocab: int, tp: int = 1) -> float:
+    """The head at its backward: 16-bit logits, the fp32 softmax turned into the gradient in place,
+    and that gradient cast back to 16 bits -- 2 + 4 + 2 bytes per logit of this rank's slice."""
+    return b * s * (vocab // tp) * 8
+
+
+def tied_gradient_bytes(vocab: int, h: int, tp: int = 1, param_bytes: int = 2) -> float:
+    """The end of backward: the tied word embedding receives two dense gradients of this rank's
+    vocabulary slice, the LM head's and the lookup's, and autograd sums them into a third."""
+    return 3 * (vocab // tp) * h * param_bytes
+
+
+def bucket_elements(stage: int, bucket: int, nd: int, largest_group: int) -> int:
+    """C: the bucket rounded down to a multiple of the shards, capped by the largest flat group
+    padded to the shards -- the whole model at stages 0-2, the largest gathered unit at stage 3,
+    whose groups are its units (``zero/partition.py``)."""
+    shards = nd if stage >= 1 else 1
+    c = bucket - bucket % shards
+    return min(c, -(-largest_group // shards) * shards)
+
+
+def fixed_buffer_bytes(stage: int, bucket: int, nd: int, psi: int, param_bytes: int = 2,
+                       overlap: bool = False, grad_bytes: int | None = None, contiguous: bool = True) -> int:
+    """CB (§6.2): ZeRO buffers sized by the bucket, not the model (mirrors zerotron's optimizer).
+
+    C = ``bucket_elements`` (``psi``: the largest flat group's elements); per stage:
+    0: fp32 staging C (unsharded); 1: shard buffer, fp32 staging and all-gather input of C/Nd;
+    2: + a 16-bit bucket of C; 3: bucket, shard buffer and staging (no all-gather input).
+    ``overlap`` doubles the bucket and shard buffers (two in flight). Buckets and shard buffers
+    hold gradients (``grad_bytes``, default ``param_bytes``); fp32 gradients need no fp32 staging.
+    Stages 0-1 without ``contiguous`` gradients (no MD) reduce through packed buckets too.
+    """
+    g = param_bytes if grad_bytes is None else grad_bytes
+    staging = 0 if g == 4 else 4
+    shards = nd if stage >= 1 else 1
+    c = bucket_elements(stage, bucket, nd, psi)
+    shard, nbuf = c // shards, 2 if overlap else 1
+    packed = 0 if (stage >= 2 or contiguous) else nbuf * g * c
+    if stage == 0:
+        return staging * c + packed
+    out = nbuf * g * shard + staging * shard
+    if stage <= 2:
+        out += param_bytes * shard
+    if stage >= 2:
+        out += nbuf * g * c
+    return out + packed
+
+
+def reduce_copy_bytes(setup, c: int, grad_bytes: int) -> int:
+    """gloo's reduce-scatter works on a copy of its whole input (an all-reduce, then each rank's
+    slice), so on a CPU run every bucket in flight is held twice; NCCL reduces in place."""
+    if setup.backend != "gloo" or setup.stage == 0:
+        return 0
+    return (2 if setup.overlap_comm else 1) * c * grad_bytes
+
+
+def step_working_bytes(setup, *, psi: int, largest_group: int, kept: float, layer: float, gathered: float,
+                       root: float, param_bytes: int, grad_bytes: int) -> float:
+    """The working memory at the step's worst moment, above the model states, the ``kept``
+    activations (checkpoints, or every layer's without checkpointing) and ``gathered`` units.
+
+    Forward's worst is the head (logits and cross-entropy). Backward's is the largest of: the
+    head's backward, which comes before any bucket is full; a recomputed layer beside a bucket
+    in flight (none before the end when one bucket holds the whole model) and, at stage 3, the
+    head's gradient of the tied embedding waiting in its unit for the lookup's; the tied
+    gradients summed at the end, once the activations are gone; and their bucket going out.
+    Stage 3 without checkpointing gathers its blocks again only once backward starts, so its
+    forward head meets the root unit alone."""
+    cfg, t, b, pb = setup.model, setup.tp, setup.micro_batch, param_bytes
+    s, h, vocab = cfg.seq_length, cfg.hidden_size, cfg.padded_vocab_size(setup.tp)
+    sp, sel = setup.sequence_parallel and t > 1, setup.recompute_granularity == "selective"
+    c = bucket_elements(setup.stage, setup.bucket_size, setup.dp, largest_group)
+    copy = reduce_copy_bytes(setup, c, grad_bytes)
+    tied, one_tied = tied_gradient_bytes(vocab, h, t, pb), pb * (vocab // t) * h
+    head_fwd, head_bwd = head_working_bytes(b, s, vocab, t), head_backward_bytes(b, s, vocab, t)
+    waiting = one_tied if setup.stage == 3 else 0
+    if setup.checkpoint_activations:
+        segment = (recompute_working_bytes(b, s, h, cfg.num_heads, t, setup.fused_attention, sp, sel) * pb / 2
+                   + (setup.checkpoint_every - 1) * layer)
+        mid = copy if setup.stage == 3 or c < psi else 0
+        backward = max(head_bwd, segment + mid + waiting, tied - kept, one_tied + copy - kept)
+    else:  # the first bucket goes out once its C elements' layers are done, their activations freed
+        done = kept * min(1.0, c / psi)
+        backward = max(head_bwd, copy - done + (waiting if copy else 0), tied - kept)
+    if setup.stage == 3 and not setup.checkpoint_activations:
+        return max(head_fwd + root, backward + gathered) - gathered
+    return max(head_fwd, backward)
