@@ -35,6 +35,7 @@ SHORT_FLAGS = {
     "train-steps": ("training", "train_steps"),
     "lr": ("optimizer", "lr"),
     "seed": ("training", "seed"),
+    "compile": ("training", "compile"),
     "dropout": ("model", "dropout"),
     "checkpoint-activations": ("activation_checkpointing", "checkpoint_activations"),
     "partition-activations": ("activation_checkpointing", "partition_activations"),
@@ -50,7 +51,7 @@ SHORT_FLAGS = {
     "wandb-mode": ("logging", "wandb_mode"),
 }
 BOOL_FLAGS = {"checkpoint-activations", "partition-activations", "cpu-offload-activations", "offload-optimizer",
-              "sequence-parallel"}
+              "sequence-parallel", "compile"}
 def _field_types(section_obj) -> dict[str, Any]:
     hints = typing.get_type_hints(type(section_obj))
     return {f.name: hints[f.name] for f in dataclasses.fields(section_obj)}

@@ -99,6 +99,7 @@ class TrainingSection:
     # and every reduction in float64, so two layouts differ by ~1e-16 round-off and nothing else
     precision: str = "fp32"
     seed: int = 1234
+    compile: bool = False  # torch.compile each transformer block's forward (parallelize.compile_blocks)
 
 
 @dataclass

@@ -124,6 +124,7 @@ HELP: dict[str, str] = {
     "training.global_batch_size": "samples per optimizer step (micro_batch_size x dp x accumulation)",
     "training.precision": "parameters' precision; 16-bit keeps fp32 masters; fp64 is the tests' reference",
     "training.seed": "seed of init, dropout and data order",
+    "training.compile": "torch.compile each transformer block's forward (inductor); hooks stay eager",
     "logging.run_dir": "metrics.jsonl, config.yaml, wandb and tensorboard files",
     "logging.log_interval": "steps per console/metrics line",
     "logging.eval_interval": "steps between evaluations; 0: none",

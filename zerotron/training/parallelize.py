@@ -20,6 +20,9 @@
    (``zero.materialize``), as DeepSpeed's ``zero.Init``: construction never holds an fp32 model
    beside them, and every DP rank draws the same values, so nothing is broadcast.
 
+5. **Compilation** (``training.compile``) -- each block's forward through ``torch.compile``,
+   last, so it sees the parameters' final storage.
+
 The trainer, the benchmarks and the paper scripts build through here, so they measure the
 model a run trains.
 """
@@ -96,4 +99,17 @@ def parallelize_gpt(cfg: RunConfig, model_cfg: GPTConfig, grid: Grid, device: to
                               weight_decay=o.weight_decay, clip_grad=o.clip_grad,
                               stage3_units=[model, *model.blocks], precision=t.precision, loss_scaler=scaler,
                               master_init=model.init_parameter_, device=device, adam_w_mode=o.adam_w_mode)
+    if t.compile:
+        compile_blocks(model)
     return ParallelGPT(model, optimizer, activations)
+
+
+def compile_blocks(model: GPT) -> None:
+    """``training.compile``: each transformer block's ``forward`` through ``torch.compile``
+    (inductor), as torchtitan compiles per block: one graph per block shape, reused by every
+    layer. The module call stays eager, so what is attached to a block -- stage 3's gather and
+    release hooks, activation checkpointing's recompute -- runs as without compiling; a
+    collective inside a block (TP, SP) is a graph break, and the computation between them is
+    compiled."""
+    for block in model.blocks:
+        block.forward = torch.compile(block.forward)
