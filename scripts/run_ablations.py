@@ -1,8 +1,8 @@
 """Run the ZeRO paper's C1–C5 ablations (Table 3, §10.5) on the hardware at hand and check them
 against the memory model (``zerotron.estimate.memory_model``).
 
-    python scripts/run_ablations.py                 # ~3-5 min on a 2-core CPU
-    python scripts/run_ablations.py --quick         # the test's run (~40 s)
+    python scripts/run_ablations.py                 # ~2 min on a 2-core CPU
+    python scripts/run_ablations.py --quick         # the test's run (~25 s)
     python scripts/run_ablations.py --figures docs/figures   # refresh the committed figures
 
 Layout: a tiny GPT on 4 gloo ranks, TP 2 x DP 2, so Pa has MP ranks to partition over. Configs:
@@ -219,7 +219,7 @@ def run(a) -> dict:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="small run for the test (~40 s)")
+    p.add_argument("--quick", action="store_true", help="small run for the test (~25 s)")
     p.add_argument("--configs", default=",".join(NAMES), help=f"comma list of {NAMES}")
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--dp", type=int, default=2)

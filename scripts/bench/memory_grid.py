@@ -1,7 +1,7 @@
 """The memory model against the measured peak over the ablation grid: ZeRO stages 0-3 x
 activation checkpointing off / on / Pa / Pa+cpu, at TP 2 x DP 2 and TP 1 x DP 4.
 
-    .venv/bin/python scripts/bench/memory_grid.py            # ~3 min on a 2-core CPU
+    .venv/bin/python scripts/bench/memory_grid.py            # ~30 s on a 2-core CPU
     .venv/bin/python scripts/bench/memory_grid.py --json     # one object per configuration
 
 Each configuration is built by ``parallelize_gpt`` from a ``RunConfig`` on 4 gloo ranks and
@@ -52,8 +52,8 @@ def run_config(a, tp: int, stage: int, ckpt: str):
 def model_cfg(a):
     from zerotron.model.config import GPTConfig
 
-    return GPTConfig(num_layers=a.layers, hidden_size=a.hidden, num_heads=a.heads or max(2, a.hidden // 64), vocab_size=a.vocab,
-                     seq_length=a.seq)
+    return GPTConfig(num_layers=a.layers, hidden_size=a.hidden, num_heads=a.heads or max(2, a.hidden // 64),
+                     vocab_size=a.vocab, seq_length=a.seq)
 
 
 def configurations(tp: int) -> list[tuple[int, str]]:
@@ -119,6 +119,7 @@ def main(argv=None) -> int:
     ap.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
     ap.add_argument("--tolerance", type=float, default=0.05)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--out", default=str(ROOT / "runs" / "bench"), help="where the ranks' rendezvous file goes")
     a = ap.parse_args(argv)
     print(f"GPT {a.layers} x h{a.hidden}, vocab {a.vocab}, seq {a.seq}, micro-batch {a.batch}, {a.precision}, "
           f"4 ranks; MiB, max over ranks, the last step's peak", flush=True)
@@ -126,7 +127,7 @@ def main(argv=None) -> int:
           f"{'ratio':>6}", flush=True)
     bad, rows = 0, []
     for tp, dp in LAYOUTS:
-        measured = spawn(worker, 4, a, tp, timeout=1800, collective_timeout=120, store_dir=str(ROOT / "runs" / "bench"))[0]
+        measured = spawn(worker, 4, a, tp, timeout=1800, collective_timeout=120, store_dir=a.out)[0]
         for stage, ckpt in configurations(tp):
             m, p = measured[f"{stage}/{ckpt}"], predicted(a, tp, stage, ckpt)
             want = p["before_margin"] + p["checkpoints_host"]  # the CPU's host memory is its device's

@@ -1,8 +1,8 @@
 """``training.compile``: each block's forward through torch.compile (inductor, on this CPU)
 trains as the eager model does -- float64 tier, losses and final parameters of 3 steps within
 1e-10 (``FP64_ZERO``'s 1e-9 tightened: the only difference is inductor's order of sums) -- and
-the compiled path really ran (dynamo produced graphs), with activation checkpointing
-recomputing through it."""
+the compiled path really ran (dynamo produced graphs); stage 3's gather/release hooks and
+activation checkpointing's recompute run around and through it."""
 
 import pytest
 
@@ -12,7 +12,7 @@ from tests.parity import assert_fp64
 STEPS = 3
 
 
-def train(compiled: bool, checkpointing: bool):
+def train(compiled: bool, stage: int, checkpointing: bool):
     import torch
 
     from zerotron.model.config import GPTConfig
@@ -27,6 +27,7 @@ def train(compiled: bool, checkpointing: bool):
     t = cfg.training
     t.precision, t.micro_batch_size, t.global_batch_size, t.compile = "fp64", 2, 2, compiled
     cfg.activation_checkpointing.checkpoint_activations = checkpointing
+    cfg.zero.stage = stage
     model_cfg = GPTConfig(num_layers=2, hidden_size=32, num_heads=4, vocab_size=128, seq_length=16,
                           dropout=0.0, attention_dropout=0.0)
     plan = parallelize_gpt(cfg.validate(1), model_cfg, grid)
@@ -43,9 +44,9 @@ def train(compiled: bool, checkpointing: bool):
     return torch.stack(losses), dict(opt.full_params()), graphs
 
 
-def check(checkpointing: bool):
-    eager_losses, eager_params, eager_graphs = train(False, checkpointing)
-    losses, params, graphs = train(True, checkpointing)
+def check(stage: int, checkpointing: bool):
+    eager_losses, eager_params, eager_graphs = train(False, stage, checkpointing)
+    losses, params, graphs = train(True, stage, checkpointing)
     assert eager_graphs == 0 and graphs >= 1, (eager_graphs, graphs)
     assert_fp64(losses, eager_losses, 1e-10, "losses")
     for name, value in params.items():
@@ -53,6 +54,6 @@ def check(checkpointing: bool):
     return True
 
 
-@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
-def test_compiled_blocks_train_as_eager(checkpointing):
-    assert all(spawn(check, 1, checkpointing, timeout=300))
+@pytest.mark.parametrize("stage,checkpointing", [(0, False), (3, True)], ids=["stage0", "stage3-checkpointed"])
+def test_compiled_blocks_train_as_eager(stage, checkpointing):
+    assert all(spawn(check, 1, stage, checkpointing, timeout=300))

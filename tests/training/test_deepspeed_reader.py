@@ -143,3 +143,26 @@ def test_reduce_bucket_size_zero_is_one_parameter_at_a_time():
     z = ZeroConfig(reduce_bucket_size=0).validate()
     assert z.bucket_elements(largest_param=4096) == 4096
     assert ZeroConfig(reduce_bucket_size=0, allgather_bucket_size=1000).bucket_elements(4096) == 1000
+
+
+def test_one_cycle_without_cycle_momentum_keeps_the_optimizers_betas():
+    """DeepSpeed's OneCycle touches the betas only when it cycles momentum."""
+    one_cycle = {"cycle_min_lr": 1e-6, "cycle_max_lr": 1e-5, "cycle_first_step_size": 10, "cycle_momentum": False,
+                 "cycle_max_mom": 0.5}
+    cfg, lines = from_deepspeed({"optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "betas": [0.95, 0.98]}},
+                                 "scheduler": {"type": "OneCycle", "params": one_cycle}})
+    o = cfg.validate(1).optimizer
+    assert (o.schedule, o.beta1, o.beta2, o.cycle_momentum) == ("onecycle", 0.95, 0.98, False)
+    assert (o.lr, o.warmup_min_lr, o.warmup_steps) == (1e-5, 1e-6, 10)  # a peak below the default min_lr is fine
+    assert any("accepted, no effect here: scheduler.params.cycle_max_mom" in line for line in lines)
+    cfg, _ = from_deepspeed({"scheduler": {"type": "OneCycle", "params": {**one_cycle, "cycle_momentum": True}}})
+    assert (cfg.optimizer.beta1, cfg.optimizer.beta2, cfg.optimizer.cycle_momentum) == (0.5, 0.99, True)
+
+
+def test_one_cycle_fields_are_refused_under_another_schedule():
+    from zerotron.training.config import ConfigError, RunConfig
+
+    cfg = RunConfig()
+    cfg.optimizer.decay_lr_rate = 3.0
+    with pytest.raises(ConfigError, match="optimizer.decay_lr_rate=3.0 applies to optimizer.schedule=onecycle only"):
+        cfg.validate(1)

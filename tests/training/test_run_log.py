@@ -47,7 +47,8 @@ def _run(cache: str, tmp: str, name: str, *flags) -> dict:
         finally:
             trainer.grid.close()
     try:
-        predicted = memory_model.estimate(memory_model.setup_from_run_config(cfg, trainer.mcfg, 2))["before_margin"]
+        setup = memory_model.setup_from_run_config(cfg, trainer.mcfg, 2, backend="gloo")
+        predicted = memory_model.estimate(setup)["before_margin"]
     except ValueError:
         predicted = None
     return {"text": out.getvalue(), "params": sum(p.numel() for p in trainer.model.parameters()),

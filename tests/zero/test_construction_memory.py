@@ -128,7 +128,11 @@ def check_construction_peak_and_values():
 
 def test_construction_holds_no_fp32_model_and_gives_the_same_values():
     results = spawn(check_construction_peak_and_values, 2, timeout=120)
-    assert results[0] == results[1]
+    # both ranks build the same shares, so their construction peaks and bounds agree to the byte;
+    # the old path's peak is only held above the bound on each rank (its broadcast from DP rank 0
+    # may still hold a buffer on one rank at the moment of its peak, timing-dependent)
+    assert [{k: (peak, bound) for k, (peak, _, bound) in r.items()} for r in results] == \
+        [{k: (peak, bound) for k, (peak, _, bound) in results[0].items()}] * 2
 
 
 def check_tied_copy_starts_equal():

@@ -2,10 +2,11 @@
 
 Every term is derived from first principles (the ZeRO paper, arXiv 1910.02054) and checked
 against what zerotron's own runs hold (``ZeroOptimizer.memory_report()`` and the activation
-checkpointing handle's ``memory_report()``; see ``scripts/run_ablations.py`` and
-``tests/estimate/test_memory_model.py``, ``scripts/bench/memory_grid.py``). Bytes per rank, with Ψ the parameters a rank's model
-replica holds (its TP slice), Nd the DP degree, t the MP (TP) degree, b the per-rank micro-batch,
-s the sequence, h the hidden size, L the layers:
+checkpointing handle's ``memory_report()``; see ``scripts/run_ablations.py``,
+``tests/estimate/test_memory_model.py`` and, for the measured peak, ``scripts/bench/memory_grid.py``).
+Bytes per rank, with Ψ the parameters a rank's model replica holds (its TP slice), Nd the DP
+degree, t the MP (TP) degree, b the per-rank micro-batch, s the sequence, h the hidden size, L
+the layers:
 
 * **model states** (§3.1, §5): 16-bit parameters and gradients plus K = 12 bytes of fp32 Adam
   state (master, momentum, variance) per parameter -- 16Ψ plain DP, 4Ψ + 12Ψ/Nd for Pos,
@@ -28,7 +29,7 @@ s the sequence, h the hidden size, L the layers:
   s·b·h·(14 + 24/t) with a fused kernel, measured in zerotron by the dry run. The head (logits
   and cross-entropy) is b·s·V/t elements held as 16-bit logits plus fp32 log-softmax and fp32
   gradient, 10 bytes each. The end of backward holds the tied embedding's two dense gradients
-  and their sum, 3·V/t·h 16-bit, when the checkpoints are gone; on gloo (a CPU run) a
+  and their sum, 3·V/t·h in the parameters' dtype, when the checkpoints are gone; on gloo (a CPU run) a
   reduce-scatter copies its bucket. Which of these coincide is ``working_memory.step_working_bytes``.
 * **gathered parameters** (stage 3, §5.3): the root unit, the running block and the blocks
   prefetched within ``stage3_prefetch_bucket_size``, 16-bit (``gathered_param_bytes``).

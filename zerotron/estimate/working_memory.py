@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from zerotron.estimate.activations import layer_activation_bytes
 
+
 def layer_working_bytes(b: int, s: int, h: int, heads: int, tp: int = 1, fused_attention: bool = True,
                         sequence_parallel: bool = False, selective: bool = False) -> float:
     """Activations one transformer layer saves for backward (Korthikanti 2022, eq. 2 / Table 2, TP t)."""
@@ -82,7 +83,9 @@ def fixed_buffer_bytes(stage: int, bucket: int, nd: int, psi: int, param_bytes: 
 def reduce_copy_bytes(setup, c: int, grad_bytes: int) -> int:
     """gloo's reduce-scatter works on a copy of its whole input (an all-reduce, then each rank's
     slice), so on a CPU run every bucket in flight is held twice; NCCL reduces in place."""
-    if setup.backend != "gloo" or setup.stage == 0:
+    if setup.backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend={setup.backend!r}: the memory model knows gloo and nccl")
+    if setup.backend != "gloo" or setup.stage == 0 or setup.dp == 1:  # one rank: copied, not reduced
         return 0
     return (2 if setup.overlap_comm else 1) * c * grad_bytes
 
@@ -114,7 +117,7 @@ def step_working_bytes(setup, *, psi: int, largest_group: int, kept: float, laye
         backward = max(head_bwd, segment + mid + waiting, tied - kept, one_tied + copy - kept)
     else:  # the first bucket goes out once its C elements' layers are done, their activations freed
         done = kept * min(1.0, c / psi)
-        backward = max(head_bwd, copy - done + (waiting if copy else 0), tied - kept)
+        backward = max(head_bwd, waiting + max(0.0, copy - done), tied - kept)
     if setup.stage == 3 and not setup.checkpoint_activations:
         return max(head_fwd + root, backward + gathered) - gathered
     return max(head_fwd, backward)

@@ -181,7 +181,7 @@ class RunConfig:
         _positive("optimizer.lr", o.lr, allow_zero=True)
         _positive("optimizer.eps", o.eps, fix="Adam's denominator guard; 1e-8 is the usual value")
         _positive("optimizer.weight_decay", o.weight_decay, allow_zero=True, fix="use 0 to disable it")
-        if not 0 <= o.min_lr <= o.lr:
+        if o.schedule != "onecycle" and not 0 <= o.min_lr <= o.lr:  # OneCycle's floor is warmup_min_lr
             raise ConfigError(f"optimizer.min_lr={o.min_lr} must be between 0 and optimizer.lr={o.lr}")
         _positive("optimizer.warmup_steps", o.warmup_steps, allow_zero=True)
         for name in ("beta1", "beta2"):

@@ -20,8 +20,8 @@
    (``zero.materialize``), as DeepSpeed's ``zero.Init``: construction never holds an fp32 model
    beside them, and every DP rank draws the same values, so nothing is broadcast.
 
-5. **Compilation** (``training.compile``) -- each block's forward through ``torch.compile``,
-   last, so it sees the parameters' final storage.
+5. **Compilation** (``training.compile``) -- each block's forward through ``torch.compile``;
+   lazy: it traces at the first forward, with the parameters' storage already in place.
 
 The trainer, the benchmarks and the paper scripts build through here, so they measure the
 model a run trains.

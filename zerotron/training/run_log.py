@@ -77,7 +77,8 @@ class RunLog:
         from zerotron.estimate import memory_model
 
         try:  # the memory model of this config at this world size
-            return memory_model.estimate(memory_model.setup_from_run_config(self.cfg, self.mcfg, self.grid.world_size))
+            return memory_model.estimate(memory_model.setup_from_run_config(self.cfg, self.mcfg, self.grid.world_size,
+                                                                            backend=self.t.env.backend))
         except ValueError as e:
             return str(e)
 

@@ -85,8 +85,8 @@ def one_cycle(step: int, o) -> tuple[float, float]:
     up = float(o.warmup_steps)
     total = up + float(o.cycle_down_steps if o.cycle_down_steps is not None else o.warmup_steps)
     if it < total:
-        x = (it + 1) / total
-        x -= math.floor(x)  # position within the cycle, in [0, 1)
+        cycle = math.floor(1 + (it + 1) / total)
+        x = 1.0 + (it + 1) / total - cycle  # position within the cycle, DeepSpeed's expression to the bit
         ratio = up / total
         height = x / ratio if x <= ratio else (x - 1) / (ratio - 1)
         return lo + (hi - lo) * height, top - (top - bottom) * height
@@ -135,12 +135,26 @@ def check_schedule(optimizer) -> None:
                          f"warmup_num_steps (cycle_first_step_size for OneCycle)")
     if o.schedule == "onecycle":
         _check_one_cycle(o)
-    elif not (isinstance(o.warmup_min_lr, (int, float)) and 0 <= o.warmup_min_lr <= o.lr):
+        return
+    _refuse_one_cycle_fields(o)
+    if not (isinstance(o.warmup_min_lr, (int, float)) and 0 <= o.warmup_min_lr <= o.lr):
         raise ValueError(f"optimizer.warmup_min_lr={o.warmup_min_lr!r} must be between 0 and optimizer.lr={o.lr}")
     n = o.schedule_steps
     if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
         raise ValueError(f"optimizer.schedule_steps={n!r} must be a positive number of steps, or null for "
                          f"training.train_steps")
+
+
+_ONE_CYCLE_DEFAULTS = {"cycle_down_steps": None, "decay_lr_rate": 0.0, "decay_step_size": 0,
+                       "cycle_momentum": False, "cycle_min_beta1": 0.8, "decay_beta1_rate": 0.0}
+
+
+def _refuse_one_cycle_fields(o) -> None:
+    """A OneCycle field set under another schedule would be accepted and ignored: refuse it."""
+    for name, default in _ONE_CYCLE_DEFAULTS.items():
+        if getattr(o, name) != default:
+            raise ValueError(f"optimizer.{name}={getattr(o, name)!r} applies to optimizer.schedule=onecycle only "
+                             f"(this run's is {o.schedule!r}); set optimizer.schedule=onecycle or remove it")
 
 
 def _check_one_cycle(o) -> None:

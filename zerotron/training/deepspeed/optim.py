@@ -29,6 +29,7 @@ _ONE_CYCLE = {"cycle_min_lr": ("warmup_min_lr", None), "cycle_max_lr": ("lr", No
               "decay_lr_rate": ("decay_lr_rate", 0.0), "decay_step_size": ("decay_step_size", 0),
               "cycle_momentum": ("cycle_momentum", True), "cycle_min_mom": ("cycle_min_beta1", 0.8),
               "cycle_max_mom": ("beta1", 0.9), "decay_mom_rate": ("decay_beta1_rate", 0.0)}
+_MOMENTUM = ("cycle_min_mom", "cycle_max_mom", "decay_mom_rate")  # read only with cycle_momentum
 _STAIRS = ("cycle_first_stair_count", "cycle_second_stair_count")  # no effect (keys.py): OneCycle never reads them
 
 
@@ -138,8 +139,14 @@ def one_cycle(plan: Plan, params: dict) -> None:
                                     f"parameters are {sorted([*_ONE_CYCLE, *_STAIRS, 'last_batch_iteration'])}")
     _fresh_start(params.get("last_batch_iteration", -1))
     plan.set("scheduler.type", "optimizer.schedule", "onecycle")
+    momentum = flag(f"{p}.cycle_momentum", params.get("cycle_momentum", True))
     for key, (target, default) in _ONE_CYCLE.items():
         path = f"{p}.{key}"
+        if key in _MOMENTUM and not momentum:  # DeepSpeed leaves the optimizer's betas alone then
+            if key in params:
+                plan.note(f"accepted, no effect here: {path} (cycle_momentum is false, so OneCycle keeps the "
+                          f"optimizer's betas)")
+            continue
         if key not in params and default is None and key != "cycle_second_step_size":
             raise DeepSpeedKeyError(f"{path} is required by OneCycle (DeepSpeed's constructor has no default)")
         value = params.get(key, default)
@@ -152,7 +159,7 @@ def one_cycle(plan: Plan, params: dict) -> None:
         else:
             value = number(path, value)
         plan.set(path, f"optimizer.{target}", value)
-    if params.get("cycle_momentum", True):
+    if momentum:
         plan.set(f"{p}.cycle_momentum", "optimizer.beta2", 0.99)
         plan.note(f"{p}.cycle_momentum: optimizer.beta2 = 0.99, as DeepSpeed's OneCycle sets the betas to "
                   f"(momentum, 0.99) every step")
