@@ -44,7 +44,12 @@ def train(compiled: bool, stage: int, checkpointing: bool):
     return torch.stack(losses), dict(opt.full_params()), graphs
 
 
-def check(stage: int, checkpointing: bool):
+def check(stage: int, checkpointing: bool, cache: str):
+    import os
+
+    # the test's own inductor cache: kernels another process compiled for another CPU capability
+    # (ATEN_CPU_CAPABILITY) must not be reused here
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
     eager_losses, eager_params, eager_graphs = train(False, stage, checkpointing)
     losses, params, graphs = train(True, stage, checkpointing)
     assert eager_graphs == 0 and graphs >= 1, (eager_graphs, graphs)
@@ -55,5 +60,5 @@ def check(stage: int, checkpointing: bool):
 
 
 @pytest.mark.parametrize("stage,checkpointing", [(0, False), (3, True)], ids=["stage0", "stage3-checkpointed"])
-def test_compiled_blocks_train_as_eager(stage, checkpointing):
-    assert all(spawn(check, 1, stage, checkpointing, timeout=300))
+def test_compiled_blocks_train_as_eager(stage, checkpointing, tmp_path):
+    assert all(spawn(check, 1, stage, checkpointing, str(tmp_path / "inductor"), timeout=300))
