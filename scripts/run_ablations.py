@@ -112,13 +112,7 @@ def train_and_measure(grid, a, name: str, layers: int, steps: int) -> dict:
     for step in range(1, steps + 1):
         ids = torch.randint(0, 256, (a.batch, a.seq), generator=gen)
         t0 = time.perf_counter()
-        tracked.begin_step(step, opt)
-        with tracked.phase("forward"):
-            loss = model(ids, ids)
-        with tracked.phase("backward"):
-            opt.backward(loss)
-        with tracked.phase("step"):
-            opt.step()
+        tracked.train_step(step, model, opt, ids)
         times.append(time.perf_counter() - t0)
         act = handle.step_report() if handle else {}
     peak = tracked.record()["mem_peak_bytes"]  # the last step's: the first records stage 3's order of use

@@ -61,14 +61,7 @@ def worker(args, stage: int) -> dict:
     mem.register(opt)
     g = torch.Generator().manual_seed(grid.rank)
     for step in range(1, args.steps + 1):
-        ids = torch.randint(0, args.vocab, (1, args.seq), generator=g)
-        mem.begin_step(step, opt)
-        with mem.phase("forward"):
-            loss = model(ids, labels=ids)
-        with mem.phase("backward"):
-            opt.backward(loss)
-        with mem.phase("step"):
-            opt.step()
+        mem.train_step(step, model, opt, torch.randint(0, args.vocab, (1, args.seq), generator=g))
     out = mem.record()
     out["rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     out["model_states"] = opt.memory_report()["total_model_states"]

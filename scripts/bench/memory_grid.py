@@ -81,20 +81,13 @@ def worker(a, tp: int) -> dict:
         mem.register(opt)
         gen = torch.Generator().manual_seed(17 + grid.dp_rank)
         for step in range(1, a.steps + 1):  # the first step of stage 3 records its order of use
-            ids = torch.randint(0, a.vocab, (a.batch, a.seq), generator=gen)
-            mem.begin_step(step, opt)
-            with mem.phase("forward"):
-                loss = model(ids, ids)
-            with mem.phase("backward"):
-                opt.backward(loss)
-            with mem.phase("step"):
-                opt.step()
+            mem.train_step(step, model, opt, torch.randint(0, a.vocab, (a.batch, a.seq), generator=gen))
         rec = mem.record()
         keys = ["mem_peak_bytes"] + [f"mem_{p}_peak_bytes" for p in ("forward", "backward", "step")]
         worst = torch.tensor([float(rec.get(k, 0)) for k in keys], dtype=torch.float64)
         C.all_reduce(worst, grid.world_group, op="max")
         out[f"{stage}/{ckpt}"] = dict(zip(keys, (int(v) for v in worst)))
-        del plan, model, opt, loss
+        del plan, model, opt
         gc.collect()
     return out
 

@@ -43,6 +43,17 @@ class StepMemory:
     def phase(self, name: str):
         return self.tracker.phase(name) if self.active else contextlib.nullcontext()
 
+    def train_step(self, step: int, model, optimizer, ids) -> None:
+        """One pp = 1 step on ``ids`` (its own labels), each phase tracked: the benchmarks' loop
+        (the trainer runs ``run_step`` instead, which knows micro-batches and pipelines)."""
+        self.begin_step(step, optimizer)
+        with self.phase("forward"):
+            loss = model(ids, ids)
+        with self.phase("backward"):
+            optimizer.backward(loss)
+        with self.phase("step"):
+            optimizer.step()
+
     def record(self) -> dict:
         """``mem_peak_bytes``, ``mem_peak_<category>`` and ``mem_<phase>_peak_bytes`` of the last tracked step."""
         rep = self.tracker.report()
