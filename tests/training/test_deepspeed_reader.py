@@ -159,21 +159,6 @@ def test_one_cycle_without_cycle_momentum_keeps_the_optimizers_betas():
     assert (cfg.optimizer.beta1, cfg.optimizer.beta2, cfg.optimizer.cycle_momentum) == (0.5, 0.99, True)
 
 
-def test_one_cycle_drops_the_base_configs_decay():
-    """A YAML written for the megatron schedule (min_lr, decay, schedule_steps) under a DeepSpeed
-    JSON with OneCycle: DeepSpeed's scheduler is the whole schedule, so those fields are reset and
-    said to be; set on the command line they stay and the run is refused (they would be ignored)."""
-    from zerotron.training.config import RunConfig
-
-    base = RunConfig()
-    base.optimizer.min_lr, base.optimizer.decay, base.optimizer.schedule_steps = 1e-5, "linear", 50
-    ds = {"scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3}}}
-    cfg, lines = from_deepspeed(ds, base=base)
-    o = cfg.validate(1).optimizer
-    assert (o.min_lr, o.decay, o.schedule_steps) == (RunConfig().optimizer.min_lr, "cosine", None)
-    assert any("their config values are dropped" in line for line in lines)
-
-
 def test_one_cycle_fields_are_refused_under_another_schedule():
     from zerotron.training.config import ConfigError, RunConfig
 

@@ -65,6 +65,9 @@ def _worker(rank: int, world_size: int, store_path: str, conn, collective_timeou
         os._exit(0)  # skip pytest's atexit hooks inherited through fork
 
 
+_preloaded = False
+
+
 def _preload() -> None:
     """Import in the parent what every rank would otherwise import for itself: forked ranks share
     it. ``torch._dynamo`` alone (imported lazily by ``torch.optim``) costs each rank a second of
@@ -72,10 +75,14 @@ def _preload() -> None:
     thread, so forking stays safe. The inherited objects are then frozen out of the ranks' garbage
     collector (``gc.freeze``, Python's advice before a fork): a rank's ``gc.collect()`` would
     otherwise walk, and copy page by page, the whole parent heap (0.4 s a call here)."""
+    global _preloaded
+    if _preloaded:
+        return
     import torch._dynamo  # noqa: F401
 
-    import zerotron.training.trainer  # noqa: F401
     import zerotron.training.cli  # noqa: F401
+    import zerotron.training.trainer  # noqa: F401
+    _preloaded = True
 
 
 def spawn(fn: Callable, world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT_S,
@@ -90,28 +97,32 @@ def spawn(fn: Callable, world_size: int, *args: Any, timeout: float = DEFAULT_TI
     a fresh folder under ``store_dir`` (the system temp dir when None) and is removed afterwards.
     """
     ctx = mp.get_context(start_method)
-    if start_method == "fork":
+    forking = start_method == "fork"
+    if forking:
         _preload()
-        gc.collect()
-        gc.freeze()
     if store_dir is not None:
         os.makedirs(store_dir, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix="zerotron_store_", dir=store_dir)
     store_path = os.path.join(tmp, "store")
     procs, conns = [], []
-    for rank in range(world_size):
-        parent_end, child_end = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=_worker, args=(rank, world_size, store_path, child_end,
-                                              collective_timeout, threads, fn, args, kwargs), daemon=True)
-        p.start()
-        child_end.close()
-        procs.append(p)
-        conns.append(parent_end)
-    gc.unfreeze()  # the parent's own collector sees its objects again; the ranks keep theirs frozen
     results: dict[int, Any] = {}
     errors: dict[int, str] = {}
-    deadline = time.monotonic() + timeout
     try:
+        if forking:
+            gc.freeze()
+        try:
+            for rank in range(world_size):
+                parent_end, child_end = ctx.Pipe(duplex=False)
+                p = ctx.Process(target=_worker, args=(rank, world_size, store_path, child_end, collective_timeout,
+                                                      threads, fn, args, kwargs), daemon=True)
+                p.start()
+                child_end.close()
+                procs.append(p)
+                conns.append(parent_end)
+        finally:
+            if forking:
+                gc.unfreeze()  # the parent's collector sees its objects again; the ranks keep theirs frozen
+        deadline = time.monotonic() + timeout
         while len(results) + len(errors) < world_size and not errors:
             if all(r in results for r in range(world_size) if r not in may_die):
                 # the drill's verdict is in: a frozen or stalled culprit is not waited for

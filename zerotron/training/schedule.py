@@ -26,7 +26,6 @@ DeepSpeed would use, step for step:
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 DECAYS = ("cosine", "linear", "constant")
@@ -158,18 +157,8 @@ def _refuse_one_cycle_fields(o) -> None:
                              f"(this run's is {o.schedule!r}); set optimizer.schedule=onecycle or remove it")
 
 
-_DECAY_FIELDS = ("min_lr", "decay", "schedule_steps")
-
-
 def _check_one_cycle(o) -> None:
-    """OneCycle's fields; its low rate may exceed its high one (DeepSpeed allows an inverted cycle).
-    The other schedules' decay fields would be accepted and ignored: refused when set."""
-    defaults = {f.name: f.default for f in dataclasses.fields(o)}
-    for name in _DECAY_FIELDS:
-        if getattr(o, name) != defaults[name]:
-            raise ValueError(f"optimizer.{name}={getattr(o, name)!r} has no effect under optimizer.schedule="
-                             f"onecycle (its floor is warmup_min_lr, its decay decay_lr_rate / decay_step_size); "
-                             f"remove it or choose another schedule")
+    """OneCycle's fields; its low rate may exceed its high one (DeepSpeed allows an inverted cycle)."""
     for name in ("warmup_min_lr", "decay_lr_rate", "decay_beta1_rate"):
         value = getattr(o, name)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:

@@ -10,9 +10,6 @@ run config's value (the Hugging Face Trainer's convention).
 
 from __future__ import annotations
 
-import dataclasses
-
-from zerotron.training.config import OptimizerSection
 from zerotron.training.deepspeed.plan import Plan, flag, number, whole
 from zerotron.training.deepspeed.schema import DeepSpeedKeyError
 
@@ -162,11 +159,6 @@ def one_cycle(plan: Plan, params: dict) -> None:
         else:
             value = number(path, value)
         plan.set(path, f"optimizer.{target}", value)
-    decay_defaults = {f.name: f.default for f in dataclasses.fields(OptimizerSection)}
-    for name in ("min_lr", "decay", "schedule_steps"):  # the other schedules' decay: no part of OneCycle
-        plan.set("scheduler.type", f"optimizer.{name}", decay_defaults[name])
-    plan.note("scheduler.type=OneCycle: optimizer.min_lr, decay and schedule_steps (the other schedules' decay) "
-              "do not apply; their config values are dropped")
     if momentum:
         plan.set(f"{p}.cycle_momentum", "optimizer.beta2", 0.99)
         plan.note(f"{p}.cycle_momentum: optimizer.beta2 = 0.99, as DeepSpeed's OneCycle sets the betas to "
