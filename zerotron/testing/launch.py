@@ -65,24 +65,15 @@ def _worker(rank: int, world_size: int, store_path: str, conn, collective_timeou
         os._exit(0)  # skip pytest's atexit hooks inherited through fork
 
 
-_preloaded = False
-
-
 def _preload() -> None:
     """Import in the parent what every rank would otherwise import for itself: forked ranks share
     it. ``torch._dynamo`` alone (imported lazily by ``torch.optim``) costs each rank a second of
     CPU, several on a loaded 2-core machine where 4-8 ranks import it at once. Importing starts no
-    thread, so forking stays safe. The inherited objects are then frozen out of the ranks' garbage
-    collector (``gc.freeze``, Python's advice before a fork): a rank's ``gc.collect()`` would
-    otherwise walk, and copy page by page, the whole parent heap (0.4 s a call here)."""
-    global _preloaded
-    if _preloaded:
-        return
+    thread, so forking stays safe; after the first call each import is a lookup in sys.modules."""
     import torch._dynamo  # noqa: F401
 
     import zerotron.training.cli  # noqa: F401
     import zerotron.training.trainer  # noqa: F401
-    _preloaded = True
 
 
 def spawn(fn: Callable, world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT_S,
@@ -108,8 +99,8 @@ def spawn(fn: Callable, world_size: int, *args: Any, timeout: float = DEFAULT_TI
     results: dict[int, Any] = {}
     errors: dict[int, str] = {}
     try:
-        if forking:
-            gc.freeze()
+        if forking:  # Python's advice before a fork: a rank's gc.collect() would otherwise walk, and
+            gc.freeze()  # copy page by page, the whole inherited heap (0.4 s a call here)
         try:
             for rank in range(world_size):
                 parent_end, child_end = ctx.Pipe(duplex=False)
