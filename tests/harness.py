@@ -1,4 +1,41 @@
 """The test suite's launcher is the package's own (``zerotron.testing.launch``), shared with the
-benchmarks and the ablation runner."""
+benchmarks and the ablation runner; ``Overlap`` lets idle fault drills wait out their timeouts two
+at a time."""
 
-from zerotron.testing.launch import DEFAULT_TIMEOUT_S, RankFailure, spawn  # noqa: F401
+from __future__ import annotations
+
+from typing import Callable
+
+import pytest
+
+from zerotron.testing.launch import DEFAULT_TIMEOUT_S, RankFailure, Ranks, spawn  # noqa: F401
+
+
+class Overlap:
+    """Start the next selected case of a parametrized drill while this one waits.
+
+    A fault drill spends its seconds idle, its survivors blocked in a collective until the timeout
+    fires. ``ranks(request, start)`` returns this case's ``Ranks`` -- already running if the
+    previous case started them -- and starts the next selected case of the same test function
+    with ``start(params)``. Two jobs at a time, not all: a drill's start-up must still find the
+    cores free enough to stay well inside its own collective timeout. Each case still asserts on
+    its own ranks only; ``close`` kills whatever a deselected or interrupted run left started."""
+
+    def __init__(self) -> None:
+        self._started: dict[str, Ranks] = {}
+
+    def ranks(self, request: pytest.FixtureRequest, start: Callable[[dict], Ranks]) -> Ranks:
+        node = request.node
+        cases = [i for i in request.session.items
+                 if i.path == node.path and getattr(i, "originalname", None) == node.originalname]
+        at = cases.index(node)
+        for case in cases[at:at + 2]:
+            if case.nodeid not in self._started:
+                self._started[case.nodeid] = start(case.callspec.params)
+        return self._started.pop(node.nodeid)
+
+    def close(self) -> None:
+        for ranks in self._started.values():
+            ranks.close()
+        self._started.clear()
+

@@ -11,7 +11,7 @@ import torch  # noqa: F401 - imported once here, not in every forked rank (start
 import zerotron.training.trainer  # noqa: F401
 
 from scripts.pretrain_gpt import main as pretrain_main
-from tests.harness import spawn
+from tests.harness import Ranks
 
 TINY = ["--config", "configs/tiny.yaml", "--tp", "1", "--micro-batch-size", "2", "--global-batch-size", "4",
         "--seq-length", "32", "--log-interval", "1", "--eval-interval", "0", "--wandb-mode", "disabled",
@@ -32,8 +32,15 @@ def _main(argv: list[str], env: dict[str, str]) -> tuple[int, str, str, float]:
     return code, out.getvalue(), err.getvalue(), time.monotonic() - start
 
 
+def start(argv: list[str], world: int = 2, fault: str = "", env: dict | None = None, may_die=(),
+          collective_timeout: float = 20.0) -> Ranks:
+    """The job ``run`` waits for, started: for drills that overlap their waits (``tests.harness.Overlap``)."""
+    env = {"ZEROTRON_FAULT": fault, **(env or {})}
+    return Ranks(_main, world, argv, env, may_die=may_die, collective_timeout=collective_timeout)
+
+
 def run(argv: list[str], world: int = 2, fault: str = "", env: dict | None = None, may_die=(),
         collective_timeout: float = 20.0, timeout: float = 55.0):
     """Per rank ``(exit code, stdout, stderr, seconds)``, or None for a rank in ``may_die`` that died."""
-    env = {"ZEROTRON_FAULT": fault, **(env or {})}
-    return spawn(_main, world, argv, env, may_die=may_die, timeout=timeout, collective_timeout=collective_timeout)
+    with start(argv, world, fault, env, may_die, collective_timeout) as ranks:
+        return ranks.wait(timeout)

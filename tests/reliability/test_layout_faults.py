@@ -14,7 +14,7 @@ import re
 
 import pytest
 
-from tests.reliability.common import run, tiny
+from tests.reliability.common import start, tiny
 
 TIMEOUT_S = 8.0
 
@@ -23,11 +23,15 @@ LAYOUTS = {"tp2xdp2": ["--tp", "2"], "tp2xpp2": ["--tp", "2", "--pp", "2"]}
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_stuck_rank_is_named_by_every_survivor(zerotron_cache, tmp_path, name):
-    layout = LAYOUTS[name]
-    argv = tiny(zerotron_cache) + ["--train-steps", "6", "--run-dir", str(tmp_path)] + layout
-    res = run(argv, world=4, fault="stall@step=3@rank=1", env={"ZEROTRON_FAULT_STALL_S": str(TIMEOUT_S + 10)},
-              may_die=(1,), collective_timeout=TIMEOUT_S, timeout=150)
+def test_stuck_rank_is_named_by_every_survivor(zerotron_cache, tmp_path_factory, name, overlap, request):
+    def drill(params):
+        run_dir = tmp_path_factory.mktemp(params["name"])
+        argv = tiny(zerotron_cache) + ["--train-steps", "6", "--run-dir", str(run_dir)] + LAYOUTS[params["name"]]
+        return start(argv, world=4, fault="stall@step=3@rank=1", env={"ZEROTRON_FAULT_STALL_S": str(TIMEOUT_S + 10)},
+                     may_die=(1,), collective_timeout=TIMEOUT_S)
+
+    with overlap.ranks(request, drill) as ranks:  # the other layout's drill waits out its timeout meanwhile
+        res = ranks.wait(timeout=150)
     for rank in (0, 2, 3):
         code, _, err, _ = res[rank]
         assert code == 3, f"rank {rank}: {err}"

@@ -76,43 +76,58 @@ def _preload() -> None:
     import zerotron.training.trainer  # noqa: F401
 
 
-def spawn(fn: Callable, world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT_S,
-          collective_timeout: float = 30.0, may_die: tuple[int, ...] = (), start_method: str = "fork",
-          threads: int = 1, store_dir: str | None = None, **kwargs: Any) -> list[Any]:
-    """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return the per-rank results.
+class Ranks:
+    """``fn(*args, **kwargs)`` running on ``world_size`` gloo ranks: started at construction,
+    answered by ``wait``, killed (what is left of them) by ``close``. ``spawn`` is the usual way in;
+    a caller holds a ``Ranks`` itself to let two jobs run at once -- fault drills that sit idle in
+    a collective timeout overlap their waits. Ranks in ``may_die`` (fault drills) may exit without
+    a result; theirs is then ``None``, and once every other rank has answered they are not waited
+    for (a frozen culprit is killed and reported ``None``). The rendezvous file lives in a fresh
+    folder under ``store_dir`` (the system temp dir when None) and is removed by ``close``."""
 
-    Raises ``RankFailure`` naming the failed rank(s), with their tracebacks, if any rank raises,
-    dies, or does not finish within ``timeout`` seconds. Ranks in ``may_die`` (fault drills) may
-    exit without a result; theirs is then ``None``, and once every other rank has answered they are
-    not waited for (a frozen culprit is killed and reported ``None``). The rendezvous file lives in
-    a fresh folder under ``store_dir`` (the system temp dir when None) and is removed afterwards.
-    """
-    ctx = mp.get_context(start_method)
-    forking = start_method == "fork"
-    if forking:
-        _preload()
-    if store_dir is not None:
-        os.makedirs(store_dir, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix="zerotron_store_", dir=store_dir)
-    store_path = os.path.join(tmp, "store")
-    procs, conns = [], []
-    results: dict[int, Any] = {}
-    errors: dict[int, str] = {}
-    try:
-        if forking:  # Python's advice before a fork: a rank's gc.collect() would otherwise walk, and
-            gc.freeze()  # copy page by page, the whole inherited heap (0.4 s a call here)
+    def __init__(self, fn: Callable, world_size: int, *args: Any, collective_timeout: float = 30.0,
+                 may_die: tuple[int, ...] = (), start_method: str = "fork", threads: int = 1,
+                 store_dir: str | None = None, **kwargs: Any):
+        ctx = mp.get_context(start_method)
+        forking = start_method == "fork"
+        if forking:
+            _preload()
+        if store_dir is not None:
+            os.makedirs(store_dir, exist_ok=True)
+        self.world_size, self.may_die = world_size, may_die
+        self._tmp = tempfile.mkdtemp(prefix="zerotron_store_", dir=store_dir)
+        store_path = os.path.join(self._tmp, "store")
+        self.procs, self.conns = [], []
         try:
+            if forking:  # Python's advice before a fork: a rank's gc.collect() would otherwise walk, and
+                gc.freeze()  # copy page by page, the whole inherited heap (0.4 s a call here)
             for rank in range(world_size):
                 parent_end, child_end = ctx.Pipe(duplex=False)
                 p = ctx.Process(target=_worker, args=(rank, world_size, store_path, child_end, collective_timeout,
                                                       threads, fn, args, kwargs), daemon=True)
                 p.start()
                 child_end.close()
-                procs.append(p)
-                conns.append(parent_end)
+                self.procs.append(p)
+                self.conns.append(parent_end)
+        except BaseException:
+            self.close()
+            raise
         finally:
             if forking:
                 gc.unfreeze()  # the parent's collector sees its objects again; the ranks keep theirs frozen
+
+    def __enter__(self) -> "Ranks":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def wait(self, timeout: float = DEFAULT_TIMEOUT_S) -> list[Any]:
+        """The per-rank results. Raises ``RankFailure`` naming the failed rank(s), with their
+        tracebacks, if any rank raises, dies, or does not finish within ``timeout`` seconds."""
+        world_size, may_die, procs, conns = self.world_size, self.may_die, self.procs, self.conns
+        results: dict[int, Any] = {}
+        errors: dict[int, str] = {}
         deadline = time.monotonic() + timeout
         while len(results) + len(errors) < world_size and not errors:
             if all(r in results for r in range(world_size) if r not in may_die):
@@ -143,17 +158,25 @@ def spawn(fn: Callable, world_size: int, *args: Any, timeout: float = DEFAULT_TI
             text = "\n".join(f"--- rank {r} failed ---\n{msg}" for r, msg in sorted(errors.items()))
             raise RankFailure(f"{len(errors)} rank(s) failed: {sorted(errors)}\n{text}")
         return [results[r] for r in range(world_size)]
-    finally:
-        for p in procs:
+
+    def close(self) -> None:
+        for p in self.procs:
             if p.is_alive():
                 p.kill()
-        for p in procs:
+        for p in self.procs:
             p.join(timeout=5)
-        for c in conns:
+        for c in self.conns:
             c.close()
         try:
-            for name in os.listdir(tmp):
-                os.unlink(os.path.join(tmp, name))
-            os.rmdir(tmp)
+            for name in os.listdir(self._tmp):
+                os.unlink(os.path.join(self._tmp, name))
+            os.rmdir(self._tmp)
         except OSError:
             pass
+
+
+def spawn(fn: Callable, world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT_S, **kwargs: Any) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks (``Ranks``, whose keyword options
+    it takes); return the per-rank results once all have answered, within ``timeout`` seconds."""
+    with Ranks(fn, world_size, *args, **kwargs) as ranks:
+        return ranks.wait(timeout)
