@@ -26,6 +26,8 @@ class Overlap:
 
     def ranks(self, request: pytest.FixtureRequest, start: Callable[[dict], Ranks]) -> Ranks:
         node = request.node
+        if getattr(request.config.option, "dist", "no") not in ("no", "loadfile", "loadscope"):
+            return start(node.callspec.params)  # the next case may run on another worker
         cases = [i for i in request.session.items
                  if i.path == node.path and getattr(i, "originalname", None) == node.originalname]
         at = cases.index(node)

@@ -17,11 +17,15 @@ def data(rank, n=N * WORLD):
 
 
 def test_quantize_roundtrip_error_is_bounded_per_block():
-    x = torch.cat([torch.randn(1000) * 1e-3, torch.randn(1000) * 10])  # scales differ by 1e4
+    g = torch.Generator().manual_seed(0)  # its own stream: the input must not depend on which tests ran before
+    x = torch.cat([torch.randn(1000, generator=g) * 1e-3, torch.randn(1000, generator=g) * 10])  # scales 1e4 apart
     q, s = quantize(x, 100)
     y = dequantize(q, s, x.numel())
     err = (y - x).abs().view(20, 100).amax(1)
-    assert torch.all(err <= x.abs().view(20, 100).amax(1) / 254 + 1e-12)  # half a step per block
+    amax = x.abs().view(20, 100).amax(1)
+    # half a step per block, plus fp32's rounding of x / scale and of q * scale: at most one ulp of
+    # the block's maximum (0.41 ulp the worst over 20000 seeds; exactly half a step failed 6 in 2000)
+    assert torch.all(err <= amax / 254 + amax * torch.finfo(torch.float32).eps)
     assert q.dtype == torch.int8 and wire_bytes(2000, 100) == 2000 + 4 * 20
 
 
