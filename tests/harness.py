@@ -12,14 +12,16 @@ from zerotron.testing.launch import DEFAULT_TIMEOUT_S, RankFailure, Ranks, spawn
 
 
 class Overlap:
-    """Start the next selected case of a parametrized drill while this one waits.
+    """Start the next selected case of a parametrized drill together with this one.
 
     A fault drill spends its seconds idle, its survivors blocked in a collective until the timeout
     fires. ``ranks(request, start)`` returns this case's ``Ranks`` -- already running if the
     previous case started them -- and starts the next selected case of the same test function
-    with ``start(params)``. Two jobs at a time, not all: a drill's start-up must still find the
-    cores free enough to stay well inside its own collective timeout. Each case still asserts on
-    its own ranks only; ``close`` kills whatever a deselected or interrupted run left started."""
+    with ``start(params)``, which must build the job from the case's parameters alone (it is
+    called from another case's test). Two jobs at a time, not all: under xdist both share the
+    worker's one CPU, and a drill's start-up must stay well inside its own collective timeout.
+    Each case still asserts on its own ranks only; ``close`` kills a job whose case never came to
+    take it (skipped, errored before ``ranks``, or a run stopped early)."""
 
     def __init__(self) -> None:
         self._started: dict[str, Ranks] = {}
@@ -27,9 +29,11 @@ class Overlap:
     def ranks(self, request: pytest.FixtureRequest, start: Callable[[dict], Ranks]) -> Ranks:
         node = request.node
         if getattr(request.config.option, "dist", "no") not in ("no", "loadfile", "loadscope"):
-            return start(node.callspec.params)  # the next case may run on another worker
-        cases = [i for i in request.session.items
-                 if i.path == node.path and getattr(i, "originalname", None) == node.originalname]
+            return start(node.callspec.params)  # the next case may run on another worker: no prefetch
+        cases = [i for i in request.session.items if i.parent is node.parent and hasattr(i, "callspec")
+                 and getattr(i, "originalname", None) == node.originalname]
+        if node not in cases:
+            raise TypeError(f"{node.nodeid}: Overlap is for the cases of a parametrized test")
         at = cases.index(node)
         for case in cases[at:at + 2]:
             if case.nodeid not in self._started:

@@ -177,6 +177,7 @@ class Ranks:
 
 def spawn(fn: Callable, world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT_S, **kwargs: Any) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks (``Ranks``, whose keyword options
-    it takes); return the per-rank results once all have answered, within ``timeout`` seconds."""
+    it takes); return the per-rank results once every rank not in ``may_die`` has answered, or
+    raise ``RankFailure`` (``Ranks.wait``) on a failure or after ``timeout`` seconds."""
     with Ranks(fn, world_size, *args, **kwargs) as ranks:
         return ranks.wait(timeout)
