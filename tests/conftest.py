@@ -5,14 +5,14 @@ usable CPU, each worker pinned to its own CPU with the gloo ranks it forks. The 
 hand every collective to each other, and on a virtual machine waking a peer on another vCPU
 costs about a millisecond (a 1-float all_reduce between 2 ranks: 0.8-2.6 ms across vCPUs, 0.3-0.4
 ms on one), so most multi-rank tests are faster on one core than spread over two -- and the
-other cores run other files meanwhile (the suite: 460 s serial, 330-350 s on 2 cores here). Files, not tests,
-are the unit of distribution: module fixtures and ``Overlap``'s prefetch stay inside a worker.
-``-n 0`` runs everything in one process, unpinned.
+other cores run other files meanwhile (the suite here: 460 s serial, 330-350 s on 2 workers).
+Files, not tests, are the unit of distribution: module fixtures and ``Overlap``'s prefetch stay
+inside a worker. ``-n 0`` runs everything in one process, unpinned.
 
 ``zerotron_cache``: the trainer and reliability tests' data cache (the built-in corpus and its
 sample indices), outside the checkout. Built once per worker (about 5 s) under pytest's base temp
-directory; built in a forked process, because the pytest process must not start threads before
-the tests fork their ranks. Each test still gets its own run and checkpoint directories
+directory; built in a forked process, because the pytest process must not start torch's OpenMP
+threads before the tests fork their ranks. Each test still gets its own run and checkpoint directories
 (``tmp_path``). ``overlap`` (``tests.harness.Overlap``): fault drills that overlap their idle
 waits.
 """
