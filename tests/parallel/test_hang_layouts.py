@@ -62,8 +62,8 @@ def drill(tp: int, pp: int, culprit: int, fault: str):
         for _ in range(3):
             fake_step(grid)
     except CollectiveError as e:
-        return time.monotonic() - start, str(e)
-    return time.monotonic() - start, "no error"
+        return time.monotonic() - start, str(e), fault, grid.tp_size, grid.pp_size
+    return time.monotonic() - start, "no error", fault, grid.tp_size, grid.pp_size
 
 
 @pytest.mark.parametrize("tp,pp,world,culprit", [(2, 1, 4, 1), (2, 2, 4, 1), (2, 2, 8, 5)],
@@ -80,7 +80,8 @@ def test_every_survivor_names_the_culprit(tp, pp, world, culprit, fault, overlap
     for rank, answer in enumerate(res):
         if rank == culprit:
             continue
-        seconds, msg = answer
+        seconds, msg, *ran = answer
+        assert ran == [fault, tp, pp], f"rank {rank} ran another case's drill: {ran}"  # Overlap's bookkeeping
         blamed = set(re.findall(r"rank (\d+) (?:is dead or frozen|is alive but stuck|has no readable)", msg))
         assert blamed == {str(culprit)}, f"rank {rank}: {msg}"
         assert f"rank {culprit} is dead or frozen" in msg, f"rank {rank}: {msg}"
