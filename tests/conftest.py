@@ -12,9 +12,9 @@ inside a worker. ``-n 0`` runs everything in one process, unpinned.
 ``zerotron_cache``: the trainer and reliability tests' data cache (the built-in corpus and its
 sample indices), outside the checkout. Built once per worker (about 5 s) under pytest's base temp
 directory; built in a forked process, because the pytest process must not start torch's OpenMP
-threads before the tests fork their ranks. Each test still gets its own run and checkpoint directories
-(``tmp_path``). ``overlap`` (``tests.harness.Overlap``): fault drills that overlap their idle
-waits.
+threads before the tests fork their ranks. Each test still gets its own run and checkpoint
+directories (``tmp_path``). ``overlap`` (``tests.harness.Overlap``): fault drills that overlap
+their idle waits.
 """
 
 from __future__ import annotations
@@ -64,11 +64,11 @@ def _usable_cpus() -> int:
 
 
 @pytest.hookimpl(optionalhook=True)
-def pytest_xdist_auto_num_workers(config) -> int:
+def pytest_xdist_auto_num_workers(config) -> int | None:
     """``-n auto``: one worker per usable CPU (not per CPU of the host), at most 8 (each runs jobs
-    of up to 16 ranks); ``PYTEST_XDIST_AUTO_NUM_WORKERS`` still overrides it, as in xdist."""
-    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS", "").isdigit():
-        return int(os.environ["PYTEST_XDIST_AUTO_NUM_WORKERS"])
+    of up to 16 ranks). With ``PYTEST_XDIST_AUTO_NUM_WORKERS`` set, xdist's own hook reads it."""
+    if "PYTEST_XDIST_AUTO_NUM_WORKERS" in os.environ:
+        return None
     return min(8, _usable_cpus())
 
 
