@@ -37,11 +37,11 @@ def test_quick_ablations_match_memory_model(tmp_path):
         best = r["max_layers"]
         assert best >= 1 and probes[best] and probes.get(best + 1) is False, (name, probes)
         assert r["tflops_per_device"] > 0
-        # the tracker sees at least what the optimizer and the checkpoint store name; the memory
-        # model's peak (before its margin) is still short of the measurement at this tiny scale
-        # (1.11-1.25x: ~125 KiB of working memory it does not count), printed, not hidden
+        # the tracker sees at least what the optimizer and the checkpoint store name, and the
+        # memory model's peak (before its margin) predicts it within 5 %, even at h 32 where the
+        # head's input and the RNG snapshots are a tenth of the working memory
         assert r["peak"] >= r["accounted_max_rank"], (name, r["peak"], r["accounted_max_rank"])
-        assert 1.0 <= r["ratio_peak"] <= 1.3, (name, r["peak"], r["pred_peak"])
+        assert abs(r["ratio_peak"] - 1) <= 0.05, (name, r["peak"], r["pred_peak"])
     # Pa halves the device checkpoints at TP 2; Pa+cpu moves them to the host
     assert rows["C2"]["checkpoints_device"] * 2 == rows["C1"]["checkpoints_device"]
     assert rows["C5"]["checkpoints_device"] == 0 and rows["C5"]["checkpoints_host"] == rows["C4"]["checkpoints_device"]

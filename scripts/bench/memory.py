@@ -93,7 +93,7 @@ def predicted(args, stage: int) -> float:
     cfg = model_cfg(args)
     e = estimate(Setup(cfg, dp=args.ranks, micro_batch=1, stage=stage, checkpoint_activations=False,
                        contiguous_memory=False, precision=args.precision, bucket_size=args.bucket,
-                       prefetch_bucket_size=prefetch_elements(args), backend="gloo"))
+                       prefetch_bucket_size=prefetch_elements(args), backend="gloo", device="cpu"))
     return e["total"] * (1 - e["fragmentation_margin"])
 
 

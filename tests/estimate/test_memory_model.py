@@ -73,6 +73,29 @@ def test_terms_follow_the_paper():
     assert e["checkpoints_device"] == 0 and e["checkpoints_host"] > 0
 
 
+def test_cpu_only_terms_are_torchs_sizes():
+    """The RNG snapshot is torch's own generator state, and only a CPU device holds it (with its
+    host checkpoints); a dropout of 0 keeps no mask (torch returns the input)."""
+    import dataclasses
+
+    import torch
+
+    from zerotron.estimate.working_memory import CPU_GENERATOR_STATE_BYTES, dropout_mask_bytes
+
+    assert torch.get_rng_state().numel() == CPU_GENERATOR_STATE_BYTES
+    x = torch.ones(4, requires_grad=True)
+    assert torch.nn.functional.dropout(x, 0.0, training=True) is x
+    cfg = get_preset("zero-100b")  # dropout 0.1: a byte mask on a GPU, the activation dtype on a CPU
+    gpu = Setup(cfg, tp=16, dp=25, micro_batch=4, partition_activations=True, cpu_checkpointing=True)
+    assert dropout_mask_bytes(gpu, 2) == 1 and dropout_mask_bytes(dataclasses.replace(gpu, device="cpu"), 2) == 2
+    gpu = dataclasses.replace(gpu, model=dataclasses.replace(cfg, dropout=0.0))
+    cpu = dataclasses.replace(gpu, device="cpu")
+    assert dropout_mask_bytes(gpu, 2) == dropout_mask_bytes(cpu, 2) == 0
+    eg, ec = estimate(gpu), estimate(cpu)
+    assert eg["rng_states"] == 0 and ec["rng_states"] == (3 * cfg.num_layers + 2) * CPU_GENERATOR_STATE_BYTES
+    assert ec["before_margin"] - eg["before_margin"] == ec["rng_states"] + ec["checkpoints_host"] > 0
+
+
 def _measure(layers: int):
     import torch
 

@@ -47,7 +47,7 @@ def _run(cache: str, tmp: str, name: str, *flags) -> dict:
         finally:
             trainer.grid.close()
     try:
-        setup = memory_model.setup_from_run_config(cfg, trainer.mcfg, 2, backend="gloo")
+        setup = memory_model.setup_from_run_config(cfg, trainer.mcfg, 2, backend="gloo", device="cpu")
         predicted = memory_model.estimate(setup)["before_margin"]
     except ValueError:
         predicted = None

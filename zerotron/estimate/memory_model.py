@@ -28,9 +28,15 @@ the layers:
   the layer above, the recomputed output, and the last residual branch's output, 2 each --
   s·b·h·(14 + 24/t) with a fused kernel, measured in zerotron by the dry run. The head (logits
   and cross-entropy) is b·s·V/t elements held as 16-bit logits plus fp32 log-softmax and fp32
-  gradient, 10 bytes each. The end of backward holds the tied embedding's two dense gradients
-  and their sum, 3·V/t·h in the parameters' dtype, when the checkpoints are gone; on gloo (a CPU run) a
+  gradient, 10 bytes each, beside the last block's output and the final LayerNorm's, 2·b·s·h.
+  The end of backward holds the tied embedding's two dense gradients and their sum, 3·V/t·h in
+  the parameters' dtype, when the checkpoints are gone; on gloo (a CPU run) a
   reduce-scatter copies its bucket. Which of these coincide is ``working_memory.step_working_bytes``.
+* **on a CPU device** (``Setup.device``) the host is the device: Pa+cpu's host checkpoints are
+  in ``before_margin`` too (on a GPU they are host memory, reported as ``checkpoints_host``).
+* **RNG snapshots**: each checkpoint keeps the generator states its recompute replays; on a CPU
+  device (``Setup.device``) they are 5056 bytes each (``working_memory.rng_snapshot_bytes``), on
+  a GPU host memory.
 * **gathered parameters** (stage 3, §5.3): the root unit, the running block and the blocks
   prefetched within ``stage3_prefetch_bucket_size``, 16-bit (``gathered_param_bytes``).
 * **fixed buffers** (CB, §6.2): zerotron's reduce buckets, the DP shard buffers, the fp32
@@ -50,7 +56,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from zerotron.estimate.working_memory import fixed_buffer_bytes, layer_working_bytes, step_working_bytes
+from zerotron.estimate.working_memory import (dropout_mask_bytes, fixed_buffer_bytes, layer_working_bytes,
+                                              rng_snapshot_bytes, step_working_bytes)
 from zerotron.model.config import GPTConfig
 from zerotron.zero.accounting import expected_model_state_bytes
 
@@ -103,6 +110,7 @@ class Setup:
     max_reuse_distance: int = 0
     max_live_parameters: int = int(1e9)
     backend: str = "nccl"  # the DP collectives' library: gloo (a CPU run) copies what it reduce-scatters
+    device: str = "cuda"  # where activations live: "cpu" (the host is the device) also holds RNG snapshots
 
     def with_config(self, name: str, **overrides) -> "Setup":
         """This setup under ZeRO configuration ``name`` (C1..C5, Table 3), CB + MD on."""
@@ -118,7 +126,7 @@ class Setup:
         return 0.10 if self.contiguous_memory else 0.30
 
 
-def setup_from_run_config(cfg, model: GPTConfig, gpus: int, backend: str = "nccl") -> Setup:
+def setup_from_run_config(cfg, model: GPTConfig, gpus: int, backend: str = "nccl", device: str = "cuda") -> Setup:
     """The ``Setup`` of a validated ``RunConfig`` (``training.config``) on ``gpus`` GPUs: its model,
     MP and DP degrees, micro-batch, ZeRO stage, buckets, gradient dtype and checkpointing."""
     z, ac, t = cfg.zero, cfg.activation_checkpointing, cfg.training
@@ -138,7 +146,7 @@ def setup_from_run_config(cfg, model: GPTConfig, gpus: int, backend: str = "nccl
                  grad_bytes=BYTES[z.grad_accum(t.precision)], sequence_parallel=cfg.parallel.sequence_parallel,
                  recompute_granularity=ac.recompute_granularity,
                  prefetch_bucket_size=z.stage3_prefetch_bucket_size, max_reuse_distance=z.stage3_max_reuse_distance,
-                 max_live_parameters=z.stage3_max_live_parameters, backend=backend)
+                 max_live_parameters=z.stage3_max_live_parameters, backend=backend, device=device)
 
 
 def largest_param(cfg: GPTConfig, tp: int = 1) -> int:
@@ -216,7 +224,8 @@ def estimate(setup: Setup) -> dict:
     states = model_state_bytes(psi, nd, setup.stage, pb, gb)
     sp, sel = setup.sequence_parallel and t > 1, setup.recompute_granularity == "selective"
     pa = setup.partition_activations and t > 1 and not sp  # with SP the checkpoint is already 1/t
-    layer = layer_working_bytes(b, s, h, cfg.num_heads, t, setup.fused_attention, sp, sel) * pb / 2
+    layer = layer_working_bytes(b, s, h, cfg.num_heads, t, setup.fused_attention, sp, sel, pb,
+                                dropout_mask_bytes(setup, pb))
     largest_group = psi if setup.stage < 3 else max(block_params_per_rank(cfg, t), root_params_per_rank(cfg, t))
     if setup.checkpoint_activations:
         ckpt = checkpoint_bytes(b, s, h, l, t, setup.checkpoint_every, pa or sp, setup.cpu_checkpointing, pb)
@@ -231,7 +240,10 @@ def estimate(setup: Setup) -> dict:
     if setup.stage == 1 and not setup.contiguous_gradients:  # 16-bit .grad until the last micro-batch
         states += pb * psi - gb * psi + gb * -(-psi // nd)
     pa_gather = -(-b * s * h // t) * t * pb if pa and setup.checkpoint_activations else 0
-    used = states + ckpt["device"] + working + fixed + pa_gather + gathered
+    snapshots = -(-l // setup.checkpoint_every) if setup.checkpoint_activations else (l if sel else 0)
+    rng = rng_snapshot_bytes(setup, snapshots)
+    host_is_device = ckpt["host"] if setup.device == "cpu" else 0  # a CPU run's host checkpoints are in its memory
+    used = states + ckpt["device"] + host_is_device + working + fixed + pa_gather + gathered + rng
     return {
         "params_total": cfg.exact_num_params(t),
         "params_per_rank": psi,
@@ -241,6 +253,7 @@ def estimate(setup: Setup) -> dict:
         "working": working,
         "fixed_buffers": fixed + pa_gather,
         "gathered_params": gathered,
+        "rng_states": rng,
         "fragmentation_margin": setup.margin,
         "accounted": states + ckpt["device"] + fixed + pa_gather,
         "before_margin": used,

@@ -10,21 +10,59 @@ from __future__ import annotations
 from zerotron.estimate.activations import layer_activation_bytes
 
 
+def dropout_mask_bytes(setup, act_bytes: int) -> int:
+    """Bytes per element of a residual-dropout mask: none at ``model.dropout`` 0 (torch returns
+    the input unchanged), CUDA's fused kernel a byte, the CPU kernel its scaled noise in the
+    activation dtype (``estimate.activations``)."""
+    if setup.model.dropout == 0:
+        return 0
+    return act_bytes if setup.device == "cpu" else 1
+
+
 def layer_working_bytes(b: int, s: int, h: int, heads: int, tp: int = 1, fused_attention: bool = True,
-                        sequence_parallel: bool = False, selective: bool = False) -> float:
+                        sequence_parallel: bool = False, selective: bool = False, act_bytes: int = 2,
+                        mask_bytes: int = 1) -> float:
     """Activations one transformer layer saves for backward (Korthikanti 2022, eq. 2 / Table 2, TP t)."""
     return layer_activation_bytes(b, s, h, heads, tp, sequence_parallel, "selective" if selective else "none",
-                                  fused_attention=fused_attention)
+                                  fused_attention=fused_attention, act_bytes=act_bytes, mask_bytes=mask_bytes)
 
 
 def recompute_working_bytes(b: int, s: int, h: int, heads: int, tp: int = 1, fused_attention: bool = True,
-                            sequence_parallel: bool = False, selective: bool = False) -> float:
-    """Peak of one checkpointed layer's backward beyond its checkpoint (module docstring); with
-    sequence parallelism the replicated 14 is split along the sequence too, but a column-parallel
+                            sequence_parallel: bool = False, selective: bool = False, act_bytes: int = 2,
+                            mask_bytes: int = 1) -> float:
+    """Peak of one checkpointed layer's backward beyond its checkpoint (module docstring), per
+    s·b·h: replicated 6e + 2m (14 at the paper's e = 2, m = 1), TP-split 12e/t; with sequence
+    parallelism the replicated part is split along the sequence too, but a column-parallel
     GEMM's backward then holds its re-gathered input and the whole input gradient before the
-    reduce-scatter, 2 + 2 (``parallel.sequence_parallel._GatherLinear``)."""
-    probs = 0 if (fused_attention or selective) else 5 * heads * s / (h * tp)
-    return s * b * h * ((14 / tp + 4 if sequence_parallel else 14) + 24 / tp + probs)
+    reduce-scatter, 2e (``parallel.sequence_parallel._GatherLinear``)."""
+    e, m = act_bytes, mask_bytes
+    replicated = 6 * e + 2 * m
+    probs = 0 if (fused_attention or selective) else (2 * e + m) * heads * s / (h * tp)
+    return s * b * h * ((replicated / tp + 2 * e if sequence_parallel else replicated) + 12 * e / tp + probs)
+
+
+def head_input_bytes(b: int, s: int, h: int, tp: int = 1, sequence_parallel: bool = False,
+                     act_bytes: int = 2) -> float:
+    """What the head keeps of the hidden state until its backward: the last block's output (the
+    final LayerNorm's saved input) and the LayerNorm's output (the logit GEMM's saved input), each
+    b·s·h 16-bit, or their [s/t] pieces with sequence parallelism. No layer's formula has them."""
+    return 2 * b * s * h * act_bytes / (tp if sequence_parallel else 1)
+
+
+# torch's CPU generator (mt19937) state, ``torch.get_rng_state().numel()`` bytes
+CPU_GENERATOR_STATE_BYTES = 5056
+
+
+def rng_snapshot_bytes(setup, snapshots: int) -> int:
+    """Each checkpoint (and each selectively recomputed core) snapshots the RNG streams dropout can
+    draw from -- with ``TPRNG``: the shared, TP-region and sequence-parallel CPU generator states --
+    so its recompute replays the same masks (``activation/checkpoint.py: capture_rng``), and the
+    TPRNG holds its two per-rank streams besides. On a GPU these are host tensors (the CUDA states
+    are 16 bytes each, on the host too), so only a CPU device holds them: 5056 bytes per state,
+    which at h 32 is a tenth of a checkpoint."""
+    if setup.device != "cpu":
+        return 0
+    return (3 * snapshots + 2) * CPU_GENERATOR_STATE_BYTES
 
 
 def head_working_bytes(b: int, s: int, vocab: int, tp: int = 1) -> float:
@@ -95,29 +133,33 @@ def step_working_bytes(setup, *, psi: int, largest_group: int, kept: float, laye
     """The working memory at the step's worst moment, above the model states, the ``kept``
     activations (checkpoints, or every layer's without checkpointing) and ``gathered`` units.
 
-    Forward's worst is the head (logits and cross-entropy). Backward's is the largest of: the
+    Forward's worst is the head (logits and cross-entropy, beside the hidden state it normalised,
+    ``head_input_bytes``). Backward's is the largest of: the
     head's backward, which comes before any bucket is full; a recomputed layer beside a bucket
     in flight (none before the end when one bucket holds the whole model) and, at stage 3, the
     head's gradient of the tied embedding waiting in its unit for the lookup's; the tied
     gradients summed at the end, once the activations are gone; and their bucket going out.
-    Stage 3 without checkpointing gathers its blocks again only once backward starts, so its
-    forward head meets the root unit alone."""
+    Stage 3 releases each block after its forward and gathers blocks again only once backward
+    starts (with or without checkpointing), so its forward head meets the root unit alone."""
     cfg, t, b, pb = setup.model, setup.tp, setup.micro_batch, param_bytes
     s, h, vocab = cfg.seq_length, cfg.hidden_size, cfg.padded_vocab_size(setup.tp)
     sp, sel = setup.sequence_parallel and t > 1, setup.recompute_granularity == "selective"
     c = bucket_elements(setup.stage, setup.bucket_size, setup.dp, largest_group)
     copy = reduce_copy_bytes(setup, c, grad_bytes)
     tied, one_tied = tied_gradient_bytes(vocab, h, t, pb), pb * (vocab // t) * h
-    head_fwd, head_bwd = head_working_bytes(b, s, vocab, t), head_backward_bytes(b, s, vocab, t)
+    head_in = head_input_bytes(b, s, h, t, sp, param_bytes)
+    head_fwd = head_working_bytes(b, s, vocab, t) + head_in
+    head_bwd = head_backward_bytes(b, s, vocab, t) + head_in
     waiting = one_tied if setup.stage == 3 else 0
     if setup.checkpoint_activations:
-        segment = (recompute_working_bytes(b, s, h, cfg.num_heads, t, setup.fused_attention, sp, sel) * pb / 2
+        segment = (recompute_working_bytes(b, s, h, cfg.num_heads, t, setup.fused_attention, sp, sel, pb,
+                                           dropout_mask_bytes(setup, pb))
                    + (setup.checkpoint_every - 1) * layer)
         mid = copy if setup.stage == 3 or c < psi else 0
         backward = max(head_bwd, segment + mid + waiting, tied - kept, one_tied + copy - kept)
     else:  # the first bucket goes out once its C elements' layers are done, their activations freed
         done = kept * min(1.0, c / psi)
         backward = max(head_bwd, waiting + max(0.0, copy - done), tied - kept)
-    if setup.stage == 3 and not setup.checkpoint_activations:
+    if setup.stage == 3:
         return max(head_fwd + root, backward + gathered) - gathered
     return max(head_fwd, backward)

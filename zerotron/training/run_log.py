@@ -78,7 +78,8 @@ class RunLog:
 
         try:  # the memory model of this config at this world size
             return memory_model.estimate(memory_model.setup_from_run_config(self.cfg, self.mcfg, self.grid.world_size,
-                                                                            backend=self.t.env.backend))
+                                                                            backend=self.t.env.backend,
+                                                                            device=self.t.env.device.type))
         except ValueError as e:
             return str(e)
 
