@@ -39,7 +39,7 @@ def test_quick_ablations_match_memory_model(tmp_path):
         assert r["tflops_per_device"] > 0
         # the tracker sees at least what the optimizer and the checkpoint store name, and the
         # memory model's peak (before its margin) predicts it within 5 %, even at h 32 where the
-        # head's input and the RNG snapshots are a tenth of the working memory
+        # head's input and the RNG snapshots are a tenth of the peak
         assert r["peak"] >= r["accounted_max_rank"], (name, r["peak"], r["accounted_max_rank"])
         assert abs(r["ratio_peak"] - 1) <= 0.05, (name, r["peak"], r["pred_peak"])
     # Pa halves the device checkpoints at TP 2; Pa+cpu moves them to the host

@@ -242,8 +242,8 @@ def estimate(setup: Setup) -> dict:
     pa_gather = -(-b * s * h // t) * t * pb if pa and setup.checkpoint_activations else 0
     snapshots = -(-l // setup.checkpoint_every) if setup.checkpoint_activations else (l if sel else 0)
     rng = rng_snapshot_bytes(setup, snapshots)
-    host_is_device = ckpt["host"] if setup.device == "cpu" else 0  # a CPU run's host checkpoints are in its memory
-    used = states + ckpt["device"] + host_is_device + working + fixed + pa_gather + gathered + rng
+    host_on_device = ckpt["host"] if setup.device == "cpu" else 0  # a CPU run's host checkpoints are in its memory
+    used = states + ckpt["device"] + host_on_device + working + fixed + pa_gather + gathered + rng
     return {
         "params_total": cfg.exact_num_params(t),
         "params_per_rank": psi,

@@ -8,6 +8,7 @@ docstring there derives each term, ``scripts/bench/memory_grid.py`` measures the
 from __future__ import annotations
 
 from zerotron.estimate.activations import layer_activation_bytes
+from zerotron.parallel.rng import STREAMS
 
 
 def dropout_mask_bytes(setup, act_bytes: int) -> int:
@@ -55,14 +56,14 @@ CPU_GENERATOR_STATE_BYTES = 5056
 
 def rng_snapshot_bytes(setup, snapshots: int) -> int:
     """Each checkpoint (and each selectively recomputed core) snapshots the RNG streams dropout can
-    draw from -- with ``TPRNG``: the shared, TP-region and sequence-parallel CPU generator states --
+    draw from -- with ``TPRNG``: the shared CPU generator's state and each per-rank stream's --
     so its recompute replays the same masks (``activation/checkpoint.py: capture_rng``), and the
-    TPRNG holds its two per-rank streams besides. On a GPU these are host tensors (the CUDA states
+    TPRNG holds its per-rank streams besides. On a GPU these are host tensors (the CUDA states
     are 16 bytes each, on the host too), so only a CPU device holds them: 5056 bytes per state,
-    which at h 32 is a tenth of a checkpoint."""
+    three per checkpoint, which at h 32 (b 8, s 64) is half of a 32 KiB checkpoint."""
     if setup.device != "cpu":
         return 0
-    return (3 * snapshots + 2) * CPU_GENERATOR_STATE_BYTES
+    return ((1 + len(STREAMS)) * snapshots + len(STREAMS)) * CPU_GENERATOR_STATE_BYTES
 
 
 def head_working_bytes(b: int, s: int, vocab: int, tp: int = 1) -> float:
