@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -28,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from zerotron.estimate import memory_model, step_time  # noqa: E402
 from zerotron.model.flops import flops_per_iteration  # noqa: E402
+from zerotron.parallel import fake_cuda, simulation  # noqa: E402
 from zerotron.training.cli import parse_config  # noqa: E402
 from zerotron.training.config import ConfigError  # noqa: E402
 from zerotron.training.dry_run import simulate_rank  # noqa: E402
@@ -142,11 +144,27 @@ def print_rank(r: int, e: dict, a) -> None:
           f"(peak {a.peak_tflops:g} x efficiency {a.efficiency:g})")
 
 
+def on_fake_cuda(argv) -> None:
+    """Re-execute this script on ``fake_cuda``'s library when ``--device cuda`` meets a CPU-only
+    torch: the library must be loaded before torch is imported (see ``parallel/fake_cuda.py``)."""
+    if simulation.cuda_is_built() or fake_cuda.active():
+        return
+    if os.environ.get("ZEROTRON_FAKE_CUDA_EXEC"):
+        raise fake_cuda.FakeCudaUnavailable("the fake CUDA library was preloaded but torch does not see a cuda "
+                                            "accelerator (another library set CUDA hooks first?); pass --device cpu")
+    env = fake_cuda.environ() | {"ZEROTRON_FAKE_CUDA_EXEC": "1"}
+    sys.stdout.flush()
+    os.execve(sys.executable, [sys.executable, str(Path(__file__).resolve()), *argv], env)
+
+
 def main(argv=None) -> dict:
+    argv = sys.argv[1:] if argv is None else list(argv)
     a, overrides = build_parser().parse_known_args(argv)
     try:
         cfg, mcfg, ranks = load(a, overrides)
-    except (ConfigError, ValueError, TypeError) as e:
+        if a.device == "cuda":
+            on_fake_cuda(argv)
+    except (ConfigError, ValueError, TypeError, fake_cuda.FakeCudaUnavailable) as e:
         print(f"dry_run: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     model = model_figures(cfg, mcfg, a.gpus)

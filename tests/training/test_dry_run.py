@@ -1,4 +1,4 @@
-"""The dry run (scripts/dry_run.py) on 8 simulated ranks, TP 2 x PP 2 x DP 2, on the fake accelerator.
+"""The dry run (scripts/dry_run.py) on 8 simulated ranks, TP 2 x PP 2 x DP 2, on the fake CUDA device.
 
 The counts below are derived by hand from the model and the parallel plan, not read from the
 code: a test of what the real step communicates and how often it stops for the host.
@@ -50,7 +50,7 @@ def test_tp2_pp2_dp2(tmp_path, precision, stage):
     bsh, bs, blocks = B * S * H, B * S, LAYERS // 2
     for rank, first in (("0", True), ("7", False)):
         e = out["ranks"][rank]
-        assert e["device"] != "cpu", e["device"]  # the step ran on a (fake) accelerator, not the host
+        assert e["device"] == "cuda:0", e["device"]  # the step ran on the (fake) GPU, not the host
         assert e["coords"]["pp"] == (0 if first else 1)
         ops = e["comm_ops"]
         edge = 2 * bsh if first else 2 * bsh + 3 * 2 * bs
@@ -83,3 +83,22 @@ def test_bad_rank_exits_2(tmp_path):
            "--gpus", "8", "--ranks", "8", "--out", str(tmp_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 2 and "--ranks [8]" in proc.stderr
+
+
+def test_offloads_on_fake_cuda(tmp_path):
+    """The host-memory paths a GPU run takes -- stage 3's host partition, Pa+cpu's copies,
+    ZeRO-Infinity's NVMe tier -- on the fake CUDA device: they run, their host tensors are allowed
+    because they are on purpose, and the NVMe tier (which has no values to write) touches no file."""
+    nvme = tmp_path / "nvme"
+    cmd = [sys.executable, str(ROOT / "scripts" / "dry_run.py"), "--config", str(ROOT / "configs" / "tiny.yaml"),
+           "--gpus", "4", "--ranks", "0", "--json", "--out", str(tmp_path), "--parallel.tp", "2",
+           "--zero.stage", "3", "--zero.offload_param_device", "cpu", "--zero.offload_optimizer_device", "nvme",
+           "--zero.offload_optimizer_nvme_path", str(nvme),
+           "--activation_checkpointing.checkpoint_activations", "true",
+           "--activation_checkpointing.partition_activations", "true",
+           "--activation_checkpointing.cpu_checkpointing", "true"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    e = json.loads(proc.stdout)["ranks"]["0"]
+    assert e["device"] == "cuda:0" and e["host_tensor_bytes_per_step"] > 0, e
+    assert not any(nvme.rglob("*.f32")), sorted(nvme.rglob("*"))

@@ -31,7 +31,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         n_padded = vocab_start + per_rank - vocab_size
         if n_padded > 0:
             x = x.clone() if x is logits else x
-            x[..., max(per_rank - n_padded, 0):] = torch.finfo(x.dtype).min
+            x[..., max(per_rank - n_padded, 0):].fill_(torch.finfo(x.dtype).min)  # a scalar argument: no host tensor
         row_max = x.amax(dim=-1)
         C.all_reduce(row_max, group, op="max")
         x = x - row_max.unsqueeze(-1)  # new tensor; the caller's logits are untouched

@@ -191,9 +191,9 @@ class Health:
                 return
             if work is not None:
                 op.probe = work
-            elif tensor is not None and tensor.is_cuda and self.timeout_s:
-                op.probe = torch.cuda.Event()
-                op.probe.record()
+            elif tensor is not None and tensor.is_cuda and self.timeout_s and (event := host_sync.event()) is not None:
+                op.probe = event
+                event.record()
             else:
                 self._inflight.remove(op)
             if len(self._inflight) > 256:  # without a heartbeat thread nobody else prunes

@@ -2,7 +2,7 @@
 
 ``simulate_rank`` builds the rank's grid, model, ZeRO optimizer and activation checkpointing with
 ``parallelize_gpt`` -- as the trainer does -- inside ``parallel.simulation`` (fake tensors, the
-``fake`` process group, a fake accelerator) and runs ``training.step.run_step``, the trainer's own
+``fake`` process group, a fake ``cuda`` device) and runs ``training.step.run_step``, the trainer's own
 step, on synthetic batches: every micro-batch, the pipeline schedule included. It then assembles
 what a checkpoint save would write (``checkpoint.shard_contents``) and keeps its metadata.
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from zerotron.parallel import host_sync
+
 
 class HostParams:
     """``ShardSource`` (``zero.strategies``): this rank's stage-3 partition on the host."""
@@ -28,7 +30,7 @@ class HostParams:
     def adopt(self, part: torch.Tensor) -> torch.Tensor:
         """Move the initial partition to the host; what stays on the device is an empty tensor."""
         self.device, self.dtype = part.device, part.dtype
-        self.pinned = part.device.type == "cuda"
+        self.pinned = host_sync.pinned(part.device)
         self.host = torch.empty(part.numel(), dtype=part.dtype, device="cpu", pin_memory=self.pinned)
         self.host.copy_(part)
         return torch.empty(0, dtype=part.dtype, device=part.device)

@@ -33,7 +33,7 @@ class OptimizerState:
         # weights, so no second copy exists (K = 8); ``attach`` binds the master to their storage.
         self.own_master = own_master
         self.device = torch.device("cpu") if offload else device
-        pin = offload and device.type == "cuda"
+        pin = offload and host_sync.pinned(device)
 
         def alloc(n):
             t = torch.zeros(n, dtype=dtype, device=self.device)

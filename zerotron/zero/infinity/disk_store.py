@@ -9,6 +9,10 @@ DeepSpeed's ``offload_optimizer.buffer_count`` does.
 
 Files are plain little-endian fp32 arrays, read and written with ``os.pread``/``os.pwrite`` in
 worker threads (the GIL is released during file I/O), so no pickling or mmap page-cache surprises.
+
+Under a dry run (``host_sync.simulated()``: fake tensors, no values) no file is made: reads return
+uninitialised tiles of the right size, writes are dropped, both still counted in ``bytes_read`` /
+``bytes_written``, and the I/O runs in the caller's thread, where the fake-tensor mode is active.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from zerotron.parallel import host_sync
+
 
 class DiskTensorStore:
     """Named flat fp32 tensors in files under ``directory``, with bounded async I/O."""
@@ -30,7 +36,9 @@ class DiskTensorStore:
         if buffer_count < 2:
             raise ValueError(f"offload buffer_count={buffer_count}: need >= 2 (one tile computing, one in flight)")
         self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
+        self.simulated = host_sync.simulated()
+        if not self.simulated:
+            self.directory.mkdir(parents=True, exist_ok=True)
         self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="zerotron-disk")
         self._slots = threading.BoundedSemaphore(buffer_count)
         self.buffer_count = buffer_count
@@ -39,6 +47,9 @@ class DiskTensorStore:
 
     def create(self, name: str, init: torch.Tensor) -> None:
         """Create the file for ``name`` holding ``init`` (flat fp32)."""
+        if self.simulated:
+            self._files[name] = (-1, init.numel())
+            return
         path = self.directory / f"{name}.f32"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         data = init.detach().reshape(-1).float().cpu().numpy().tobytes()
@@ -52,6 +63,9 @@ class DiskTensorStore:
         fd, n = self._files[name]
         if not 0 <= start <= end <= n:
             raise IndexError(f"{name}: range [{start}, {end}) outside [0, {n})")
+        if self.simulated:
+            self.bytes_read += 4 * (end - start)
+            return torch.empty(end - start, dtype=torch.float32)
         raw = os.pread(fd, 4 * (end - start), 4 * start)
         if len(raw) != 4 * (end - start):
             raise IOError(f"{self.directory / name}.f32 is truncated: read {len(raw)} of {4 * (end - start)} bytes")
@@ -60,6 +74,9 @@ class DiskTensorStore:
 
     def _write(self, name: str, start: int, tensor: torch.Tensor) -> None:
         fd, _ = self._files[name]
+        if self.simulated:
+            self.bytes_written += 4 * tensor.numel()
+            return
         data = tensor.detach().reshape(-1).float().cpu().numpy().tobytes()
         os.pwrite(fd, data, 4 * start)
         self.bytes_written += len(data)
@@ -67,7 +84,7 @@ class DiskTensorStore:
     def read_ahead(self, name: str, start: int, end: int) -> Future:
         """Start reading ``name[start:end]``; blocks only when ``buffer_count`` tiles are in memory."""
         self._slots.acquire()
-        return self._pool.submit(self._read, name, start, end)
+        return self._submit(self._read, name, start, end)
 
     def write_behind(self, name: str, start: int, tensor: torch.Tensor, take_slot: bool = False) -> Future:
         """Write ``tensor`` at ``start`` of ``name`` in the background and free its buffer slot after.
@@ -82,7 +99,14 @@ class DiskTensorStore:
                 self._write(name, start, tensor)
             finally:
                 self._slots.release()
-        return self._pool.submit(job)
+        return self._submit(job)
+
+    def _submit(self, fn, *args) -> Future:
+        if not self.simulated:
+            return self._pool.submit(fn, *args)
+        done: Future = Future()
+        done.set_result(fn(*args))
+        return done
 
     def release(self) -> None:
         """Give back a slot taken by ``read_ahead`` whose tile is not written back."""
@@ -103,12 +127,14 @@ class DiskTensorStore:
         """Wait for every pending write and make it durable."""
         self._pool.submit(lambda: None).result()
         for fd, _ in self._files.values():
-            os.fsync(fd)
+            if fd >= 0:
+                os.fsync(fd)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
         for fd, _ in self._files.values():
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
         self._files.clear()
 
 
