@@ -24,6 +24,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from zerotron.parallel import fake_cuda  # noqa: E402
 CONFIGS = ROOT / "configs" / "zero100b"
 ABLATION_MODELS = {  # Table 3's models: (base config, overrides)
     "40B": ("table5/zero-100b.yaml", ["--model.num_layers", "50", "--training.micro_batch_size", "16",
@@ -65,12 +68,20 @@ def jobs(only: str | None) -> list[dict]:
     return out
 
 
-def run(job: dict, out_dir: Path) -> dict:
+def dry_run_env() -> dict | None:
+    """Each dry run starts on the fake CUDA library when this torch has no CUDA, as
+    ``scripts/dry_run.py`` would re-execute itself: once here instead of once per setup."""
+    import torch
+
+    return None if torch.backends.cuda.is_built() else fake_cuda.environ()
+
+
+def run(job: dict, out_dir: Path, env: dict | None) -> dict:
     cmd = [sys.executable, str(ROOT / "scripts" / "dry_run.py"), "--config", job["config"], "--gpus",
            str(job["gpus"]), "--json", "--out", str(out_dir / "metadata" / job["name"].replace(" ", "_")),
            *job["overrides"]]
     start = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
     job = {**job, "seconds": round(time.perf_counter() - start, 1)}
     if proc.returncode != 0:
         return {**job, "error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"}
@@ -102,7 +113,7 @@ def table(results: list[dict]) -> str:
 
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--only", help="a prefix: table5, table6, table10, ablations, or a name (C5, C4 100B)")
+    p.add_argument("--only", help="a prefix: table (the 33 setups), table5, table6, table10, ablations, or a name (C5, C4 100B)")
     p.add_argument("--jobs", type=int, default=2, help="dry runs at once (one CPU core each)")
     p.add_argument("--out", default="runs/dry_run/sweep", help="where sweep.json and sweep.md go")
     a = p.parse_args(argv)
@@ -110,8 +121,9 @@ def main(argv=None) -> list[dict]:
     out_dir.mkdir(parents=True, exist_ok=True)
     todo = jobs(a.only)
     start, results = time.perf_counter(), []
+    env = dry_run_env()
     with ThreadPoolExecutor(a.jobs) as pool:
-        for i, r in enumerate(pool.map(lambda j: run(j, out_dir), todo), 1):
+        for i, r in enumerate(pool.map(lambda j: run(j, out_dir, env), todo), 1):
             results.append(r)
             status = r.get("error") or " / ".join(f"{e['measured_vs_model']:.3f}" for e in r["result"]["ranks"].values())
             print(f"[sweep] {i}/{len(todo)} {r['name']}: {r['seconds']} s, measured/model {status}", flush=True)

@@ -68,6 +68,3 @@ def test_without_the_library_cuda_backward_is_what_fails():
     """Why the library exists: the same fake-cuda backward without it aborts inside autograd."""
     proc = subprocess.run([sys.executable, "-c", BARE_BACKWARD], capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "not linked with support for cuda devices" in proc.stderr, proc.stderr[-2000:]
-    proc = subprocess.run([sys.executable, "-c", BARE_BACKWARD], capture_output=True, text=True, timeout=120,
-                          env=fake_cuda.environ())
-    assert proc.returncode == 0, proc.stderr[-2000:]
