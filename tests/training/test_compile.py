@@ -2,7 +2,9 @@
 trains as the eager model does -- float64 tier, losses and final parameters of 3 steps within
 1e-10 (``FP64_ZERO``'s 1e-9 tightened: the only difference is inductor's order of sums) -- and
 the compiled path really ran (dynamo produced graphs); stage 3's gather/release hooks and
-activation checkpointing's recompute run around and through it."""
+activation checkpointing's recompute run around and through it. With TP 2 and dropout the
+masks are inductor's own, so that test checks what must hold under any RNG: the recompute
+replays the forward's masks, and the TP-replicated parameters stay equal across TP ranks."""
 
 from tests.harness import spawn
 from tests.parity import assert_fp64
@@ -64,3 +66,64 @@ def check(cache: str):
 
 def test_compiled_blocks_train_as_eager(tmp_path):
     assert all(spawn(check, 1, str(tmp_path / "inductor"), timeout=300))
+
+
+def train_tp_dropout(compiled: bool, checkpointing: bool):
+    """TP 2, dropout 0.1 in every place the block has one, fp64, 2 steps; returns the losses and
+    the LayerNorm parameters (replicated over TP: every TP rank must hold the same ones)."""
+    import torch
+
+    from zerotron.model.config import GPTConfig
+    from zerotron.parallel import Grid
+    from zerotron.training.config import RunConfig
+    from zerotron.training.parallelize import parallelize_gpt
+
+    torch._dynamo.reset()
+    cfg = RunConfig()
+    cfg.parallel.tp = 2
+    t = cfg.training
+    t.precision, t.micro_batch_size, t.global_batch_size, t.compile = "fp64", 2, 2, compiled
+    cfg.activation_checkpointing.checkpoint_activations = checkpointing
+    model_cfg = GPTConfig(num_layers=2, hidden_size=32, num_heads=4, vocab_size=128, seq_length=16,
+                          dropout=0.1, attention_dropout=0.1)
+    grid = Grid(cfg.parallel)
+    plan = parallelize_gpt(cfg.validate(2), model_cfg, grid)
+    gen = torch.Generator().manual_seed(5)
+    losses = []
+    for _ in range(2):
+        ids = torch.randint(0, 128, (2, 16), generator=gen)
+        loss = plan.model(ids, ids)
+        plan.optimizer.backward(loss)
+        plan.optimizer.step()
+        losses.append(loss.detach())
+    norms = {k: v.clone() for k, v in plan.optimizer.full_params() if ".ln" in k or k.startswith("final_ln")}
+    return torch.stack(losses), norms
+
+
+def check_tp_dropout(cache: str):
+    import os
+
+    import torch
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
+    eager = train_tp_dropout(False, True)
+    recomputed = train_tp_dropout(True, True)
+    kept = train_tp_dropout(True, False)
+    # inductor draws its own masks (not eager's: its RNG is its own), and the recompute of a
+    # checkpointed block must replay them exactly, or its gradients belong to another mask
+    assert not torch.equal(recomputed[0], eager[0]), "compiled dropout drew eager's masks: the test checks nothing"
+    assert torch.equal(recomputed[0], kept[0]), (recomputed[0], kept[0])
+    for name, value in recomputed[1].items():
+        assert torch.equal(value, kept[1][name]), name
+    return recomputed[1]
+
+
+def test_compiled_tp_blocks_with_dropout(tmp_path):
+    """TP 2 with dropout on, compiled blocks under inductor's own RNG: activation checkpointing's
+    recompute replays the forward's masks bit for bit (checkpointed and kept activations train
+    identically), and the TP-replicated LayerNorms stay identical across TP ranks, so the
+    residual dropout drew one mask for the whole TP group and attention dropout its per-rank one
+    without splitting the replicated stream."""
+    norms = spawn(check_tp_dropout, 2, str(tmp_path / "inductor"), timeout=400)
+    for name, value in norms[0].items():
+        assert (value == norms[1][name]).all(), f"{name} differs across TP ranks"
