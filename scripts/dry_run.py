@@ -147,7 +147,11 @@ def print_rank(r: int, e: dict, a) -> None:
 def on_fake_cuda(argv) -> None:
     """Re-execute this script on ``fake_cuda``'s library when ``--device cuda`` meets a CPU-only
     torch: the library must be loaded before torch is imported (see ``parallel/fake_cuda.py``)."""
-    if simulation.cuda_is_built() or fake_cuda.active():
+    if simulation.cuda_is_built():
+        return
+    if fake_cuda.active():  # loaded: what this process starts need not carry it
+        fake_cuda.unload_from_children()
+        os.environ.pop("ZEROTRON_FAKE_CUDA_EXEC", None)
         return
     if os.environ.get("ZEROTRON_FAKE_CUDA_EXEC"):
         raise fake_cuda.FakeCudaUnavailable("the fake CUDA library was preloaded but torch does not see a cuda "

@@ -121,7 +121,11 @@ def main(argv=None) -> list[dict]:
     out_dir.mkdir(parents=True, exist_ok=True)
     todo = jobs(a.only)
     start, results = time.perf_counter(), []
-    env = dry_run_env()
+    try:
+        env = dry_run_env()
+    except fake_cuda.FakeCudaUnavailable as e:
+        print(f"dry_run_sweep: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     with ThreadPoolExecutor(a.jobs) as pool:
         for i, r in enumerate(pool.map(lambda j: run(j, out_dir, env), todo), 1):
             results.append(r)

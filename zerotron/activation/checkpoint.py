@@ -40,6 +40,7 @@ import torch
 
 from zerotron.activation.config import ActivationCheckpointConfig
 from zerotron.activation.store import CheckpointStore
+from zerotron.parallel import host_sync
 
 
 def _cuda_ready() -> bool:
@@ -72,8 +73,7 @@ def _run_chunk(blocks, x: torch.Tensor) -> torch.Tensor:
 
 
 def _boundary(device: torch.device) -> None:
-    if device.type == "cuda":  # synchronize_checkpoint_boundary: a debugging aid, as in DeepSpeed
-        torch.cuda.synchronize(device)
+    host_sync.synchronize(device)  # synchronize_checkpoint_boundary: a debugging aid, as in DeepSpeed
 
 
 class _CheckpointedChunk(torch.autograd.Function):

@@ -9,10 +9,11 @@ setups on hundreds of GPUs, run on a laptop) needs exactly that backward on ``cu
 This module supplies the two missing pieces and nothing more, from torch's own headers: the
 device guard is ``c10::impl::FakeGuardImpl<CUDA>`` (torch's test guard: device index and stream
 ids held in thread-locals, events complete at once) and the hooks are the default
-``at::CUDAHooksInterface`` answering "built" and "has CUDA". Every other CUDA hook still raises,
-so a driver feature reached from Python (streams, events, pinned memory) fails loudly unless it
-goes through ``host_sync``'s no-op switch -- which is what the dry run checks. Real CUDA kernels
-are never reached: fake tensors dispatch to meta functions.
+``at::CUDAHooksInterface`` answering "built", "has CUDA" and one device. Every other hook keeps
+the CPU build's default (pinned memory raises), and ``torch.cuda``'s Python API (streams,
+events, ``synchronize``, device properties) stays the CPU build's, which refuses; so a driver
+feature reached from the step fails loudly unless it goes through ``host_sync``'s no-op switch.
+Real CUDA kernels are never reached: fake tensors dispatch to meta functions.
 
 The hooks are read once, while ``import torch`` runs, so the library must be loaded before it:
 ``environ()`` gives the environment (``LD_PRELOAD``) a process is started with, and
@@ -27,8 +28,10 @@ import contextlib
 import hashlib
 import importlib.util
 import os
+import shlex
 import shutil
 import subprocess
+import threading
 from pathlib import Path
 
 SOURCE = r"""
@@ -75,31 +78,43 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "zerotron"
 
 
+def _command(compiler: list[str], torch_dir: Path, source: Path, out: Path) -> list[str]:
+    include, lib = torch_dir / "include", torch_dir / "lib"
+    return [*compiler, "-O1", "-shared", "-fPIC", "-std=c++20", "-w", f"-I{include}", str(source), f"-L{lib}",
+            f"-Wl,-rpath,{lib}", "-lc10", "-ltorch_cpu", "-o", str(out)]
+
+
 def library() -> Path:
-    """The compiled library for this torch, built on first use (atomically: a rename into place)."""
+    """The compiled library for this torch, built on first use (atomically: a rename into place).
+    Raises ``FakeCudaUnavailable`` naming the fix when it cannot be built."""
     torch_dir = _torch_dir()
-    key = hashlib.sha256((SOURCE + _torch_version(torch_dir) + str(torch_dir)).encode()).hexdigest()[:16]
+    found = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if not found:
+        raise FakeCudaUnavailable("no C++ compiler found ($CXX, c++ or g++): install one (e.g. apt install g++) "
+                                  "to dry-run on a fake cuda device with a CPU-only torch, or pass --device cpu")
+    compiler = shlex.split(found)
+    recipe = " ".join(_command(compiler, torch_dir, Path("SOURCE"), Path("OUT")))
+    key = hashlib.sha256((SOURCE + _torch_version(torch_dir) + recipe).encode()).hexdigest()[:16]
     target = cache_dir() / f"fake_cuda-{key}.so"
     if target.exists():
         return target
-    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    if not compiler:
-        raise FakeCudaUnavailable("no C++ compiler found ($CXX, c++ or g++): install one (e.g. apt install g++) "
-                                  "to dry-run on a fake cuda device with a CPU-only torch, or pass --device cpu")
-    include, lib = torch_dir / "include", torch_dir / "lib"
-    if not (include / "c10" / "core" / "impl" / "FakeGuardImpl.h").exists():
-        raise FakeCudaUnavailable(f"{include} lacks torch's C++ headers; reinstall torch, or pass --device cpu")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    source = target.with_suffix(f".{os.getpid()}.cpp")
-    partial = target.with_suffix(f".{os.getpid()}.so")
-    source.write_text(SOURCE)
-    cmd = [compiler, "-O1", "-shared", "-fPIC", "-std=c++20", "-w", f"-I{include}", str(source), f"-L{lib}",
-           f"-Wl,-rpath,{lib}", "-lc10", "-ltorch_cpu", "-o", str(partial)]
+    if not (torch_dir / "include" / "c10" / "core" / "impl" / "FakeGuardImpl.h").exists():
+        raise FakeCudaUnavailable(f"{torch_dir / 'include'} lacks torch's C++ headers; reinstall torch, "
+                                  "or pass --device cpu")
+    tag = f"{os.getpid()}.{threading.get_ident()}"
+    source, partial = target.with_suffix(f".{tag}.cpp"), target.with_suffix(f".{tag}.so")
+    cmd = _command(compiler, torch_dir, source, partial)
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        source.write_text(SOURCE)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if proc.returncode != 0:
-            raise FakeCudaUnavailable(f"building the fake CUDA library failed ({' '.join(cmd)}):\n{proc.stderr[-2000:]}")
+            raise FakeCudaUnavailable(f"building the fake CUDA library failed ({' '.join(cmd)}):\n"
+                                      f"{proc.stderr[-2000:]}\nfix the compiler ($CXX) or pass --device cpu")
         os.replace(partial, target)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise FakeCudaUnavailable(f"building the fake CUDA library under {target.parent} failed ({e}); set "
+                                  f"$XDG_CACHE_HOME to a writable directory, fix $CXX, or pass --device cpu") from None
     finally:
         source.unlink(missing_ok=True)
         partial.unlink(missing_ok=True)
@@ -114,6 +129,16 @@ def environ(base: dict[str, str] | None = None) -> dict[str, str]:
     if path not in preload.split(":"):
         env["LD_PRELOAD"] = f"{path}:{preload}" if preload else path
     return env
+
+
+def unload_from_children() -> None:
+    """Take the library out of this process's ``LD_PRELOAD`` once it is loaded: a child (a shell,
+    inductor's compiler, another torch) must not start with torch's libraries forced into it."""
+    kept = [p for p in os.environ.get("LD_PRELOAD", "").split(":") if p and not Path(p).name.startswith("fake_cuda-")]
+    if kept:
+        os.environ["LD_PRELOAD"] = ":".join(kept)
+    else:
+        os.environ.pop("LD_PRELOAD", None)
 
 
 def active() -> bool:

@@ -10,8 +10,8 @@ micro-batch and at most one per step; fp16's overflow decision is the one a step
 Under ``simulate()`` (the dry run on fake tensors and the ``fake`` process group, which hold no
 values) a read returns its ``placeholder`` instead -- a value that keeps the step on its normal
 path (a finite norm, no overflow) -- and is still counted. The same switch makes the CUDA objects
-that need a driver (streams, events, pinned host memory) no-ops: ``stream``/``event``/``pinned``
-are the one place the code asks for them.
+that need a driver (streams, events, pinned host memory, device synchronisation) no-ops:
+``stream``/``event``/``pinned``/``synchronize`` are the one place the code asks for them.
 """
 
 from __future__ import annotations
@@ -101,6 +101,12 @@ def event(enable_timing: bool = False):
     """A CUDA event to record, or None under a dry run (callers treat None as already complete).
     ``enable_timing``: for ``elapsed_time`` (the pipeline's compute clock)."""
     return None if _state.simulated else torch.cuda.Event(enable_timing=enable_timing)
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for ``device``'s queued kernels (CUDA only; a no-op on the CPU and under a dry run)."""
+    if device.type == "cuda" and not _state.simulated:
+        torch.cuda.synchronize(device)
 
 
 def pinned(device: torch.device) -> bool:

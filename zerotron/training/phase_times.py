@@ -16,6 +16,8 @@ import time
 
 import torch
 
+from zerotron.parallel import host_sync
+
 
 class PhaseTimes:
     def __init__(self, inner, device: torch.device):
@@ -24,8 +26,7 @@ class PhaseTimes:
         self.steps = 0
 
     def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        host_sync.synchronize(self.device)
 
     @contextlib.contextmanager
     def phase(self, name: str):

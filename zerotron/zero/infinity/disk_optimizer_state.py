@@ -21,15 +21,13 @@ Each updated master tile goes straight to the stage-3 parameters through their `
 
 from __future__ import annotations
 
-import os
 import shutil
-import tempfile
 import weakref
 
 import torch
 
 from zerotron.zero.clip import apply_coef
-from zerotron.zero.infinity.disk_store import DiskTensorStore
+from zerotron.zero.infinity.disk_store import DiskTensorStore, rank_directory
 
 KEYS = ("master", "exp_avg", "exp_avg_sq")
 
@@ -47,8 +45,7 @@ class DiskOptimizerState:
     """``OptimizerStateStore`` (``zero.strategies``) whose master and moments live in one file per rank."""
 
     def __init__(self, numel: int, directory: str, rank: int, tile: int, buffer_count: int, params):
-        os.makedirs(directory, exist_ok=True)
-        self.dir = tempfile.mkdtemp(prefix=f"zerotron_rank{rank}_", dir=directory)
+        self.dir = rank_directory(directory, f"zerotron_rank{rank}_")
         self.numel, self.tile = numel, max(1, min(tile, numel))
         self.store = DiskTensorStore(self.dir, buffer_count=buffer_count)
         self.store.create("state", torch.zeros(3 * numel))

@@ -28,15 +28,13 @@ first waits for the pending write-behinds, so a gather never sees a half-written
 
 from __future__ import annotations
 
-import os
 import shutil
-import tempfile
 import weakref
 from concurrent.futures import Future
 
 import torch
 
-from zerotron.zero.infinity.disk_store import DiskTensorStore
+from zerotron.zero.infinity.disk_store import DiskTensorStore, rank_directory
 
 
 def expected_param_offload_bytes(psi: int, dp: int, param_bytes: int = 4) -> dict:
@@ -49,8 +47,7 @@ class DiskParams:
     ahead of its gather and rewritten behind the step."""
 
     def __init__(self, layout, directory: str, rank: int, buffer_count: int, owner=None):
-        os.makedirs(directory, exist_ok=True)
-        self.dir = tempfile.mkdtemp(prefix=f"zerotron_params_rank{rank}_", dir=directory)
+        self.dir = rank_directory(directory, f"zerotron_params_rank{rank}_")
         self.store = DiskTensorStore(self.dir, buffer_count=buffer_count)
         self.ranges = []  # per layout group: its [lo, hi) in the partition (its chunks are consecutive)
         for g in layout.groups:

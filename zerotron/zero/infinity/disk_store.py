@@ -18,6 +18,7 @@ uninitialised tiles of the right size, writes are dropped, both still counted in
 from __future__ import annotations
 
 import os
+import tempfile
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -27,6 +28,15 @@ import numpy as np
 import torch
 
 from zerotron.parallel import host_sync
+
+
+def rank_directory(directory: str, prefix: str) -> str:
+    """A fresh directory for one rank's files under ``directory``; under a dry run only its name
+    (nothing is written there, so nothing is made)."""
+    if host_sync.simulated():
+        return os.path.join(directory, f"{prefix}dry_run")
+    os.makedirs(directory, exist_ok=True)
+    return tempfile.mkdtemp(prefix=prefix, dir=directory)
 
 
 class DiskTensorStore:
