@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from zerotron.parallel import fake_cuda  # noqa: E402
+from zerotron.parallel import fake_cuda, simulation  # noqa: E402
 CONFIGS = ROOT / "configs" / "zero100b"
 ABLATION_MODELS = {  # Table 3's models: (base config, overrides)
     "40B": ("table5/zero-100b.yaml", ["--model.num_layers", "50", "--training.micro_batch_size", "16",
@@ -71,9 +71,7 @@ def jobs(only: str | None) -> list[dict]:
 def dry_run_env() -> dict | None:
     """Each dry run starts on the fake CUDA library when this torch has no CUDA, as
     ``scripts/dry_run.py`` would re-execute itself: once here instead of once per setup."""
-    import torch
-
-    return None if torch.backends.cuda.is_built() else fake_cuda.environ()
+    return None if simulation.cuda_is_built() else fake_cuda.environ()
 
 
 def run(job: dict, out_dir: Path, env: dict | None) -> dict:

@@ -13,29 +13,32 @@ STEPS = 3
 LAYOUTS = ((0, False), (3, True))  # (ZeRO stage, activation checkpointing)
 
 
-def train(compiled: bool, stage: int, checkpointing: bool):
+def train(compiled: bool, stage: int, checkpointing: bool, tp: int = 1, dropout: float = 0.0, steps: int = STEPS):
+    """fp64, micro-batch 2 of 16 tokens, on ``tp`` ranks; ``dropout`` in every place the block has
+    one. Returns the losses, the full parameters and dynamo's count of graphs."""
     import torch
 
     from zerotron.model.config import GPTConfig
-    from zerotron.parallel import Grid, ParallelDims
+    from zerotron.parallel import Grid
     from zerotron.training.config import RunConfig
     from zerotron.training.parallelize import parallelize_gpt
 
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    grid = Grid(ParallelDims())
     cfg = RunConfig()
+    cfg.parallel.tp = tp
     t = cfg.training
     t.precision, t.micro_batch_size, t.global_batch_size, t.compile = "fp64", 2, 2, compiled
     cfg.activation_checkpointing.checkpoint_activations = checkpointing
     cfg.zero.stage = stage
     model_cfg = GPTConfig(num_layers=2, hidden_size=32, num_heads=4, vocab_size=128, seq_length=16,
-                          dropout=0.0, attention_dropout=0.0)
-    plan = parallelize_gpt(cfg.validate(1), model_cfg, grid)
+                          dropout=dropout, attention_dropout=dropout)
+    grid = Grid(cfg.parallel)
+    plan = parallelize_gpt(cfg.validate(tp), model_cfg, grid)
     model, opt = plan.model, plan.optimizer
     gen = torch.Generator().manual_seed(5)
     losses = []
-    for _ in range(STEPS):
+    for _ in range(steps):
         ids = torch.randint(0, 128, (2, 16), generator=gen)
         loss = model(ids, ids)
         opt.backward(loss)
@@ -69,36 +72,12 @@ def test_compiled_blocks_train_as_eager(tmp_path):
 
 
 def train_tp_dropout(compiled: bool, checkpointing: bool):
-    """TP 2, dropout 0.1 in every place the block has one, fp64, 2 steps; returns the losses and
-    the LayerNorm parameters (replicated over TP: every TP rank must hold the same ones)."""
-    import torch
-
-    from zerotron.model.config import GPTConfig
-    from zerotron.parallel import Grid
-    from zerotron.training.config import RunConfig
-    from zerotron.training.parallelize import parallelize_gpt
-
-    torch._dynamo.reset()
-    cfg = RunConfig()
-    cfg.parallel.tp = 2
-    t = cfg.training
-    t.precision, t.micro_batch_size, t.global_batch_size, t.compile = "fp64", 2, 2, compiled
-    cfg.activation_checkpointing.checkpoint_activations = checkpointing
-    model_cfg = GPTConfig(num_layers=2, hidden_size=32, num_heads=4, vocab_size=128, seq_length=16,
-                          dropout=0.1, attention_dropout=0.1)
-    grid = Grid(cfg.parallel)
-    plan = parallelize_gpt(cfg.validate(2), model_cfg, grid)
-    gen = torch.Generator().manual_seed(5)
-    losses = []
-    for _ in range(2):
-        ids = torch.randint(0, 128, (2, 16), generator=gen)
-        loss = plan.model(ids, ids)
-        plan.optimizer.backward(loss)
-        plan.optimizer.step()
-        losses.append(loss.detach())
-    norms = {k: v.clone() for k, v in plan.optimizer.full_params() if ".ln" in k or k.startswith("final_ln")}
+    """TP 2, dropout 0.1, 2 steps; returns the losses and the LayerNorm parameters (replicated
+    over TP: every TP rank must hold the same ones)."""
+    losses, params, _ = train(compiled, 0, checkpointing, tp=2, dropout=0.1, steps=2)
+    norms = {k: v for k, v in params.items() if ".ln" in k or k.startswith("final_ln")}
     assert norms, "no LayerNorm parameter matched: the checks below would compare nothing"
-    return torch.stack(losses), norms
+    return losses, norms
 
 
 def check_tp_dropout(cache: str):

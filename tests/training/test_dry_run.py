@@ -32,15 +32,20 @@ ROOT = Path(__file__).resolve().parents[2]
 B, S, H, VOCAB, LAYERS, MICRO = 8, 128, 64, 1024, 4, 2  # configs/tiny.yaml, global 32 / (8 x DP 2)
 
 
-def dry_run(tmp_path, precision: str, stage: int) -> dict:
+def run_script(tmp_path, *flags: str) -> dict:
+    """``scripts/dry_run.py --json`` on configs/tiny.yaml with ``flags``; its JSON (exit 0 asserted)."""
     cmd = [sys.executable, str(ROOT / "scripts" / "dry_run.py"), "--config", str(ROOT / "configs" / "tiny.yaml"),
-           "--gpus", "8", "--ranks", "0", "7", "--json", "--out", str(tmp_path),
-           "--parallel.tp", "2", "--parallel.pp", "2", "--training.precision", precision, "--zero.stage", str(stage),
-           "--activation_checkpointing.checkpoint_activations", "true",
-           "--activation_checkpointing.partition_activations", "true", "--model.vocab_size", str(VOCAB)]
+           "--json", "--out", str(tmp_path), *flags]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout)
+
+
+def dry_run(tmp_path, precision: str, stage: int) -> dict:
+    return run_script(tmp_path, "--gpus", "8", "--ranks", "0", "7", "--parallel.tp", "2", "--parallel.pp", "2",
+                      "--training.precision", precision, "--zero.stage", str(stage),
+                      "--activation_checkpointing.checkpoint_activations", "true",
+                      "--activation_checkpointing.partition_activations", "true", "--model.vocab_size", str(VOCAB))
 
 
 @pytest.mark.parametrize("precision,stage", [("bf16", 2), ("fp16", 1)])  # both precisions, both stages
@@ -90,15 +95,12 @@ def test_offloads_on_fake_cuda(tmp_path):
     ZeRO-Infinity's NVMe tier -- on the fake CUDA device: they run, their host tensors are allowed
     because they are on purpose, and the NVMe tier (which has no values to write) makes no file or directory."""
     nvme = tmp_path / "nvme"
-    cmd = [sys.executable, str(ROOT / "scripts" / "dry_run.py"), "--config", str(ROOT / "configs" / "tiny.yaml"),
-           "--gpus", "4", "--ranks", "0", "--json", "--out", str(tmp_path), "--parallel.tp", "2",
-           "--zero.stage", "3", "--zero.offload_param_device", "cpu", "--zero.offload_optimizer_device", "nvme",
-           "--zero.offload_optimizer_nvme_path", str(nvme),
-           "--activation_checkpointing.checkpoint_activations", "true",
-           "--activation_checkpointing.partition_activations", "true",
-           "--activation_checkpointing.cpu_checkpointing", "true"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    e = json.loads(proc.stdout)["ranks"]["0"]
+    out = run_script(tmp_path, "--gpus", "4", "--ranks", "0", "--parallel.tp", "2",
+                     "--zero.stage", "3", "--zero.offload_param_device", "cpu", "--zero.offload_optimizer_device", "nvme",
+                     "--zero.offload_optimizer_nvme_path", str(nvme),
+                     "--activation_checkpointing.checkpoint_activations", "true",
+                     "--activation_checkpointing.partition_activations", "true",
+                     "--activation_checkpointing.cpu_checkpointing", "true")
+    e = out["ranks"]["0"]
     assert e["device"] == "cuda:0" and e["host_tensor_bytes_per_step"] > 0, e
     assert not nvme.exists(), sorted(nvme.rglob("*"))
