@@ -12,7 +12,9 @@
 * communication per block: the SP all-gathers + reduce-scatters move exactly the bytes of the
   all-reduces without SP, forward; backward adds exactly the re-gather of the two
   column-parallel inputs (2·b·s·h; kept as s/t pieces for Table 2's 34/t) and the 6 h-element
-  all-reduces of the LayerNorm and row-parallel bias gradients;
+  all-reduces of the LayerNorm and row-parallel bias gradients; under full recompute the
+  recompute's gathers are kept for the weight gradients, and forward + recompute + backward
+  moves exactly the all-reduce bytes of the same block without SP;
 * TP 2 × PP 2 with SP: the stages exchange sequence pieces; float64 gradients of every stage;
 * no b×s×h copy in a TP block's forward+backward (issue 22): ``Tensor.clone`` / ``copy_`` /
   copying ``contiguous()`` wrapped and counted; the old cloning f/g make the count 4.
@@ -163,11 +165,17 @@ def check_dropout(grid):
     assert_bitwise(sp(x[:, :-1], x[:, 1:]).detach(), again, "SP dropout replays from the seed")
 
 
-def _block_traffic(grid, sp, b=2):
+def _block_traffic(grid, sp, b=2, recompute=False):
+    from zerotron.activation import ActivationCheckpointConfig, apply_activation_checkpointing
+
     model = GPT(GPTConfig(**SHAPE), grid, seed=5, sequence_parallel=sp)
     x = torch.randn(model.hidden_shape(b), requires_grad=True)
+    run = model.blocks[0]
+    if recompute:
+        handle = apply_activation_checkpointing(model, grid, ActivationCheckpointConfig(checkpoint_activations=True))
+        run = lambda x: handle([model.blocks[0]], x)  # noqa: E731
     mark = grid.stats.snapshot()
-    y = model.blocks[0](x)
+    y = run(x)
     fwd = grid.stats.since(mark)
     mark = grid.stats.snapshot()
     y.sum().backward()
@@ -187,6 +195,11 @@ def check_comm(grid):
     assert ag_rs(b_sp) == b_tp.get("all_reduce", "tp").bytes + 2 * bsh_bytes, (b_sp.snapshot(), b_tp.snapshot())
     ln_bias = b_sp.get("all_reduce", "tp")
     assert ln_bias.calls == 6 and ln_bias.elements == 2 * 6 * h, ln_bias
+    (f_tp, b_tp), (f_sp, b_sp) = _block_traffic(grid, False, recompute=True), _block_traffic(grid, True, recompute=True)
+    assert ag_rs(f_sp) == f_tp.get("all_reduce", "tp").bytes == 2 * 2 * bsh_bytes
+    # backward = recompute + backward: the recompute's gathers serve the weight gradients
+    assert b_tp.get("all_reduce", "tp").bytes == 2 * 2 * 2 * bsh_bytes
+    assert ag_rs(b_sp) == b_tp.get("all_reduce", "tp").bytes, (b_sp.snapshot(), b_tp.snapshot())
 
 
 class _CopyCounter:

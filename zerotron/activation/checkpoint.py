@@ -27,7 +27,9 @@ selective`` it also installs selective recompute of the attention core (``select
 
 With sequence parallelism (Korthikanti et al. 2022) a block's input is already this TP rank's
 1/t of the sequence, not a replicated tensor: Pa has nothing left to partition there, so the
-checkpoint is kept as it is (and offloaded with ``cpu_checkpointing``); that is said once.
+checkpoint is kept as it is (and offloaded with ``cpu_checkpointing``); that is said once. The
+recompute runs inside ``keeping_gathered_inputs``: its column-parallel GEMMs keep the inputs
+they have just all-gathered for their weight gradients instead of gathering them a third time.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ import torch
 from zerotron.activation.config import ActivationCheckpointConfig
 from zerotron.activation.store import CheckpointStore
 from zerotron.parallel import host_sync
+from zerotron.parallel.sequence_parallel import keeping_gathered_inputs
 
 
 def _cuda_ready() -> bool:
@@ -97,7 +100,7 @@ class _CheckpointedChunk(torch.autograd.Function):
         now = capture_rng(runner.rng)
         restore_rng(runner.rng, ctx.rng_states)  # same dropout masks as in forward
         try:
-            with torch.enable_grad():
+            with torch.enable_grad(), keeping_gathered_inputs():
                 y = ctx.run(x)
         finally:
             restore_rng(runner.rng, now)  # the streams continue as if nothing had been replayed

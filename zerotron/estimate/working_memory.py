@@ -33,13 +33,15 @@ def recompute_working_bytes(b: int, s: int, h: int, heads: int, tp: int = 1, fus
                             mask_bytes: int = 1) -> float:
     """Peak of one checkpointed layer's backward beyond its checkpoint (module docstring), per
     s·b·h: replicated 6e + 2m (14 at the paper's e = 2, m = 1), TP-split 12e/t; with sequence
-    parallelism the replicated part is split along the sequence too, but a column-parallel
-    GEMM's backward then holds its re-gathered input and the whole input gradient before the
-    reduce-scatter, 2e (``parallel.sequence_parallel._GatherLinear``)."""
+    parallelism the replicated part is split along the sequence too, except that the recompute
+    keeps the two column-parallel GEMMs' gathered inputs for their weight gradients, 2e in
+    place of their 2e/t pieces, and a column-parallel GEMM's backward holds its whole input
+    gradient before the reduce-scatter, e (``parallel.sequence_parallel._GatherLinear``)."""
     e, m = act_bytes, mask_bytes
     replicated = 6 * e + 2 * m
     probs = 0 if (fused_attention or selective) else (2 * e + m) * heads * s / (h * tp)
-    return s * b * h * ((replicated / tp + 2 * e if sequence_parallel else replicated) + 12 * e / tp + probs)
+    sp_extra = 2 * e - 2 * e / tp + e
+    return s * b * h * ((replicated / tp + sp_extra if sequence_parallel else replicated) + 12 * e / tp + probs)
 
 
 def head_input_bytes(b: int, s: int, h: int, tp: int = 1, sequence_parallel: bool = False,

@@ -18,7 +18,11 @@ The column-parallel GEMM keeps only this rank's s/t piece of its input for backw
 all-gathers it again there (``_GatherLinear``; Megatron's ``LinearWithGradAccumulationAnd-
 AsyncCommunication``), which is what gives Korthikanti's 34/t bytes per layer (Table 2) instead
 of keeping the gathered s×b×h; that extra all-gather overlaps the input-gradient GEMM, and the
-reduce-scatter of that gradient overlaps the weight-gradient GEMM.
+reduce-scatter of that gradient overlaps the weight-gradient GEMM. Inside a full recompute
+(``keeping_gathered_inputs``, entered by activation checkpointing's backward) the block's
+forward has just gathered that input and its graph lives only until this block's backward, so
+the gathered tensor is kept instead: the recompute's all-gather serves the weight gradient, and
+a checkpointed SP block moves exactly the bytes of its all-reduces without SP.
 
 Parameters used inside a sequence-parallel region (LayerNorms, the row-parallel biases, the
 position table) are replicated but each rank sees only its tokens, so their gradients are
@@ -28,6 +32,9 @@ gradient over TP before autograd accumulates it (Megatron does the same sum afte
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -35,6 +42,21 @@ from torch import nn
 from zerotron.parallel import collectives as C
 from zerotron.parallel.grid import Group
 from zerotron.parallel.tp_mappings import copy_to_tp_region
+
+
+_recompute = threading.local()  # per thread: CUDA's autograd runs backward (and so a recompute) on its own
+
+
+@contextlib.contextmanager
+def keeping_gathered_inputs():
+    """While a checkpointed chunk is re-run in backward, column-parallel GEMMs keep their gathered
+    input for the weight gradient rather than all-gathering it once more (module docstring)."""
+    before = getattr(_recompute, "keep", False)
+    _recompute.keep = True
+    try:
+        yield
+    finally:
+        _recompute.keep = before
 
 
 def check_sequence_length(seq: int, tp: int) -> None:
@@ -92,30 +114,36 @@ class _GatherLinear(torch.autograd.Function):
     """y = all_gather_seq(x) · Wᵀ + b, keeping only x (this rank's s/t) for backward.
 
     Backward all-gathers x again (asynchronously, while the input gradient is computed) and
-    reduce-scatters the input gradient (while the weight gradient is computed).
+    reduce-scatters the input gradient (while the weight gradient is computed). Within a
+    recompute (``keep``) the gathered input is kept instead and nothing is gathered again.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group):
-        ctx.group, ctx.has_bias = group, bias is not None
-        ctx.save_for_backward(x, weight)
-        return F.linear(_gather_seq(x, group), weight, bias)
+    def forward(ctx, x, weight, bias, group, keep):
+        ctx.group, ctx.has_bias, ctx.piece, ctx.kept_total = group, bias is not None, x.shape, keep
+        total = _gather_seq(x, group)
+        ctx.save_for_backward(total if keep else x, weight)
+        return F.linear(total, weight, bias)
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         group = ctx.group
-        total = x.new_empty((group.size * x.shape[0], *x.shape[1:]))
-        gathering = C.all_gather(total, x.contiguous().detach(), group, async_op=True)
+        if ctx.kept_total:
+            total, gathering = x, None
+        else:
+            total = x.new_empty((group.size * x.shape[0], *x.shape[1:]))
+            gathering = C.all_gather(total, x.contiguous().detach(), group, async_op=True)
         grad_input = grad.matmul(weight)
-        gathering.wait()
-        grad_x = x.new_empty(x.shape)
+        if gathering is not None:
+            gathering.wait()
+        grad_x = x.new_empty(ctx.piece)
         scattering = C.reduce_scatter(grad_x, grad_input, group, async_op=True)
         g2 = grad.reshape(-1, grad.shape[-1])
         grad_weight = g2.t().matmul(total.view(-1, total.shape[-1]))
         grad_bias = g2.sum(0) if ctx.has_bias else None
         scattering.wait()
-        return grad_x, grad_weight, grad_bias, None
+        return grad_x, grad_weight, grad_bias, None, None
 
 
 def gather_from_sequence_region(x: torch.Tensor, group: Group) -> torch.Tensor:
@@ -132,7 +160,7 @@ def gather_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """The column-parallel GEMM of a sequence-parallel input [s/t, b, in] → [s, b, out/t]."""
     if group.size == 1:
         return F.linear(x, weight, bias)
-    return _GatherLinear.apply(x, weight, bias, group)
+    return _GatherLinear.apply(x, weight, bias, group, getattr(_recompute, "keep", False))
 
 
 def tp_summed(p: torch.Tensor, group: Group) -> torch.Tensor:
