@@ -45,6 +45,11 @@ def test_deepspeed_json_sections(tmp_path):
     (["--optimizer.schedule", "onecycle", "--optimizer.cycle_momentum", "true", "--optimizer.decay_step_size", "1",
       "--optimizer.decay_beta1_rate", "0.5"], 1, "optimizer.decay_beta1_rate=0.5: OneCycle's beta1 reaches"),
     (["--optimizer.schedule", "onecycle", "--optimizer.decay_step_size", "-1"], 1, "optimizer.decay_step_size=-1"),
+    (["--optimizer.schedule", "onecycle", "--optimizer.min_lr", "0.01"], 1,
+     "optimizer.min_lr=0.01 has no effect under optimizer.schedule=onecycle (its floor is optimizer.warmup_min_lr)"),
+    (["--optimizer.schedule", "onecycle", "--optimizer.decay", "linear"], 1, "optimizer.decay='linear' has no effect"),
+    (["--optimizer.schedule", "onecycle", "--optimizer.schedule_steps", "100"], 1,
+     "optimizer.schedule_steps=100 has no effect"),
 ])
 def test_invalid_values_name_the_field(argv, world, needle):
     with pytest.raises(ConfigError) as info:
@@ -86,3 +91,13 @@ def test_schedule_warmup_then_cosine_to_min():
     assert learning_rate(110, decay="cosine", **kw) == pytest.approx(0.1)
     assert learning_rate(60, decay="linear", **kw) == pytest.approx(0.55)
     assert learning_rate(500, decay="constant", **kw) == 1.0
+
+
+def test_schedule_field_defaults_are_the_sections():
+    """The schedule checks compare against the section's defaults: the two lists must not drift."""
+    from zerotron.training.config import OptimizerSection
+    from zerotron.training.schedule import _ONE_CYCLE_DEFAULTS, OTHER_SCHEDULES_FIELDS
+
+    section = OptimizerSection()
+    assert {n: getattr(section, n) for n in OTHER_SCHEDULES_FIELDS} == {n: d for n, (d, _) in OTHER_SCHEDULES_FIELDS.items()}
+    assert {n: getattr(section, n) for n in _ONE_CYCLE_DEFAULTS} == _ONE_CYCLE_DEFAULTS

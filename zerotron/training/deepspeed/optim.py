@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from zerotron.training.deepspeed.plan import Plan, flag, number, whole
 from zerotron.training.deepspeed.schema import DeepSpeedKeyError
+from zerotron.training.schedule import OTHER_SCHEDULES_FIELDS
 
 ADAM_DEFAULTS = {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}  # FusedAdam's
 _SCHEDULERS = {  # DeepSpeed's lr_schedules: decay, the parameters each constructor takes, their defaults
@@ -139,6 +140,8 @@ def one_cycle(plan: Plan, params: dict) -> None:
                                     f"parameters are {sorted([*_ONE_CYCLE, *_STAIRS, 'last_batch_iteration'])}")
     _fresh_start(params.get("last_batch_iteration", -1))
     plan.set("scheduler.type", "optimizer.schedule", "onecycle")
+    for name, (unset, _) in OTHER_SCHEDULES_FIELDS.items():  # the JSON's schedule replaces the YAML's
+        plan.set("scheduler.type", f"optimizer.{name}", unset)
     momentum = flag(f"{p}.cycle_momentum", params.get("cycle_momentum", True))
     for key, (target, default) in _ONE_CYCLE.items():
         path = f"{p}.{key}"
