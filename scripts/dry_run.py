@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -158,7 +159,8 @@ def on_fake_cuda(argv) -> None:
                                             "accelerator (another library set CUDA hooks first?); pass --device cpu")
     env = fake_cuda.environ() | {"ZEROTRON_FAKE_CUDA_EXEC": "1"}
     sys.stdout.flush()
-    os.execve(sys.executable, [sys.executable, str(Path(__file__).resolve()), *argv], env)
+    flags = subprocess._args_from_interpreter_flags()  # -X / -W / -O ..., as multiprocessing passes them on
+    os.execve(sys.executable, [sys.executable, *flags, str(Path(__file__).resolve()), *argv], env)
 
 
 def main(argv=None) -> dict:
