@@ -114,8 +114,11 @@ class DiskTensorStore:
     def _submit(self, fn, *args) -> Future:
         if not self.simulated:
             return self._pool.submit(fn, *args)
-        done: Future = Future()
-        done.set_result(fn(*args))
+        done: Future = Future()  # run now, but fail as the pool would: through the future
+        try:
+            done.set_result(fn(*args))
+        except Exception as e:  # noqa: BLE001 -- re-raised by result(), as from a worker thread
+            done.set_exception(e)
         return done
 
     def release(self) -> None:
