@@ -68,9 +68,15 @@ def rng_snapshot_bytes(setup, snapshots: int) -> int:
     return ((1 + len(STREAMS)) * snapshots + len(STREAMS)) * CPU_GENERATOR_STATE_BYTES
 
 
-def head_working_bytes(b: int, s: int, vocab: int, tp: int = 1) -> float:
-    """Logits (16-bit) + fp32 log-softmax + fp32 gradient over this rank's vocabulary slice."""
-    return b * s * (vocab // tp) * 10
+def head_working_bytes(b: int, s: int, vocab: int, tp: int = 1, logit_bytes: int = 2, padded: bool = False) -> float:
+    """The loss's forward peak over this rank's vocabulary slice (``parallel/cross_entropy.py``):
+    the logits, their copy in the softmax dtype (fp32 at least) -- made by the cast from 16 bits,
+    or by the clone that masks the padding columns when the logits are already fp32 -- and the
+    shifted ``x - max`` beside it: 2 + 4 + 4 bytes a logit in 16 bits, 4 + 4 in fp32 (4 + 4 + 4
+    on a rank with padding columns)."""
+    f = max(logit_bytes, 4)
+    copy = f if (logit_bytes != f or padded) else 0
+    return b * s * (vocab // tp) * (logit_bytes + copy + f)
 
 
 def head_backward_bytes(b: int, s: int, vocab: int, tp: int = 1) -> float:
@@ -151,7 +157,8 @@ def step_working_bytes(setup, *, psi: int, largest_group: int, kept: float, laye
     copy = reduce_copy_bytes(setup, c, grad_bytes)
     tied, one_tied = tied_gradient_bytes(vocab, h, t, pb), pb * (vocab // t) * h
     head_in = head_input_bytes(b, s, h, t, sp, param_bytes)
-    head_fwd = head_working_bytes(b, s, vocab, t) + head_in
+    padded = vocab > cfg.vocab_size  # the last TP rank masks the padding columns
+    head_fwd = head_working_bytes(b, s, vocab, t, param_bytes, padded) + head_in
     head_bwd = head_backward_bytes(b, s, vocab, t) + head_in
     waiting = one_tied if setup.stage == 3 else 0
     if setup.checkpoint_activations:
