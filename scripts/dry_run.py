@@ -159,8 +159,16 @@ def on_fake_cuda(argv) -> None:
                                             "accelerator (another library set CUDA hooks first?); pass --device cpu")
     env = fake_cuda.environ() | {"ZEROTRON_FAKE_CUDA_EXEC": "1"}
     sys.stdout.flush()
-    flags = subprocess._args_from_interpreter_flags()  # -X / -W / -O ..., as multiprocessing passes them on
-    os.execve(sys.executable, [sys.executable, *flags, str(Path(__file__).resolve()), *argv], env)
+    os.execve(sys.executable, [sys.executable, *_interpreter_flags(), str(Path(__file__).resolve()), *argv], env)
+
+
+def _interpreter_flags() -> list[str]:
+    """The interpreter's own options (-X, -W, -O ...) as given, when this script was started as a
+    file; otherwise the ones ``subprocess`` knows how to rebuild (as multiprocessing does)."""
+    n = len(sys.argv)
+    if len(sys.orig_argv) > n and sys.orig_argv[-n:] == sys.argv:
+        return sys.orig_argv[1:-n]
+    return subprocess._args_from_interpreter_flags()
 
 
 def main(argv=None) -> dict:

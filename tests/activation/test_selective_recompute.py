@@ -53,6 +53,8 @@ def check_bitwise(grid):
         assert calls == layers
         variants = {
             "selective": (dict(recompute_granularity="selective"), 2 * layers),
+            "full (k=2)": (dict(checkpoint_activations=True, checkpoint_every=2), 2 * layers),
+            "full, regathered": (dict(checkpoint_activations=True, sequence_parallel_gather="regather"), 2 * layers),
             "selective in full (k=2)": (dict(recompute_granularity="selective", checkpoint_activations=True,
                                              checkpoint_every=2), 3 * layers),  # forward, recompute, its core again
             "selective + full + Pa + Pa+cpu": (dict(recompute_granularity="selective", checkpoint_activations=True,

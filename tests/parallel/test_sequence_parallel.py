@@ -14,7 +14,8 @@
   column-parallel inputs (2·b·s·h; kept as s/t pieces for Table 2's 34/t) and the 6 h-element
   all-reduces of the LayerNorm and row-parallel bias gradients; under full recompute the
   recompute's gathers are kept for the weight gradients, and forward + recompute + backward
-  moves exactly the all-reduce bytes of the same block without SP;
+  moves exactly the all-reduce bytes of the same block without SP (``sequence_parallel_gather:
+  regather``, Megatron's, adds the re-gather back);
 * TP 2 × PP 2 with SP: the stages exchange sequence pieces; float64 gradients of every stage;
 * no b×s×h copy in a TP block's forward+backward (issue 22): ``Tensor.clone`` / ``copy_`` /
   copying ``contiguous()`` wrapped and counted; the old cloning f/g make the count 4.
@@ -165,14 +166,15 @@ def check_dropout(grid):
     assert_bitwise(sp(x[:, :-1], x[:, 1:]).detach(), again, "SP dropout replays from the seed")
 
 
-def _block_traffic(grid, sp, b=2, recompute=False):
+def _block_traffic(grid, sp, b=2, recompute=False, gather="keep"):
     from zerotron.activation import ActivationCheckpointConfig, apply_activation_checkpointing
 
     model = GPT(GPTConfig(**SHAPE), grid, seed=5, sequence_parallel=sp)
     x = torch.randn(model.hidden_shape(b), requires_grad=True)
     run = model.blocks[0]
     if recompute:
-        handle = apply_activation_checkpointing(model, grid, ActivationCheckpointConfig(checkpoint_activations=True))
+        ac = ActivationCheckpointConfig(checkpoint_activations=True, sequence_parallel_gather=gather)
+        handle = apply_activation_checkpointing(model, grid, ac)
         run = lambda x: handle([model.blocks[0]], x)  # noqa: E731
     mark = grid.stats.snapshot()
     y = run(x)
@@ -200,6 +202,8 @@ def check_comm(grid):
     # backward = recompute + backward: the recompute's gathers serve the weight gradients
     assert b_tp.get("all_reduce", "tp").bytes == 2 * 2 * 2 * bsh_bytes
     assert ag_rs(b_sp) == b_tp.get("all_reduce", "tp").bytes, (b_sp.snapshot(), b_tp.snapshot())
+    _, b_regather = _block_traffic(grid, True, recompute=True, gather="regather")  # Megatron's
+    assert ag_rs(b_regather) == ag_rs(b_sp) + 2 * bsh_bytes, b_regather.snapshot()
 
 
 class _CopyCounter:

@@ -45,6 +45,13 @@ def test_deepspeed_json_sections(tmp_path):
     (["--optimizer.schedule", "onecycle", "--optimizer.cycle_momentum", "true", "--optimizer.decay_step_size", "1",
       "--optimizer.decay_beta1_rate", "0.5"], 1, "optimizer.decay_beta1_rate=0.5: OneCycle's beta1 reaches"),
     (["--optimizer.schedule", "onecycle", "--optimizer.decay_step_size", "-1"], 1, "optimizer.decay_step_size=-1"),
+    (["--tp", "2", "--sequence-parallel", "--checkpoint-activations",
+      "--activation_checkpointing.sequence_parallel_gather", "again"], 2,
+     "activation_checkpointing.sequence_parallel_gather='again': use one of ['keep', 'regather']"),
+    (["--tp", "2", "--sequence-parallel", "--activation_checkpointing.sequence_parallel_gather", "regather"], 2,
+     "sequence_parallel_gather='regather': acts on the recompute of checkpointed chunks"),
+    (["--tp", "2", "--checkpoint-activations", "--activation_checkpointing.sequence_parallel_gather", "regather"], 2,
+     "sequence_parallel_gather='regather' acts on sequence parallelism's gathers"),
     (["--optimizer.schedule", "onecycle", "--optimizer.min_lr", "0.01"], 1,
      "optimizer.min_lr=0.01 has no effect under optimizer.schedule=onecycle (its floor is optimizer.warmup_min_lr)"),
     (["--optimizer.schedule", "onecycle", "--optimizer.decay", "linear"], 1, "optimizer.decay='linear' has no effect"),
@@ -99,5 +106,6 @@ def test_schedule_field_defaults_are_the_sections():
     from zerotron.training.schedule import _ONE_CYCLE_DEFAULTS, OTHER_SCHEDULES_FIELDS
 
     section = OptimizerSection()
-    assert {n: getattr(section, n) for n in OTHER_SCHEDULES_FIELDS} == {n: d for n, (d, _) in OTHER_SCHEDULES_FIELDS.items()}
+    defaults = {n: d for n, (d, _) in OTHER_SCHEDULES_FIELDS.items()}
+    assert {n: getattr(section, n) for n in OTHER_SCHEDULES_FIELDS} == defaults
     assert {n: getattr(section, n) for n in _ONE_CYCLE_DEFAULTS} == _ONE_CYCLE_DEFAULTS

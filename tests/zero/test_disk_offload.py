@@ -54,3 +54,19 @@ def test_truncated_file_and_bad_buffer_count(tmp_path):
 def test_bandwidth_probe(tmp_path):
     bw = measure_bandwidth(tmp_path, mbytes=8)
     assert bw["write_GBps"] > 0 and bw["read_GBps"] > 0
+
+
+@pytest.mark.parametrize("simulated", [False, True], ids=["files", "dry_run"])
+def test_a_bad_read_fails_through_its_future(tmp_path, simulated):
+    """Callers handle I/O errors at ``result()``; a dry run's synchronous store must fail there too."""
+    import contextlib
+
+    from zerotron.parallel import host_sync
+
+    with host_sync.simulate() if simulated else contextlib.nullcontext():
+        store = DiskTensorStore(tmp_path / "nvme", buffer_count=2)
+        store.create("state", torch.zeros(8))
+        pending = store.read_ahead("state", 4, 12)  # past the end
+        with pytest.raises(IndexError, match=r"state: range \[4, 12\) outside \[0, 8\)"):
+            pending.result()
+    assert (tmp_path / "nvme").exists() is not simulated

@@ -28,12 +28,14 @@ selective`` it also installs selective recompute of the attention core (``select
 With sequence parallelism (Korthikanti et al. 2022) a block's input is already this TP rank's
 1/t of the sequence, not a replicated tensor: Pa has nothing left to partition there, so the
 checkpoint is kept as it is (and offloaded with ``cpu_checkpointing``); that is said once. The
-recompute runs inside ``keeping_gathered_inputs``: its column-parallel GEMMs keep the inputs
-they have just all-gathered for their weight gradients instead of gathering them a third time.
+recompute runs inside ``keeping_gathered_inputs`` (``sequence_parallel_gather: keep``): its
+column-parallel GEMMs keep the inputs they have just all-gathered for their weight gradients
+instead of gathering them a third time.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import warnings
@@ -100,7 +102,8 @@ class _CheckpointedChunk(torch.autograd.Function):
         now = capture_rng(runner.rng)
         restore_rng(runner.rng, ctx.rng_states)  # same dropout masks as in forward
         try:
-            with torch.enable_grad(), keeping_gathered_inputs():
+            keep = runner.cfg.sequence_parallel_gather == "keep"
+            with torch.enable_grad(), keeping_gathered_inputs() if keep else contextlib.nullcontext():
                 y = ctx.run(x)
         finally:
             restore_rng(runner.rng, now)  # the streams continue as if nothing had been replayed

@@ -16,6 +16,11 @@ would write them:
                                     checkpoint_activations is on) or "selective": the attention
                                     core of every layer is recomputed (Korthikanti et al. 2022
                                     §5), alone or inside full recompute's chunks
+    sequence_parallel_gather        with parallel.sequence_parallel: "keep" (the recompute's
+                                    all-gathered GEMM inputs serve the weight gradients: SP
+                                    moves the all-reduce bytes) or "regather" (Megatron's:
+                                    gathered again in backward, 2(1 - 1/t)·s·b·h values less
+                                    per recomputed layer)
 
 Unlike DeepSpeed, ``cpu_checkpointing`` works without ``partition_activations`` (it then moves
 the whole checkpoint), and a flag that would have no effect is an error, not a silent no-op. A
@@ -28,6 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 GRANULARITIES = ("full", "selective")  # recompute_granularity, Megatron's --recompute-granularity
+SP_GATHERS = ("keep", "regather")  # sequence_parallel_gather
 _BOOLS = ("checkpoint_activations", "partition_activations", "cpu_checkpointing",
           "contiguous_memory_optimization", "synchronize_checkpoint_boundary")
 
@@ -44,6 +50,7 @@ class ActivationCheckpointConfig:
     number_checkpoints: int | None = None
     synchronize_checkpoint_boundary: bool = False
     recompute_granularity: str = "full"
+    sequence_parallel_gather: str = "keep"
 
     def validate(self) -> "ActivationCheckpointConfig":
         """Raise ``ValueError`` naming the key, the value and the fix; returns self."""
@@ -59,6 +66,9 @@ class ActivationCheckpointConfig:
         if self.recompute_granularity not in GRANULARITIES:
             bad("recompute_granularity", f"use one of {list(GRANULARITIES)}: full recomputes checkpointed chunks "
                                          f"(checkpoint_activations), selective the attention core of every layer")
+        if self.sequence_parallel_gather not in SP_GATHERS:
+            bad("sequence_parallel_gather", f"use one of {list(SP_GATHERS)}: keep the recompute's gathered inputs "
+                                            f"for the weight gradients, or gather them again (Megatron)")
         n = self.number_checkpoints
         if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
             bad("number_checkpoints", "must be a positive integer, or null to size the buffer from the model")
@@ -67,6 +77,9 @@ class ActivationCheckpointConfig:
                         "synchronize_checkpoint_boundary"):
                 if getattr(self, key):
                     bad(key, "acts on activation checkpoints; set checkpoint_activations=true or turn it off")
+            if self.sequence_parallel_gather != "keep":
+                bad("sequence_parallel_gather", "acts on the recompute of checkpointed chunks; set "
+                                                "checkpoint_activations=true or remove it")
             if n is not None:
                 bad("number_checkpoints", "sizes the checkpoint buffer; set checkpoint_activations=true "
                                           "and contiguous_memory_optimization=true, or remove it")

@@ -102,6 +102,7 @@ class Setup:
     fused_attention: bool = True  # a GPU's SDPA kernel; False: the CPU's math kernel keeps a·s² probabilities
     sequence_parallel: bool = False  # parallel.sequence_parallel (Korthikanti et al. 2022)
     recompute_granularity: str = "full"  # activation_checkpointing.recompute_granularity
+    sequence_parallel_gather: str = "keep"  # activation_checkpointing.sequence_parallel_gather
     # bytes per accumulated gradient element: None = zerotron's default (fp32 accumulation,
     # ``zero.grad_accum_dtype``), 2 = the paper's 16-bit gradients (2 + 2 + K)
     grad_bytes: int | None = None
@@ -144,7 +145,7 @@ def setup_from_run_config(cfg, model: GPTConfig, gpus: int, backend: str = "nccl
                  contiguous_gradients=z.contiguous_gradients,
                  bucket_size=z.bucket_elements(largest_param(model, cfg.parallel.tp)), overlap_comm=z.overlap_comm,
                  grad_bytes=BYTES[z.grad_accum(t.precision)], sequence_parallel=cfg.parallel.sequence_parallel,
-                 recompute_granularity=ac.recompute_granularity,
+                 recompute_granularity=ac.recompute_granularity, sequence_parallel_gather=ac.sequence_parallel_gather,
                  prefetch_bucket_size=z.stage3_prefetch_bucket_size, max_reuse_distance=z.stage3_max_reuse_distance,
                  max_live_parameters=z.stage3_max_live_parameters, backend=backend, device=device)
 

@@ -30,18 +30,30 @@ def layer_working_bytes(b: int, s: int, h: int, heads: int, tp: int = 1, fused_a
 
 def recompute_working_bytes(b: int, s: int, h: int, heads: int, tp: int = 1, fused_attention: bool = True,
                             sequence_parallel: bool = False, selective: bool = False, act_bytes: int = 2,
-                            mask_bytes: int = 1) -> float:
+                            mask_bytes: int = 1, keep_gathers: bool = True) -> float:
     """Peak of one checkpointed layer's backward beyond its checkpoint (module docstring), per
     s·b·h: replicated 6e + 2m (14 at the paper's e = 2, m = 1), TP-split 12e/t; with sequence
     parallelism the replicated part is split along the sequence too, except that the recompute
-    keeps the two column-parallel GEMMs' gathered inputs for their weight gradients, 2e in
-    place of their 2e/t pieces, and a column-parallel GEMM's backward holds its whole input
-    gradient before the reduce-scatter, e (``parallel.sequence_parallel._GatherLinear``)."""
+    keeps the two column-parallel GEMMs' gathered inputs for their weight gradients
+    (``kept_gather_bytes``), and the peak moves to fc2's input-gradient GEMM, beside fc2's
+    output gradient all-gathered by g's backward, e, and that GEMM's result, 4e/t
+    (``parallel.sequence_parallel._GatherLinear``). With ``keep_gathers`` off (Megatron's
+    re-gather) a column-parallel GEMM's backward holds its re-gathered input and its whole input
+    gradient before the reduce-scatter instead, 2e."""
     e, m = act_bytes, mask_bytes
     replicated = 6 * e + 2 * m
     probs = 0 if (fused_attention or selective) else (2 * e + m) * heads * s / (h * tp)
-    sp_extra = 2 * e - 2 * e / tp + e
-    return s * b * h * ((replicated / tp + sp_extra if sequence_parallel else replicated) + 12 * e / tp + probs)
+    if not sequence_parallel:
+        return s * b * h * (replicated + 12 * e / tp + probs)
+    extra = (kept_gather_bytes(b, s, h, tp, e) / (s * b * h) + e + 4 * e / tp) if keep_gathers else 2 * e
+    return s * b * h * (replicated / tp + extra + 12 * e / tp + probs)
+
+
+def kept_gather_bytes(b: int, s: int, h: int, tp: int, act_bytes: int = 2) -> float:
+    """What a recomputed sequence-parallel layer holds beyond its sequence-split activations: the
+    whole gathered inputs of QKV and fc1, kept for their weight gradients, in place of their s/t
+    pieces -- 2e(1 - 1/t) per s·b·h, in every layer of the chunk being recomputed."""
+    return s * b * h * 2 * act_bytes * (1 - 1 / tp)
 
 
 def head_input_bytes(b: int, s: int, h: int, tp: int = 1, sequence_parallel: bool = False,
@@ -157,14 +169,15 @@ def step_working_bytes(setup, *, psi: int, largest_group: int, kept: float, laye
     copy = reduce_copy_bytes(setup, c, grad_bytes)
     tied, one_tied = tied_gradient_bytes(vocab, h, t, pb), pb * (vocab // t) * h
     head_in = head_input_bytes(b, s, h, t, sp, param_bytes)
-    padded = vocab > cfg.vocab_size  # the last TP rank masks the padding columns
+    padded = vocab > cfg.vocab_size  # the TP rank holding the padding columns: the model is the worst rank's
     head_fwd = head_working_bytes(b, s, vocab, t, param_bytes, padded) + head_in
     head_bwd = head_backward_bytes(b, s, vocab, t) + head_in
     waiting = one_tied if setup.stage == 3 else 0
     if setup.checkpoint_activations:
+        keep = sp and setup.sequence_parallel_gather == "keep"
         segment = (recompute_working_bytes(b, s, h, cfg.num_heads, t, setup.fused_attention, sp, sel, pb,
-                                           dropout_mask_bytes(setup, pb))
-                   + (setup.checkpoint_every - 1) * layer)
+                                           dropout_mask_bytes(setup, pb), keep)
+                   + (setup.checkpoint_every - 1) * (layer + (kept_gather_bytes(b, s, h, t, pb) if keep else 0)))
         mid = copy if setup.stage == 3 or c < psi else 0
         backward = max(head_bwd, segment + mid + waiting, tied - kept, one_tied + copy - kept)
     else:  # the first bucket goes out once its C elements' layers are done, their activations freed

@@ -20,9 +20,10 @@ AsyncCommunication``), which is what gives Korthikanti's 34/t bytes per layer (T
 of keeping the gathered s×b×h; that extra all-gather overlaps the input-gradient GEMM, and the
 reduce-scatter of that gradient overlaps the weight-gradient GEMM. Inside a full recompute
 (``keeping_gathered_inputs``, entered by activation checkpointing's backward) the block's
-forward has just gathered that input and its graph lives only until this block's backward, so
+forward has just gathered that input and its graph lives only until the chunk's backward, so
 the gathered tensor is kept instead: the recompute's all-gather serves the weight gradient, and
-a checkpointed SP block moves exactly the bytes of its all-reduces without SP.
+a checkpointed SP block moves exactly the bytes of its all-reduces without SP, for 2(1 - 1/t)
+s·b·h values more in each block of the chunk being recomputed.
 
 Parameters used inside a sequence-parallel region (LayerNorms, the row-parallel biases, the
 position table) are replicated but each rank sees only its tokens, so their gradients are

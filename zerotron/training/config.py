@@ -174,6 +174,10 @@ class RunConfig:
                               f"micro-batches in groups of parallel.pp={self.parallel.pp}, but there are "
                               f"{self.num_microbatches} (training.global_batch_size / (micro_batch_size * dp)); use a "
                               f"global_batch_size of a multiple of {self.parallel.pp * t.micro_batch_size * dp}")
+        if self.activation_checkpointing.sequence_parallel_gather != "keep" and not self.parallel.sequence_parallel:
+            raise ConfigError("activation_checkpointing.sequence_parallel_gather="
+                              f"{self.activation_checkpointing.sequence_parallel_gather!r} acts on sequence "
+                              "parallelism's gathers; set parallel.sequence_parallel=true or remove it")
         if self.parallel.pp > 1 and self.zero.stage == 3:
             raise ConfigError("zero.stage=3 with parallel.pp>1 is not supported (each stage would gather its "
                               "parameters once per micro-batch); use zero.stage<=2 with pipelines")

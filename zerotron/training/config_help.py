@@ -31,6 +31,7 @@ CHOICES: dict[str, tuple] = {
     "optimizer.schedule": ("megatron", "deepspeed", "onecycle"),
     "optimizer.warmup_type": ("linear", "log"),
     "activation_checkpointing.recompute_granularity": ("full", "selective"),
+    "activation_checkpointing.sequence_parallel_gather": ("keep", "regather"),
     "logging.wandb_mode": ("offline", "online", "disabled"),
 }
 
@@ -86,6 +87,7 @@ HELP: dict[str, str] = {
     "activation_checkpointing.number_checkpoints": "slots of the MD buffer; null: one per chunk",
     "activation_checkpointing.synchronize_checkpoint_boundary": "device synchronize per chunk (debugging)",
     "activation_checkpointing.recompute_granularity": "full: checkpointed chunks; selective: every layer's attention core",
+    "activation_checkpointing.sequence_parallel_gather": "SP recompute: keep the gathered GEMM inputs, or regather (Megatron)",
     "data.data_path": "token-file prefixes (.bin/.idx), comma-separated; empty: the built-in corpus",
     "data.data_weights": "sampling weight per data_path entry; empty: by size",
     "data.eval_path": "token-file prefixes for evaluation",

@@ -159,8 +159,8 @@ def _refuse_one_cycle_fields(o) -> None:
 
 # the other schedules' fields, with their defaults and what stands for them under OneCycle
 OTHER_SCHEDULES_FIELDS = {"min_lr": (1e-4, "its floor is optimizer.warmup_min_lr"),
-                  "decay": ("cosine", "it decays by optimizer.decay_lr_rate / decay_step_size"),
-                  "schedule_steps": (None, "its length is warmup_steps + cycle_down_steps")}
+                          "decay": ("cosine", "it decays by optimizer.decay_lr_rate / decay_step_size"),
+                          "schedule_steps": (None, "its length is warmup_steps + cycle_down_steps")}
 
 
 def _check_one_cycle(o) -> None:
@@ -168,8 +168,10 @@ def _check_one_cycle(o) -> None:
     The other schedules' fields would be accepted and ignored here: they are refused instead."""
     for name, (default, instead) in OTHER_SCHEDULES_FIELDS.items():
         if getattr(o, name) != default:
+            unset = "null" if default is None else default
             raise ValueError(f"optimizer.{name}={getattr(o, name)!r} has no effect under optimizer.schedule=onecycle "
-                             f"({instead}); remove it or choose another schedule")
+                             f"({instead}); remove it from the config or pass --optimizer.{name} {unset} (its "
+                             f"default), or choose another schedule")
     for name in ("warmup_min_lr", "decay_lr_rate", "decay_beta1_rate"):
         value = getattr(o, name)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:

@@ -141,7 +141,7 @@ def one_cycle(plan: Plan, params: dict) -> None:
     _fresh_start(params.get("last_batch_iteration", -1))
     plan.set("scheduler.type", "optimizer.schedule", "onecycle")
     for name, (unset, _) in OTHER_SCHEDULES_FIELDS.items():  # the JSON's schedule replaces the YAML's
-        plan.set("scheduler.type", f"optimizer.{name}", unset)
+        plan.set("scheduler.type=OneCycle (replacing the run config's schedule)", f"optimizer.{name}", unset)
     momentum = flag(f"{p}.cycle_momentum", params.get("cycle_momentum", True))
     for key, (target, default) in _ONE_CYCLE.items():
         path = f"{p}.{key}"
