@@ -13,9 +13,11 @@ STEPS = 3
 LAYOUTS = ((0, False), (3, True))  # (ZeRO stage, activation checkpointing)
 
 
-def train(compiled: bool, stage: int, checkpointing: bool, tp: int = 1, dropout: float = 0.0, steps: int = STEPS):
+def train(compiled: bool, stage: int, checkpointing: bool, tp: int = 1, dropout: float = 0.0, steps: int = STEPS,
+          fresh: bool = True):
     """fp64, micro-batch 2 of 16 tokens, on ``tp`` ranks; ``dropout`` in every place the block has
-    one. Returns the losses, the full parameters and dynamo's count of graphs."""
+    one. Returns the losses, the full parameters and dynamo's count of graphs. ``fresh=False``
+    keeps dynamo's cache: blocks of the same shape reuse the graphs already compiled."""
     import torch
 
     from zerotron.model.config import GPTConfig
@@ -23,7 +25,8 @@ def train(compiled: bool, stage: int, checkpointing: bool, tp: int = 1, dropout:
     from zerotron.training.config import RunConfig
     from zerotron.training.parallelize import parallelize_gpt
 
-    torch._dynamo.reset()
+    if fresh:
+        torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     cfg = RunConfig()
     cfg.parallel.tp = tp
@@ -71,10 +74,10 @@ def test_compiled_blocks_train_as_eager(tmp_path):
     assert all(spawn(check, 1, str(tmp_path / "inductor"), timeout=300))
 
 
-def train_tp_dropout(compiled: bool, checkpointing: bool):
+def train_tp_dropout(compiled: bool, checkpointing: bool, fresh: bool = True):
     """TP 2, dropout 0.1, 2 steps; returns the losses and the LayerNorm parameters (replicated
     over TP: every TP rank must hold the same ones)."""
-    losses, params, _ = train(compiled, 0, checkpointing, tp=2, dropout=0.1, steps=2)
+    losses, params, _ = train(compiled, 0, checkpointing, tp=2, dropout=0.1, steps=2, fresh=fresh)
     norms = {k: v for k, v in params.items() if ".ln" in k or k.startswith("final_ln")}
     assert norms, "no LayerNorm parameter matched: the checks below would compare nothing"
     return losses, norms
@@ -88,7 +91,7 @@ def check_tp_dropout(cache: str):
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
     eager = train_tp_dropout(False, True)
     recomputed = train_tp_dropout(True, True)
-    kept = train_tp_dropout(True, False)
+    kept = train_tp_dropout(True, False, fresh=False)  # the recompute's training graphs serve it
     # inductor draws its own masks (not eager's: its RNG is its own), and the recompute of a
     # checkpointed block must replay them exactly, or its gradients belong to another mask
     assert not torch.equal(recomputed[0], eager[0]), "compiled dropout drew eager's masks: the test checks nothing"
