@@ -103,9 +103,9 @@ def test_schedule_warmup_then_cosine_to_min():
 def test_schedule_field_defaults_are_the_sections():
     """The schedule checks compare against the section's defaults: the two lists must not drift."""
     from zerotron.training.config import OptimizerSection
-    from zerotron.training.schedule import _ONE_CYCLE_DEFAULTS, OTHER_SCHEDULES_FIELDS
+    from zerotron.training.schedule import ONE_CYCLE_DEFAULTS, OTHER_SCHEDULES_FIELDS
 
     section = OptimizerSection()
     defaults = {n: d for n, (d, _) in OTHER_SCHEDULES_FIELDS.items()}
     assert {n: getattr(section, n) for n in OTHER_SCHEDULES_FIELDS} == defaults
-    assert {n: getattr(section, n) for n in _ONE_CYCLE_DEFAULTS} == _ONE_CYCLE_DEFAULTS
+    assert {n: getattr(section, n) for n in ONE_CYCLE_DEFAULTS} == ONE_CYCLE_DEFAULTS

@@ -166,3 +166,23 @@ def test_one_cycle_fields_are_refused_under_another_schedule():
     cfg.optimizer.decay_lr_rate = 3.0
     with pytest.raises(ConfigError, match="optimizer.decay_lr_rate=3.0 applies to optimizer.schedule=onecycle only"):
         cfg.validate(1)
+
+
+@pytest.mark.parametrize("scheduler, yaml_optimizer", [
+    ({"type": "OneCycle", "params": {"cycle_min_lr": 1e-5, "cycle_max_lr": 1e-3, "cycle_first_step_size": 5}},
+     "{min_lr: 0.0003, decay: linear, schedule_steps: 50}"),
+    ({"type": "WarmupLR", "params": {"warmup_max_lr": 1e-3, "warmup_num_steps": 5}},
+     "{schedule: onecycle, warmup_steps: 5, cycle_down_steps: 7, decay_lr_rate: 0.5, decay_step_size: 3}"),
+], ids=["yaml-cosine-json-onecycle", "yaml-onecycle-json-warmuplr"])
+def test_the_jsons_scheduler_replaces_the_yamls_schedule(tmp_path, scheduler, yaml_optimizer):
+    """DeepSpeed reads only its JSON: a YAML's fields of another schedule family must neither be
+    ignored silently nor refused -- the JSON's scheduler replaces them."""
+    from zerotron.training.schedule import ONE_CYCLE_DEFAULTS, OTHER_SCHEDULES_FIELDS
+
+    yml, ds = tmp_path / "run.yaml", tmp_path / "ds.json"
+    yml.write_text(f"optimizer: {yaml_optimizer}\n")
+    ds.write_text(json.dumps({"scheduler": scheduler}))
+    o = parse_config(["--config", str(yml), "--deepspeed-config", str(ds)], world_size=1).optimizer
+    unset = ({n: d for n, (d, _) in OTHER_SCHEDULES_FIELDS.items()} if o.schedule == "onecycle"
+             else ONE_CYCLE_DEFAULTS)
+    assert {n: getattr(o, n) for n in unset} == unset, o

@@ -145,13 +145,13 @@ def check_schedule(optimizer) -> None:
                          f"training.train_steps")
 
 
-_ONE_CYCLE_DEFAULTS = {"cycle_down_steps": None, "decay_lr_rate": 0.0, "decay_step_size": 0,
+ONE_CYCLE_DEFAULTS = {"cycle_down_steps": None, "decay_lr_rate": 0.0, "decay_step_size": 0,
                        "cycle_momentum": False, "cycle_min_beta1": 0.8, "decay_beta1_rate": 0.0}
 
 
 def _refuse_one_cycle_fields(o) -> None:
     """A OneCycle field set under another schedule would be accepted and ignored: refuse it."""
-    for name, default in _ONE_CYCLE_DEFAULTS.items():
+    for name, default in ONE_CYCLE_DEFAULTS.items():
         if getattr(o, name) != default:
             raise ValueError(f"optimizer.{name}={getattr(o, name)!r} applies to optimizer.schedule=onecycle only "
                              f"(this run's is {o.schedule!r}); set optimizer.schedule=onecycle or remove it")

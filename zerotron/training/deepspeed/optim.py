@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from zerotron.training.deepspeed.plan import Plan, flag, number, whole
 from zerotron.training.deepspeed.schema import DeepSpeedKeyError
-from zerotron.training.schedule import OTHER_SCHEDULES_FIELDS
+from zerotron.training.schedule import ONE_CYCLE_DEFAULTS, OTHER_SCHEDULES_FIELDS
 
 ADAM_DEFAULTS = {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}  # FusedAdam's
 _SCHEDULERS = {  # DeepSpeed's lr_schedules: decay, the parameters each constructor takes, their defaults
@@ -108,6 +108,8 @@ def scheduler(plan: Plan, sec: dict) -> None:
             plan.note(f"{p}.{key} not given: {default} ({kind}'s default)")
     value = {k: params.get(k, d) for k, d in defaults.items()}
     plan.set("scheduler.type", "optimizer.schedule", "deepspeed")
+    for name, unset in ONE_CYCLE_DEFAULTS.items():  # the JSON's schedule replaces the YAML's
+        plan.set(f"scheduler.type={kind} (replacing the run config's schedule)", f"optimizer.{name}", unset)
     plan.set("scheduler.type", "optimizer.decay", decay)
     plan.set(f"{p}.warmup_type", "optimizer.warmup_type", _warmup_type(value["warmup_type"]))
     _steps(plan, value)
