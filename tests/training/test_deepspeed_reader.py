@@ -177,12 +177,13 @@ def test_one_cycle_fields_are_refused_under_another_schedule():
 def test_the_jsons_scheduler_replaces_the_yamls_schedule(tmp_path, scheduler, yaml_optimizer):
     """DeepSpeed reads only its JSON: a YAML's fields of another schedule family must neither be
     ignored silently nor refused -- the JSON's scheduler replaces them."""
-    from zerotron.training.schedule import ONE_CYCLE_DEFAULTS, OTHER_SCHEDULES_FIELDS
+    from zerotron.training.config import OptimizerSection
+    from zerotron.training.schedule import ONE_CYCLE_FIELDS, OTHER_SCHEDULES_FIELDS
 
     yml, ds = tmp_path / "run.yaml", tmp_path / "ds.json"
     yml.write_text(f"optimizer: {yaml_optimizer}\n")
     ds.write_text(json.dumps({"scheduler": scheduler}))
     o = parse_config(["--config", str(yml), "--deepspeed-config", str(ds)], world_size=1).optimizer
-    unset = ({n: d for n, (d, _) in OTHER_SCHEDULES_FIELDS.items()} if o.schedule == "onecycle"
-             else ONE_CYCLE_DEFAULTS)
-    assert {n: getattr(o, n) for n in unset} == unset, o
+    replaced = OTHER_SCHEDULES_FIELDS if o.schedule == "onecycle" else ONE_CYCLE_FIELDS
+    unset = {n: getattr(OptimizerSection(), n) for n in replaced}
+    assert {n: getattr(o, n) for n in replaced} == unset, o

@@ -26,6 +26,7 @@ DeepSpeed would use, step for step:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 DECAYS = ("cosine", "linear", "constant")
@@ -145,28 +146,33 @@ def check_schedule(optimizer) -> None:
                          f"training.train_steps")
 
 
-ONE_CYCLE_DEFAULTS = {"cycle_down_steps": None, "decay_lr_rate": 0.0, "decay_step_size": 0,
-                       "cycle_momentum": False, "cycle_min_beta1": 0.8, "decay_beta1_rate": 0.0}
+ONE_CYCLE_FIELDS = ("cycle_down_steps", "decay_lr_rate", "decay_step_size", "cycle_momentum", "cycle_min_beta1",
+                    "decay_beta1_rate")
+# the other schedules' fields, and what stands for each under OneCycle
+OTHER_SCHEDULES_FIELDS = {"min_lr": "its floor is optimizer.warmup_min_lr",
+                          "decay": "it decays by optimizer.decay_lr_rate / decay_step_size",
+                          "schedule_steps": "its length is warmup_steps + cycle_down_steps"}
+
+
+def field_default(optimizer, name: str):
+    """The optimizer section's default for ``name``: a field left there is a field not set."""
+    (field,) = [f for f in dataclasses.fields(optimizer) if f.name == name]
+    return field.default
 
 
 def _refuse_one_cycle_fields(o) -> None:
     """A OneCycle field set under another schedule would be accepted and ignored: refuse it."""
-    for name, default in ONE_CYCLE_DEFAULTS.items():
-        if getattr(o, name) != default:
+    for name in ONE_CYCLE_FIELDS:
+        if getattr(o, name) != field_default(o, name):
             raise ValueError(f"optimizer.{name}={getattr(o, name)!r} applies to optimizer.schedule=onecycle only "
                              f"(this run's is {o.schedule!r}); set optimizer.schedule=onecycle or remove it")
-
-
-# the other schedules' fields, with their defaults and what stands for them under OneCycle
-OTHER_SCHEDULES_FIELDS = {"min_lr": (1e-4, "its floor is optimizer.warmup_min_lr"),
-                          "decay": ("cosine", "it decays by optimizer.decay_lr_rate / decay_step_size"),
-                          "schedule_steps": (None, "its length is warmup_steps + cycle_down_steps")}
 
 
 def _check_one_cycle(o) -> None:
     """OneCycle's fields; its low rate may exceed its high one (DeepSpeed allows an inverted cycle).
     The other schedules' fields would be accepted and ignored here: they are refused instead."""
-    for name, (default, instead) in OTHER_SCHEDULES_FIELDS.items():
+    for name, instead in OTHER_SCHEDULES_FIELDS.items():
+        default = field_default(o, name)
         if getattr(o, name) != default:
             unset = "null" if default is None else default
             raise ValueError(f"optimizer.{name}={getattr(o, name)!r} has no effect under optimizer.schedule=onecycle "

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from zerotron.training.deepspeed.plan import Plan, flag, number, whole
 from zerotron.training.deepspeed.schema import DeepSpeedKeyError
-from zerotron.training.schedule import ONE_CYCLE_DEFAULTS, OTHER_SCHEDULES_FIELDS
+from zerotron.training.schedule import ONE_CYCLE_FIELDS, OTHER_SCHEDULES_FIELDS, field_default
 
 ADAM_DEFAULTS = {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}  # FusedAdam's
 _SCHEDULERS = {  # DeepSpeed's lr_schedules: decay, the parameters each constructor takes, their defaults
@@ -84,6 +84,14 @@ def clipping(plan: Plan, ds: dict) -> None:
         plan.set("gradient_clipping", "optimizer.clip_grad", number("gradient_clipping", value))
 
 
+def _replace_schedule_fields(plan: Plan, kind: str, names) -> None:
+    """DeepSpeed reads only its JSON: its scheduler replaces the run config's fields of the other
+    schedule family, which go back to their defaults."""
+    for name in names:
+        plan.set(f"scheduler.type={kind} (replacing the run config's schedule)", f"optimizer.{name}",
+                 lambda cfg, name=name: field_default(cfg.optimizer, name))
+
+
 def scheduler(plan: Plan, sec: dict) -> None:
     kind = sec.get("type")
     if kind in _NOT_MAPPED:
@@ -108,8 +116,7 @@ def scheduler(plan: Plan, sec: dict) -> None:
             plan.note(f"{p}.{key} not given: {default} ({kind}'s default)")
     value = {k: params.get(k, d) for k, d in defaults.items()}
     plan.set("scheduler.type", "optimizer.schedule", "deepspeed")
-    for name, unset in ONE_CYCLE_DEFAULTS.items():  # the JSON's schedule replaces the YAML's
-        plan.set(f"scheduler.type={kind} (replacing the run config's schedule)", f"optimizer.{name}", unset)
+    _replace_schedule_fields(plan, kind, ONE_CYCLE_FIELDS)
     plan.set("scheduler.type", "optimizer.decay", decay)
     plan.set(f"{p}.warmup_type", "optimizer.warmup_type", _warmup_type(value["warmup_type"]))
     _steps(plan, value)
@@ -142,8 +149,7 @@ def one_cycle(plan: Plan, params: dict) -> None:
                                     f"parameters are {sorted([*_ONE_CYCLE, *_STAIRS, 'last_batch_iteration'])}")
     _fresh_start(params.get("last_batch_iteration", -1))
     plan.set("scheduler.type", "optimizer.schedule", "onecycle")
-    for name, (unset, _) in OTHER_SCHEDULES_FIELDS.items():  # the JSON's schedule replaces the YAML's
-        plan.set("scheduler.type=OneCycle (replacing the run config's schedule)", f"optimizer.{name}", unset)
+    _replace_schedule_fields(plan, "OneCycle", OTHER_SCHEDULES_FIELDS)
     momentum = flag(f"{p}.cycle_momentum", params.get("cycle_momentum", True))
     for key, (target, default) in _ONE_CYCLE.items():
         path = f"{p}.{key}"
