@@ -35,7 +35,6 @@ instead of gathering them a third time.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
 import warnings
@@ -102,8 +101,7 @@ class _CheckpointedChunk(torch.autograd.Function):
         now = capture_rng(runner.rng)
         restore_rng(runner.rng, ctx.rng_states)  # same dropout masks as in forward
         try:
-            keep = runner.cfg.sequence_parallel_gather == "keep"
-            with torch.enable_grad(), keeping_gathered_inputs() if keep else contextlib.nullcontext():
+            with torch.enable_grad(), keeping_gathered_inputs(runner.cfg.sequence_parallel_gather == "keep"):
                 y = ctx.run(x)
         finally:
             restore_rng(runner.rng, now)  # the streams continue as if nothing had been replayed

@@ -45,15 +45,19 @@ from zerotron.parallel.grid import Group
 from zerotron.parallel.tp_mappings import copy_to_tp_region
 
 
-_recompute = threading.local()  # per thread: CUDA's autograd runs backward (and so a recompute) on its own
+class _Recompute(threading.local):  # per thread: CUDA's autograd runs backward (and a recompute) on its own
+    keep = False
+
+
+_recompute = _Recompute()
 
 
 @contextlib.contextmanager
-def keeping_gathered_inputs():
+def keeping_gathered_inputs(keep: bool = True):
     """While a checkpointed chunk is re-run in backward, column-parallel GEMMs keep their gathered
-    input for the weight gradient rather than all-gathering it once more (module docstring)."""
-    before = getattr(_recompute, "keep", False)
-    _recompute.keep = True
+    input for the weight gradient rather than all-gathering it once more (module docstring);
+    ``keep=False``: they gather it again, as Megatron does."""
+    before, _recompute.keep = _recompute.keep, keep
     try:
         yield
     finally:
@@ -161,7 +165,7 @@ def gather_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """The column-parallel GEMM of a sequence-parallel input [s/t, b, in] → [s, b, out/t]."""
     if group.size == 1:
         return F.linear(x, weight, bias)
-    return _GatherLinear.apply(x, weight, bias, group, getattr(_recompute, "keep", False))
+    return _GatherLinear.apply(x, weight, bias, group, _recompute.keep)
 
 
 def tp_summed(p: torch.Tensor, group: Group) -> torch.Tensor:
