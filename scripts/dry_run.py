@@ -33,6 +33,7 @@ from zerotron.model.flops import flops_per_iteration  # noqa: E402
 from zerotron.parallel import fake_cuda, simulation  # noqa: E402
 from zerotron.training.cli import parse_config  # noqa: E402
 from zerotron.training.config import ConfigError  # noqa: E402
+from zerotron.training.inert import no_effect  # noqa: E402
 from zerotron.training.dry_run import simulate_rank  # noqa: E402
 from zerotron.training.setup_run import validate_model  # noqa: E402
 
@@ -40,7 +41,7 @@ GB = 1e9
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--config", required=True, help="YAML run config, e.g. configs/zero100b/table5/zero-100b.yaml")
     p.add_argument("--gpus", type=int, required=True, help="world size to simulate; DP = gpus / (tp x pp)")
     p.add_argument("--ranks", type=int, nargs="+", help="global ranks to simulate (default: first and last)")
@@ -63,7 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def load(a, overrides: list[str]):
     """The validated run config and model for ``--gpus``; raises ``ConfigError`` naming the field."""
-    cfg = parse_config(["--config", a.config, *overrides])
+    if a.gpus < 1:
+        raise ConfigError(f"--gpus {a.gpus}: the simulated world needs at least 1 GPU")
+    cfg = parse_config(["--config", a.config, *overrides], world_size=a.gpus)  # sizes a DeepSpeed JSON's batch
     cfg.validate(a.gpus)
     ranks = a.ranks if a.ranks else sorted({0, a.gpus - 1})
     bad = [r for r in ranks if not 0 <= r < a.gpus]
@@ -76,7 +79,11 @@ def load(a, overrides: list[str]):
             raise ConfigError(f"{flag} {value}: must be > 0")
     if not 0 < a.efficiency <= 1:
         raise ConfigError(f"--efficiency {a.efficiency}: a fraction of peak in (0, 1], e.g. 0.5")
-    link(a)  # raises ValueError naming the bad link flag
+    try:
+        link(a)
+    except ValueError as e:  # LinkModel names its field; the user wrote the flag
+        field = str(e).split("=")[0].removeprefix("LinkModel.")
+        raise ConfigError(f"--{field.replace('_', '-')}: {e}") from None
     return cfg, validate_model(cfg), ranks
 
 
@@ -181,6 +188,8 @@ def main(argv=None) -> dict:
     except (ConfigError, ValueError, TypeError, fake_cuda.FakeCudaUnavailable) as e:
         print(f"dry_run: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    for line in no_effect(cfg):
+        print(f"[config] {line}", file=sys.stderr)
     model = model_figures(cfg, mcfg, a.gpus)
     out = {"world": a.gpus, "config": a.config, "model": model, "ranks": {}}
     meta_dir = Path(a.out) / Path(a.config).stem / "checkpoint"

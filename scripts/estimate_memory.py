@@ -59,7 +59,38 @@ def _config_setup(a) -> Setup:
         cfg.validate(gpus)
         return setup_from_run_config(cfg, validate_model(cfg), gpus)
     except (ConfigError, ValueError) as e:
-        raise UsageError(f"--config {a.config}: {e}") from None
+        raise UsageError(str(e) if str(e).startswith("--config") else f"--config {a.config}: {e}") from None
+
+
+def check_args(a) -> list[int]:
+    """Every flag a request gives must shape it: sizes positive, one way of naming the model, and
+    no flag that the request would silently drop. Returns the C1-C5 micro-batches."""
+    for flag in ("layers", "hidden", "heads", "seq", "tp", "gpus", "batch", "c_gpus", "c_mp"):
+        value = getattr(a, flag)
+        if value is not None and value < 1:
+            raise UsageError(f"--{flag.replace('_', '-')} {value}: must be a positive integer")
+    if not a.device_gb > 0:
+        raise UsageError(f"--device-gb {a.device_gb}: must be > 0 (a V100 has 32)")
+    if a.c_gpus % a.c_mp:
+        raise UsageError(f"--c-gpus {a.c_gpus} is not a multiple of --c-mp {a.c_mp}; DP = c-gpus / c-mp")
+    custom = [f"--{f}" for f in ("layers", "hidden", "heads") if getattr(a, f) is not None]
+    named = [x for x, on in (("--config", a.config), ("--preset", a.preset), ("--layers/--hidden/--heads", custom))
+             if on]
+    if len(named) > 1:
+        raise UsageError(f"{' and '.join(named)} each name the model; give one of them")
+    if custom and len(custom) < 3:
+        raise UsageError(f"a custom GPT needs --layers, --hidden and --heads; {', '.join(custom)} given")
+    if a.config_name and not named:
+        raise UsageError(f"--config-name {a.config_name} applies to a breakdown: give --config, --preset or "
+                         f"--layers/--hidden/--heads (with --gpus)")
+    try:
+        batches = [int(b) for b in a.c_batches.split(",") if b.strip()]
+    except ValueError:
+        batches = []
+    if not batches or min(batches) < 1:
+        raise UsageError(f"--c-batches {a.c_batches!r}: give positive micro-batch sizes separated by commas, "
+                         f"e.g. 4,8,16")
+    return batches
 
 
 def build_setup(a) -> Setup | None:
@@ -67,21 +98,25 @@ def build_setup(a) -> Setup | None:
     if a.config:
         setup = _config_setup(a)
     else:
-        if a.preset:
-            model = get_preset(a.preset)
-        elif a.layers and a.hidden and a.heads:
-            model = GPTConfig(num_layers=a.layers, hidden_size=a.hidden, num_heads=a.heads, vocab_size=50257,
-                              seq_length=a.seq or 1024)
-        else:
-            return None
-        if a.seq:
-            model = dataclasses.replace(model, seq_length=a.seq)
-        tp = a.tp or 1
+        tp = a.tp if a.tp is not None else 1
+        try:
+            if a.preset:
+                model = get_preset(a.preset)
+            elif a.layers:
+                model = GPTConfig(num_layers=a.layers, hidden_size=a.hidden, num_heads=a.heads, vocab_size=50257,
+                                  seq_length=1024)
+            else:
+                return None
+            if a.seq is not None:
+                model = dataclasses.replace(model, seq_length=a.seq)
+            model.validate(tp)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
         if a.gpus is None:
             raise UsageError(f"a breakdown needs the world size: pass --gpus N (a multiple of the MP degree {tp})")
-        if a.gpus < 1 or a.gpus % tp:
-            raise UsageError(f"--gpus {a.gpus} is not a positive multiple of the MP degree --tp {tp}; use a multiple")
-        setup = Setup(model, tp=tp, dp=a.gpus // tp, micro_batch=a.batch or 4,
+        if a.gpus % tp:
+            raise UsageError(f"--gpus {a.gpus} is not a multiple of the MP degree --tp {tp}; use a multiple")
+        setup = Setup(model, tp=tp, dp=a.gpus // tp, micro_batch=a.batch if a.batch is not None else 4,
                       stage=2 if a.stage is None else a.stage, checkpoint_activations=True,
                       partition_activations=a.pa, cpu_checkpointing=a.cpu)
     return setup.with_config(a.config_name) if a.config_name else setup
@@ -134,6 +169,7 @@ def main(argv=None) -> dict:
 
     out: dict = {"table1": table1(), "table2": table2()}
     try:
+        batches = check_args(a)
         setup = build_setup(a)
     except UsageError as e:
         p.exit(2, f"{p.prog}: error: {e}\n")
@@ -144,7 +180,6 @@ def main(argv=None) -> dict:
                             "pa": setup.partition_activations, "cpu": setup.cpu_checkpointing,
                             **estimate(setup), "fits": estimate(setup)["total"] <= a.device_gb * GB,
                             "max_model": max_model(setup, a.device_gb * GB)}
-    batches = [int(b) for b in a.c_batches.split(",") if b]
     out["c_configs"] = {b: c_config_max_models(a.c_gpus, a.c_mp, b, a.device_gb) for b in batches}
     if a.json:
         print(json.dumps(out, indent=1, default=str))

@@ -41,6 +41,11 @@ def main(argv: list[str] | None = None) -> int:
         from zerotron.training.setup_run import preflight
 
         preflight(cfg)  # model shape, pipeline split, ZeRO settings, the user's token files: still no group
+        if rank == 0:
+            from zerotron.training.inert import no_effect
+
+            for line in no_effect(cfg):
+                print(f"[config] {line}", flush=True)
     except ConfigError as e:
         print(f"[rank {rank}] config error: {e}", file=sys.stderr, flush=True)
         return 2

@@ -56,3 +56,23 @@ def test_a_config_that_fixes_dp_gives_its_own_world(capsys, tmp_path):
     assert (out["breakdown"]["gpus"], out["breakdown"]["dp"]) == (8, 4)
     out, _ = run(capsys, "--config", TINY, "--gpus", "4", "--tp", "1", "--batch", "2")  # flags override the config
     assert (out["breakdown"]["tp"], out["breakdown"]["dp"], out["breakdown"]["micro_batch"]) == (1, 4, 2)
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--preset", "nosuch", "--gpus", "8"], "unknown model preset 'nosuch'"),
+    (["--preset", "zero-1.5b", "--tp", "-2", "--gpus", "8"], "--tp -2: must be a positive integer"),
+    (["--preset", "zero-1.5b", "--gpus", "8", "--batch", "0"], "--batch 0: must be a positive integer"),
+    (["--preset", "zero-1.5b", "--gpus", "6", "--tp", "3"], "not divisible by parallel.tp=3"),
+    (["--layers", "40", "--hidden", "4096", "--heads", "30", "--gpus", "8"], "not divisible by model.num_heads=30"),
+    (["--layers", "4"], "a custom GPT needs --layers, --hidden and --heads"),
+    (["--config-name", "C3"], "--config-name C3 applies to a breakdown"),
+    (["--config", TINY, "--preset", "zero-1.5b", "--gpus", "4"], "--config and --preset each name the model"),
+    (["--c-batches", "a,b"], "--c-batches 'a,b': give positive micro-batch sizes"),
+    (["--c-mp", "0"], "--c-mp 0: must be a positive integer"),
+    (["--c-gpus", "100", "--c-mp", "16"], "--c-gpus 100 is not a multiple of --c-mp 16"),
+])
+def test_a_request_it_cannot_answer_as_given_exits_2(capsys, argv, needle):
+    """Never a traceback, a breakdown of a layout that cannot exist, or a flag quietly dropped."""
+    with pytest.raises(SystemExit) as exit_:
+        estimate_memory.main(argv)
+    assert exit_.value.code == 2 and needle in capsys.readouterr().err

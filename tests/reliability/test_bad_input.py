@@ -73,6 +73,11 @@ def _yaml(tmp_path: Path, text: str) -> str:
     (["--train-steps", "inf"], "training.train_steps='inf' is not a valid int"),
     (["--model.max_position_embeddings", "16"], "raise model.max_position_embeddings to >= 32 or shorten "
                                                 "model.seq_length"),
+    (["--model.ffn_hidden_size", "0"], "model.ffn_hidden_size=0: must be a positive integer, or null"),
+    (["--model.vocab_size", "0"], "model.vocab_size=0 must be a positive integer, or null"),
+    (["--run-dir", ""], "logging.run_dir is empty"),
+    (["--data.eval_path", "held_out"], "data.eval_path=['held_out'] is set but data.data_path is not"),
+    (["--data.tokenizer", "t.model"], "data.tokenizer='t.model' is set but data.data_path is not"),
 ])
 def test_bad_value_exits_2_naming_the_field(run_main, extra, needle):
     code, err = run_main(extra)
@@ -94,6 +99,33 @@ def test_empty_yaml_is_refused(run_main, tmp_path, text):
 def test_yaml_int_field_with_fraction_is_refused(run_main, tmp_path):
     code, err = run_main(["--config", _yaml(tmp_path, "training:\n  train_steps: 2.5\n")])
     assert code == 2 and "training.train_steps=2.5 is not a whole number" in err, err
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("logging:\n  run_dir: [a, b]\n", "logging.run_dir=['a', 'b'] is not a valid str"),
+    ("checkpoint:\n  save: {x: 1}\n", "checkpoint.save={'x': 1} is not a valid str"),
+    ("data:\n  data_path: {a: 1}\n", "data.data_path={'a': 1} is not a valid list"),
+])
+def test_yaml_value_of_the_wrong_shape_is_refused(run_main, tmp_path, text, needle):
+    code, err = run_main(["--config", _yaml(tmp_path, text)])
+    assert code == 2 and needle in err, err
+
+
+def test_yaml_key_given_twice_is_refused(run_main, tmp_path):
+    code, err = run_main(["--config", _yaml(tmp_path, "training:\n  train_steps: 5\n  train_steps: 6\n")])
+    assert code == 2 and "key 'train_steps' is given twice" in err, err
+
+
+def test_an_abbreviated_flag_is_not_taken_for_another(run_main):
+    code, err = run_main(["--train", "5"])  # not --train-steps
+    assert code == 2 and "unknown argument '--train'" in err, err
+
+
+@pytest.mark.parametrize("flag, field", [("--run-dir", "logging.run_dir"), ("--data.cache_dir", "data.cache_dir")])
+def test_a_directory_that_cannot_be_made_is_refused_before_start_up(run_main, tmp_path, flag, field):
+    (tmp_path / "afile").write_text("x")
+    code, err = run_main([flag, str(tmp_path / "afile" / "sub")])
+    assert code == 2 and f"{field}=" in err and "is a file, not a directory" in err, err
 
 
 def _short_corpus(tmp_path: Path, cache: str, tokens: int) -> list[str]:

@@ -75,3 +75,14 @@ def test_data_fault_is_a_start_up_error_on_every_rank(corpus, kind, field, words
         for w in words:
             assert w in err, err
         assert "Traceback" not in err
+
+
+def test_a_built_in_corpus_that_cannot_be_built_stops_every_rank(tmp_path):
+    """Rank 0 builds the built-in corpus after start-up; its failure (here sentencepiece refusing a
+    vocabulary smaller than the corpus's alphabet) reaches the rank waiting for it, so both exit 2
+    naming the field instead of one traceback and one rank left in a collective."""
+    res = run(tiny(str(tmp_path / "cache")) + ["--train-steps", "2", "--run-dir", str(tmp_path / "run"),
+                                               "--data.default_corpus_vocab", "5"], world=2)
+    for code, _, err, _ in res:
+        assert code == 2, err
+        assert "the built-in corpus could not be built" in err and "data.default_corpus_vocab=5" in err, err

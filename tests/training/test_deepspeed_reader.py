@@ -49,6 +49,11 @@ BAD = [
     ({"amp": {"enabled": True}}, "amp={'enabled': True}: apex AMP is not used"),
     ({"expert_parallel": {"enabled": True}}, "mixture of experts"),
     ({"tensor_parallel": {"autotp_size": 3}}, "parallel.tp*parallel.pp=3*1=3"),
+    # a value the run config refuses is named by the JSON key the user wrote
+    ({"communication_data_type": "bf16"}, "communication_data_type (read as zero.grad_accum_dtype): "
+                                          "zero.grad_accum_dtype='bf16': gradients of fp32 parameters"),
+    ({"optimizer": {"type": "AdamW", "params": {"lr": 1e-5}}}, "optimizer.params.lr (read as optimizer.lr): "
+                                                               "optimizer.min_lr=0.0001 must be between 0 and"),
 ]
 
 
@@ -187,3 +192,22 @@ def test_the_jsons_scheduler_replaces_the_yamls_schedule(tmp_path, scheduler, ya
     replaced = OTHER_SCHEDULES_FIELDS if o.schedule == "onecycle" else ONE_CYCLE_FIELDS
     unset = {n: getattr(OptimizerSection(), n) for n in replaced}
     assert {n: getattr(o, n) for n in replaced} == unset, o
+
+
+@pytest.mark.parametrize("ds, field, value", [
+    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 1e-3, "warmup_num_steps": 0}}},
+     "optimizer.warmup_steps", 0),
+    ({"activation_checkpointing": {"partition_activations": False, "number_checkpoints": False}},
+     "activation_checkpointing.number_checkpoints", None),
+    ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu", "buffer_count": 4}}},
+     "zero.offload_param_device", "none"),
+], ids=["warmup-0", "number_checkpoints-false", "offload_param-at-stage-2"])
+def test_values_deepspeed_accepts_are_accepted(tmp_path, ds, field, value):
+    """A warm-up of 0 steps (DeepSpeed clamps it to 2, as our schedule does), a ``false`` count of
+    checkpoints (DeepSpeed reads it as unset), both from real configs, and ``offload_param`` below
+    stage 3 (DeepSpeed reads it only at stage 3; the start-up lines say it was dropped)."""
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(ds))
+    cfg = parse_config(["--deepspeed-config", str(path)], world_size=1).validate(1)
+    section, name = field.split(".")
+    assert getattr(getattr(cfg, section), name) == value

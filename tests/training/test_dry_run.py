@@ -104,3 +104,18 @@ def test_offloads_on_fake_cuda(tmp_path):
     e = out["ranks"]["0"]
     assert e["device"] == "cuda:0" and e["host_tensor_bytes_per_step"] > 0, e
     assert not nvme.exists(), sorted(nvme.rglob("*"))
+
+
+def test_a_deepspeed_json_batch_is_sized_by_gpus(tmp_path, monkeypatch):
+    """The JSON's batch triple is resolved against the simulated world (``--gpus``), not the
+    launching process's one."""
+    import scripts.dry_run as dry
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}))
+    a, overrides = dry.build_parser().parse_known_args(
+        ["--config", str(ROOT / "configs" / "tiny.yaml"), "--gpus", "8", "--parallel.tp", "2",
+         "--deepspeed-config", str(ds)])
+    cfg, _, _ = dry.load(a, overrides)
+    assert (cfg.parallel.dp, cfg.training.micro_batch_size, cfg.training.global_batch_size) == (4, 4, 4 * 2 * 4)

@@ -92,9 +92,7 @@ def test_checkpoint_round_trip_through_disk(tmp_path):
 
 @pytest.mark.parametrize("zero,match", [
     ({"stage": 3, "offload_param": {"device": "nvme"}}, "zero.offload_param_nvme_path"),
-    ({"stage": 2, "offload_param": {"device": "cpu"}}, "zero.offload_param_device='cpu'"),
     ({"stage": 3, "offload_param": {"device": "disk"}}, "offload_param.device='disk'"),
-    ({"stage": 2, "offload_param": {"device": "nvme", "nvme_path": "/x"}}, "zero.offload_param_device"),
     ({"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/x", "buffer_count": 1}},
      "zero.offload_param_buffer_count"),
     ({"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/x", "ratio": 1}}, "offload_param.ratio"),
@@ -108,6 +106,22 @@ def test_checkpoint_round_trip_through_disk(tmp_path):
 def test_config_errors_name_the_key(zero, match):
     with pytest.raises(ValueError, match=match):
         zero_from_deepspeed(zero)
+
+
+@pytest.mark.parametrize("device", ["cpu", "nvme"])
+def test_parameter_offload_below_stage_3(device):
+    """zerotron's own key is refused below stage 3 (parameters are not partitioned there); a
+    DeepSpeed JSON's ``offload_param`` is dropped with a start-up line, as DeepSpeed reads it only
+    at stage 3."""
+    from zerotron.training.deepspeed import from_deepspeed
+    from zerotron.zero.config import ZeroConfig
+
+    with pytest.raises(ValueError, match=f"zero.offload_param_device='{device}'"):
+        ZeroConfig(stage=2, offload_param_device=device, offload_param_nvme_path="/x").validate()
+    cfg, lines = from_deepspeed({"zero_optimization": {"stage": 2, "offload_param": {"device": device,
+                                                                                      "nvme_path": "/x"}}})
+    assert (cfg.zero.offload_param_device, cfg.zero.offload_param_nvme_path) == ("none", None)
+    assert any("accepted, no effect here: zero_optimization.offload_param" in line for line in lines), lines
 
 
 def zero_from_deepspeed(zero: dict):

@@ -63,6 +63,10 @@ class GPTConfig:
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"model.{field}={value!r}: must be a positive integer")
+        for field in ("ffn_hidden_size", "max_position_embeddings"):  # None: derived from hidden/seq
+            value = getattr(self, field)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"model.{field}={value!r}: must be a positive integer, or null for the default")
         if not isinstance(tp, int) or tp < 1:
             raise ValueError(f"parallel.tp={tp!r}: must be a positive integer")
         for field in ("dropout", "attention_dropout"):

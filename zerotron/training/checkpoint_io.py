@@ -24,6 +24,7 @@ from zerotron.data.atomic import publish
 
 FORMAT_VERSION = 1
 STEP_DIR = re.compile(r"^step_(\d{8})$")
+LOAD_EARLIER = "; load an earlier checkpoint"  # the fix a damaged checkpoint's message ends with
 
 
 class CheckpointError(RuntimeError):
@@ -70,7 +71,7 @@ def verify_file(path: Path, expected_sha: str) -> None:
     actual = sha256_file(path)
     if actual != expected_sha:
         raise CheckpointError(f"checkpoint shard {path} is corrupt: SHA-256 {actual[:12]}… does not match the "
-                              f"{expected_sha[:12]}… recorded in metadata.json; load an earlier checkpoint")
+                              f"{expected_sha[:12]}… recorded in metadata.json" + LOAD_EARLIER)
 
 
 class ShardReader:
@@ -130,7 +131,8 @@ def resolve_load_path(load: str | Path) -> tuple[Path, list[str]]:
                      (STEP_DIR.match(p.name) and not (p / "metadata.json").is_file()))
     if not complete:
         raise CheckpointError(f"checkpoint.load={load}: no complete checkpoint found"
-                              + (f" (partial: {', '.join(partial)})" if partial else ""))
+                              + (f" (partial: {', '.join(partial)})" if partial else "")
+                              + "; point checkpoint.load at a checkpoint, or pass --load none to start from scratch")
     newest = complete[-1]
     newer_partial = [n for n in partial if n.split(".")[0] > newest.name]
     if newer_partial:
@@ -145,7 +147,7 @@ def read_metadata(path: Path) -> dict[str, Any]:
     except FileNotFoundError:
         raise CheckpointError(f"{path}: metadata.json is missing; the checkpoint is incomplete") from None
     except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path}/metadata.json is corrupt ({e}); load an earlier checkpoint") from None
+        raise CheckpointError(f"{path}/metadata.json is corrupt ({e})" + LOAD_EARLIER) from None
     if meta.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"{path}: checkpoint format version {meta.get('format_version')} is not "
                               f"{FORMAT_VERSION}, the one this zerotron reads")

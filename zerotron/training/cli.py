@@ -68,6 +68,8 @@ def _coerce(name: str, tp: Any, value: Any) -> Any:
     try:
         if origin is list:
             (inner,) = typing.get_args(base)
+            if not isinstance(value, (str, list, tuple)):  # list({"a": 1}) would quietly become ["a"]
+                raise ValueError(value)
             items = value.split(",") if isinstance(value, str) else list(value)
             return [_coerce(f"{name}[{i}]", inner, x) for i, x in enumerate(x for x in items if x != "")]
         if base is bool:
@@ -85,7 +87,9 @@ def _coerce(name: str, tp: Any, value: Any) -> Any:
             if isinstance(value, bool):  # YAML's true/yes would otherwise become 1.0
                 raise ValueError(value)
             return float(value)
-        if base is str:
+        if base is str:  # a YAML number is a name ("2024"); a mapping, list or null is a mistake
+            if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+                raise ValueError(value)
             return str(value)
     except ConfigError:
         raise
@@ -140,15 +144,20 @@ def apply_deepspeed(cfg: RunConfig, path: str, flagged: set[str], world_size: in
     """Apply the DeepSpeed JSON at ``path`` with the one reader (``training.deepspeed``), after the
     YAML and the flags (``flagged``: the ``section.field`` names they set, which it leaves alone);
     returns the start-up lines. Errors name the file and the DeepSpeed key."""
+    origins: dict[str, str] = {}
     try:
-        return deepspeed.apply_deepspeed(deepspeed.load_json(path), cfg, set_field, flagged, world_size)
+        lines = deepspeed.apply_deepspeed(deepspeed.load_json(path), cfg, set_field, flagged, world_size, origins)
     except ValueError as e:
         raise ConfigError(f"--deepspeed-config {path}: {e}") from None
+    cfg.deepspeed_file, cfg.deepspeed_keys = path, origins  # validate() names these keys in its errors
+    return lines
 
 
 def build_parser(exit_codes: str = "") -> argparse.ArgumentParser:
     """The flags; --help lists every config field (``config_help``) and then ``exit_codes``."""
+    # no abbreviations: "--train 5" must not quietly become --train-steps 5
     p = argparse.ArgumentParser(description="Pretrain a GPT with zerotron (TP x PP x ZeRO-DP).",
+                                allow_abbrev=False,
                                 epilog=config_help.epilog(exit_codes),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="YAML run config (see configs/)")
@@ -164,6 +173,21 @@ def build_parser(exit_codes: str = "") -> argparse.ArgumentParser:
     return p
 
 
+class _NoDuplicates(yaml.SafeLoader):
+    """``yaml.safe_load`` that refuses a key given twice in one mapping (YAML's own rule, which
+    PyYAML does not enforce: the last one would win in silence), as the DeepSpeed reader does."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} is given twice; keep one",
+                                                        key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def parse_config(argv: list[str] | None = None, exit_codes: str = "", world_size: int | None = None) -> RunConfig:
     """Parse flags into a ``RunConfig`` (not yet validated against a world size). ``world_size``
     (default ``$WORLD_SIZE``, else 1) sizes a DeepSpeed JSON's batch triple."""
@@ -172,7 +196,7 @@ def parse_config(argv: list[str] | None = None, exit_codes: str = "", world_size
     cfg = RunConfig()
     if args.config:
         try:
-            data = yaml.safe_load(Path(args.config).read_text())
+            data = yaml.load(Path(args.config).read_text(), Loader=_NoDuplicates)
         except FileNotFoundError:
             raise ConfigError(f"--config {args.config}: file not found") from None
         except (IsADirectoryError, UnicodeDecodeError) as e:

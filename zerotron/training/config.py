@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
+import re
 import typing
 from dataclasses import dataclass, field
 from typing import Any
@@ -137,6 +138,10 @@ class RunConfig:
     training: TrainingSection = field(default_factory=TrainingSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    # which DeepSpeed JSON set which field ({"zero.grad_accum_dtype": "communication_data_type"}):
+    # set per instance by the reader, so an error is named by the key the user wrote; not a section
+    deepspeed_file: typing.ClassVar[str] = ""
+    deepspeed_keys: typing.ClassVar[dict[str, str]] = {}
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -145,8 +150,19 @@ class RunConfig:
     def validate(self, world_size: int) -> "RunConfig":
         """Check every field that can be checked without the model or data; returns self.
 
-        The parallel sizes are checked against ``world_size`` and ``dp`` is filled in.
+        The parallel sizes are checked against ``world_size`` and ``dp`` is filled in. An error
+        about a field a DeepSpeed JSON set names that JSON and its key as well.
         """
+        try:
+            return self._check(world_size)
+        except ConfigError as e:
+            named = [(f, key) for f, key in self.deepspeed_keys.items() if re.search(rf"\b{re.escape(f)}\b", str(e))]
+            if not named:
+                raise
+            keys = ", ".join(f"{key} (read as {f})" for f, key in named)
+            raise ConfigError(f"--deepspeed-config {self.deepspeed_file}: {keys}: {e}") from None
+
+    def _check(self, world_size: int) -> "RunConfig":
         _check_finite(self)
         _choice("training.precision", self.training.precision, PRECISIONS)
         _choice("optimizer.decay", self.optimizer.decay, ("cosine", "linear", "constant"))
@@ -210,7 +226,13 @@ class RunConfig:
         for name in ("dropout", "attention_dropout"):
             if getattr(m, name) is not None and not 0 <= getattr(m, name) < 1:
                 raise ConfigError(f"model.{name}={getattr(m, name)} must be in [0, 1)")
+        if m.vocab_size is not None and (isinstance(m.vocab_size, bool) or m.vocab_size < 1):
+            raise ConfigError(f"model.vocab_size={m.vocab_size!r} must be a positive integer, or null to take "
+                              f"the tokenizer's")
         lg = self.logging
+        if not lg.run_dir.strip():
+            raise ConfigError("logging.run_dir is empty; name the run's directory (e.g. runs/exp1): metrics, the "
+                              "config and {run_dir} checkpoints go there")
         for name in ("log_interval", "eval_interval", "eval_steps"):
             _positive(f"logging.{name}", getattr(lg, name), allow_zero=name != "log_interval")
         if lg.peak_tflops is not None:
@@ -234,6 +256,13 @@ class RunConfig:
         if self.data.data_weights and len(self.data.data_weights) != len(self.data.data_path):
             raise ConfigError(f"data.data_weights has {len(self.data.data_weights)} entries but data.data_path has "
                               f"{len(self.data.data_path)}; give one weight per path or none")
+        d = self.data
+        if not d.data_path:  # the built-in corpus brings its own tokenizer and eval split
+            for name in ("eval_path", "tokenizer", "data_weights"):
+                if getattr(d, name):
+                    raise ConfigError(f"data.{name}={getattr(d, name)!r} is set but data.data_path is not, so the "
+                                      f"built-in corpus (with its own tokenizer and eval split) is used and "
+                                      f"data.{name} would be ignored; set data.data_path or remove data.{name}")
         if self.data.data_path and not self.data.tokenizer:
             raise ConfigError("data.data_path is set but data.tokenizer is not; name the sentencepiece model the "
                               "token files were made with")

@@ -34,8 +34,8 @@ from typing import Any, Callable
 import torch
 
 from zerotron.parallel import collectives as C
-from zerotron.training.checkpoint_io import (CheckpointError, complete_checkpoints, owner, read_metadata,
-                                             resolve_load_path, sha256_file, step_of)
+from zerotron.training.checkpoint_io import (LOAD_EARLIER, CheckpointError, complete_checkpoints, owner,
+                                             read_metadata, resolve_load_path, sha256_file, step_of)
 from zerotron.training.run_lock import RunLock, RunLockError
 
 # not part of what a run trains: its length, how it is logged, how and where its checkpoints are
@@ -192,11 +192,14 @@ def _schedule_refusal(asked: str, path: Path, diffs) -> str:
             f"values, or pass --checkpoint.override_schedule true to continue with this run's")
 
 
-def _corrupt(path: Path, problem: str, before: list[Path], grid, device) -> str:
-    head = f"checkpoint {path} is corrupt: {problem}. "
+def _corrupt(path: Path, problem: str, before: list[Path], grid, device, asked: str) -> str:
+    """The refusal of a damaged checkpoint, with the fix that works from where it was asked for:
+    under ``load=auto`` removing it starts afresh, an explicit ``load`` must be changed."""
+    head = f"checkpoint {path} is corrupt: {problem.removesuffix(LOAD_EARLIER)}. "
     if not before:
-        return head + (f"There is no checkpoint before it: remove {path} to start from scratch, or set "
-                       f"checkpoint.load to another checkpoint")
+        fix = (f"remove {path} to start from scratch" if asked.endswith("=auto") else
+               "pass --load none to start from scratch")
+        return head + f"There is no checkpoint before it: {fix}, or set checkpoint.load to another checkpoint"
     prev_problem, _ = verify(before[0], grid, device)
     state = "is intact (verified)" if prev_problem is None else f"is corrupt too ({prev_problem})"
     return head + (f"The one before it, {before[0]}, {state}: pass --checkpoint.fallback true to load "
@@ -219,7 +222,7 @@ def plan_resume(cfg, grid, device, log: Callable[[str], None] = print) -> Resume
             chosen = path
             break
         if not c.fallback:
-            raise CheckpointError(f"{asked}: " + _corrupt(path, problem, candidates[i + 1:], grid, device))
+            raise CheckpointError(f"{asked}: " + _corrupt(path, problem, candidates[i + 1:], grid, device, asked))
         log(f"[checkpoint] {path} is corrupt ({problem}); checkpoint.fallback=true: trying the one before it")
         skipped.append(path)
     if candidates and chosen is None:

@@ -131,9 +131,9 @@ def check_schedule(optimizer) -> None:
     if o.warmup_type == "log" and o.schedule != "deepspeed":
         raise ValueError("optimizer.warmup_type='log' is DeepSpeed's warm-up; set optimizer.schedule=deepspeed "
                          "or use warmup_type=linear")
-    if o.schedule != "megatron" and not (isinstance(o.warmup_steps, int) and o.warmup_steps >= 1):
-        raise ValueError(f"optimizer.warmup_steps={o.warmup_steps!r}: DeepSpeed's schedules need a positive "
-                         f"warmup_num_steps (cycle_first_step_size for OneCycle)")
+    if o.schedule == "onecycle" and not (isinstance(o.warmup_steps, int) and o.warmup_steps >= 1):
+        raise ValueError(f"optimizer.warmup_steps={o.warmup_steps!r}: OneCycle needs a positive "
+                         f"cycle_first_step_size (its cycle would have no length)")
     if o.schedule == "onecycle":
         _check_one_cycle(o)
         return

@@ -26,15 +26,24 @@ class DataBundle:
     vocab_size: int
 
 
-def prepare_data(cfg: RunConfig, grid: Grid) -> DataBundle:
-    """Token files and tokenizer: the built-in corpus (rank 0 builds, the others wait) or the user's."""
+def prepare_data(cfg: RunConfig, grid: Grid, device) -> DataBundle:
+    """Token files and tokenizer: the built-in corpus (rank 0 builds, the others wait for its
+    outcome, so a build that fails stops every rank with rank 0's reason) or the user's."""
     from zerotron.data import build_default_corpus
+    from zerotron.training.resume import share
 
     d = cfg.data
     if not d.data_path:
+        failure = ""
         if grid.rank == 0:
-            build_default_corpus(d.cache_dir, vocab_size=d.default_corpus_vocab)
-        C.barrier(grid.world_group)
+            try:
+                build_default_corpus(d.cache_dir, vocab_size=d.default_corpus_vocab)
+            except (OSError, ValueError) as e:
+                failure = (f"the built-in corpus could not be built in data.cache_dir={d.cache_dir} with "
+                           f"data.default_corpus_vocab={d.default_corpus_vocab} (the default is 1024): {e}")
+        failure = share(failure, grid, device)  # also the barrier: the others read what rank 0 built
+        if failure:
+            raise ConfigError(failure)
         train, tok_path, evals = build_default_corpus(d.cache_dir, vocab_size=d.default_corpus_vocab)
         bundle = DataBundle([train], None, [evals], tok_path, 0)
     else:
@@ -177,6 +186,8 @@ def preflight(cfg: RunConfig) -> None:
         vocab = check_data(cfg, cfg.data.tokenizer, list(cfg.data.data_path), list(cfg.data.eval_path))
     mcfg = validate_model(cfg, vocab)
     check_save_dir(cfg, mcfg)
+    writable_dir("logging.run_dir", cfg.logging.run_dir, "the run's metrics and config")
+    writable_dir("data.cache_dir", cfg.data.cache_dir, "the built-in corpus and the sample-index caches")
 
 
 def checkpoint_bytes(cfg: RunConfig, mcfg) -> tuple[int, int, int]:
@@ -197,26 +208,12 @@ def check_save_dir(cfg: RunConfig, mcfg) -> None:
     """``checkpoint.save`` (when set) must be a directory this rank can write, on a file system
     with room for one checkpoint -- found out now, not after hours of training. A directory not
     yet created is judged by its nearest existing parent, which is where it will be made."""
-    import os
     import shutil
-    import tempfile
 
     path = cfg.checkpoint.save
     if not path:
         return
-    where = Path(path).absolute()
-    while not where.exists() and where != where.parent:
-        where = where.parent
-    if not where.is_dir():
-        raise ConfigError(f"checkpoint.save={path}: {where} is a file, not a directory; point checkpoint.save "
-                          f"at a directory (or a path to create), or unset it to run without checkpoints")
-    try:
-        fd, probe = tempfile.mkstemp(dir=where, prefix=".zerotron-write-probe-")
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as e:
-        raise ConfigError(f"checkpoint.save={path}: cannot write in {where} ({e.strerror}); choose a writable "
-                          f"directory or fix its permissions") from None
+    where = writable_dir("checkpoint.save", path, "checkpoints", "or unset it to run without checkpoints")
     from zerotron.training.run_lock import RunLockError, check_free
 
     try:  # a live run's directory: refused now, not after init_process_group (the lock is taken there)
@@ -230,6 +227,30 @@ def check_save_dir(cfg: RunConfig, mcfg) -> None:
                           f"{per} bytes: master weights, two Adam moments and a {cfg.training.precision} copy) but "
                           f"{where} has {_gib(free)} free; free space, choose a larger file system, or unset "
                           f"checkpoint.save")
+
+
+def writable_dir(field: str, path: str, holds: str, alternative: str = "") -> Path:
+    """``path`` is a directory this rank can write in, or can be created: a directory not yet there
+    is judged by its nearest existing parent, where it will be made. Returns that directory;
+    raises ``ConfigError`` naming ``field``."""
+    import os
+    import tempfile
+
+    where = Path(path).absolute()
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    also = f", {alternative}" if alternative else ""
+    if not where.is_dir():
+        raise ConfigError(f"{field}={path}: {where} is a file, not a directory; point {field} at a directory "
+                          f"(or a path to create) for {holds}{also}")
+    try:
+        fd, probe = tempfile.mkstemp(dir=where, prefix=".zerotron-write-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ConfigError(f"{field}={path}: cannot write in {where} ({e.strerror}); {field} holds {holds}: "
+                          f"choose a writable directory or fix its permissions{also}") from None
+    return where
 
 
 def _gib(n: int) -> str:

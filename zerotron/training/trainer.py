@@ -61,7 +61,7 @@ class Trainer:
     def _build(self, cfg: RunConfig, env: DistEnv, grid) -> None:
         from zerotron.data import GPTDataset, prepare_dataset_index
 
-        self.data = prepare_data(cfg, grid)
+        self.data = prepare_data(cfg, grid, env.device)
         self.mcfg = model_config(cfg, self.data.vocab_size)
         t = cfg.training
         self.memory = StepMemory(cfg.logging.log_interval)

@@ -77,12 +77,16 @@ def read(data: dict) -> plan.Plan:
     return p
 
 
-def apply_deepspeed(data: dict, cfg, set_field: Callable, flagged: set[str], world_size: int) -> list[str]:
+def apply_deepspeed(data: dict, cfg, set_field: Callable, flagged: set[str], world_size: int,
+                    origins: dict | None = None) -> list[str]:
     """Apply a whole DeepSpeed config to ``cfg`` (after the YAML and the flags; ``flagged`` holds the
     ``section.field`` names the flags set, which the JSON does not touch). ``set_field(cfg, section,
-    name, value)`` coerces a value to its field's type. Returns the start-up lines. Raises
+    name, value)`` coerces a value to its field's type. Returns the start-up lines; ``origins``
+    (when given) receives ``field -> DeepSpeed key`` for what the JSON set. Raises
     ``DeepSpeedKeyError`` naming the DeepSpeed key."""
-    lines = [PRECEDENCE] + plan.apply(read(data), cfg, set_field, flagged)
+    origins = {} if origins is None else origins
+    lines = [PRECEDENCE] + plan.apply(read(data), cfg, set_field, flagged, origins)
+    lines += mapping.param_offload_below_stage3(cfg, set_field, origins)
     try:
         dp = cfg.parallel.resolve(world_size).dp
     except ValueError as e:

@@ -10,6 +10,8 @@ present ``activation_checkpointing`` section turns checkpointing on, ``"enabled"
 
 from __future__ import annotations
 
+from typing import Callable
+
 from zerotron.model.presets import get_preset
 from zerotron.training.deepspeed.plan import Plan, flag, number, whole
 from zerotron.training.deepspeed.schema import DeepSpeedKeyError
@@ -106,6 +108,23 @@ def _device(plan: Plan, path: str, what: str, device) -> None:
     plan.set(path, f"zero.offload_{what}_device", device)
 
 
+def param_offload_below_stage3(cfg, set_field: Callable, origins: dict) -> list[str]:
+    """DeepSpeed reads ``offload_param`` only at stage 3 (below it parameters are not partitioned),
+    so a JSON's parameter offload at stage 0-2 is dropped with a note, not refused as zerotron's
+    own ``zero.offload_param_device`` would be."""
+    from zerotron.zero.config import ZeroConfig
+
+    set_here = [t for t in origins if t.startswith("zero.offload_param_")]
+    if cfg.zero.stage == 3 or not set_here:
+        return []
+    for target in set_here:
+        name = target.split(".")[1]
+        set_field(cfg, "zero", name, getattr(ZeroConfig(), name))
+        del origins[target]
+    return [f"accepted, no effect here: zero_optimization.offload_param (DeepSpeed offloads parameters at "
+            f"stage 3 only: zero.stage={cfg.zero.stage})"]
+
+
 def precision(plan: Plan, ds: dict) -> None:
     """``fp16`` / ``bf16`` (or its older name ``bfloat16``): the precision and fp16's loss scaling."""
     if "bf16" in ds and "bfloat16" in ds:
@@ -164,6 +183,8 @@ def activation(plan: Plan, section: dict) -> None:
     p = "activation_checkpointing"
     plan.set(p, f"{p}.checkpoint_activations", True)
     for key, value in section.items():
+        if key == "number_checkpoints" and value is False:  # DeepSpeed reads a falsy count as "unset"
+            value = None
         if key != "profile":
             plan.set(f"{p}.{key}", f"{p}.{key}", value)
 

@@ -184,7 +184,8 @@ def _steps(plan: Plan, value: dict) -> None:
         plan.set(f"{p}.warmup_num_steps", "optimizer.warmup_steps", lambda cfg: cfg.optimizer.warmup_steps,
                  auto="optimizer.warmup_steps")
     else:
-        plan.set(f"{p}.warmup_num_steps", "optimizer.warmup_steps", whole(f"{p}.warmup_num_steps", warm, 1))
+        # 0 and 1 are DeepSpeed's too: its warm-up schedulers clamp the count to max(2, n), as ours does
+        plan.set(f"{p}.warmup_num_steps", "optimizer.warmup_steps", whole(f"{p}.warmup_num_steps", warm, 0))
     if "total_num_steps" in value:
         total = value["total_num_steps"]
         if total == "auto":

@@ -42,9 +42,10 @@ def get(cfg, target: str) -> Any:
     return getattr(getattr(cfg, section), name)
 
 
-def apply(plan: Plan, cfg, set_field: Callable, flagged: set[str]) -> list[str]:
+def apply(plan: Plan, cfg, set_field: Callable, flagged: set[str], origins: dict | None = None) -> list[str]:
     """Write the plan into ``cfg`` (``set_field(cfg, section, name, value)`` coerces and checks the
-    type), except the fields in ``flagged`` (set on the command line); return the start-up lines."""
+    type), except the fields in ``flagged`` (set on the command line); return the start-up lines.
+    ``origins`` (when given) receives ``field -> DeepSpeed key`` for each field written."""
     lines = list(plan.notes)
     for a in plan.assigns:
         if a.target in flagged:
@@ -60,6 +61,8 @@ def apply(plan: Plan, cfg, set_field: Callable, flagged: set[str]) -> list[str]:
             set_field(cfg, *a.target.split(".", 1), value)
         except ValueError as e:
             raise DeepSpeedKeyError(f"{a.path}={_show(value)}: {e}") from None
+        if origins is not None:
+            origins[a.target] = a.path
         if a.auto:
             lines.append(_auto_line(a, cfg))
     return lines
