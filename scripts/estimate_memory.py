@@ -69,8 +69,8 @@ def check_args(a) -> list[int]:
         value = getattr(a, flag)
         if value is not None and value < 1:
             raise UsageError(f"--{flag.replace('_', '-')} {value}: must be a positive integer")
-    if not a.device_gb > 0:
-        raise UsageError(f"--device-gb {a.device_gb}: must be > 0 (a V100 has 32)")
+    if not 0 < a.device_gb < float("inf"):
+        raise UsageError(f"--device-gb {a.device_gb}: must be a finite size > 0 (a V100 has 32)")
     if a.c_gpus % a.c_mp:
         raise UsageError(f"--c-gpus {a.c_gpus} is not a multiple of --c-mp {a.c_mp}; DP = c-gpus / c-mp")
     custom = [f"--{f}" for f in ("layers", "hidden", "heads") if getattr(a, f) is not None]
@@ -80,9 +80,12 @@ def check_args(a) -> list[int]:
         raise UsageError(f"{' and '.join(named)} each name the model; give one of them")
     if custom and len(custom) < 3:
         raise UsageError(f"a custom GPT needs --layers, --hidden and --heads; {', '.join(custom)} given")
-    if a.config_name and not named:
-        raise UsageError(f"--config-name {a.config_name} applies to a breakdown: give --config, --preset or "
-                         f"--layers/--hidden/--heads (with --gpus)")
+    shaping = [f"--{f.replace('_', '-')}" for f in ("config_name", "gpus", "tp", "batch", "stage", "seq", "pa", "cpu")
+               if getattr(a, f) not in (None, False)]
+    if shaping and not named:
+        verb = "shapes" if len(shaping) == 1 else "shape"
+        raise UsageError(f"{' '.join(shaping)} {verb} a breakdown, which needs a model: give --config, --preset "
+                         f"or --layers/--hidden/--heads (with --gpus)")
     try:
         batches = [int(b) for b in a.c_batches.split(",") if b.strip()]
     except ValueError:

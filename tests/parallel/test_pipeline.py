@@ -249,3 +249,12 @@ def test_split_rule_and_errors():
         split_layers(4, 3, [2, 2])
     with pytest.raises(ValueError, match="positive integer"):
         split_layers(4, 2, [0, 4])
+
+
+def test_without_a_pipeline_one_micro_batch_is_in_flight():
+    """At pp = 1 the step runs forward and backward per micro-batch whatever the schedule says, so
+    the MD checkpoint buffer is sized for one (it was m slots under ``afab``)."""
+    from zerotron.parallel.pipeline_schedules import microbatches_in_flight
+
+    assert microbatches_in_flight("afab", 1, 0, 8) == microbatches_in_flight("1f1b", 1, 0, 8) == 1
+    assert microbatches_in_flight("afab", 2, 0, 8) == 8

@@ -105,10 +105,27 @@ def test_yaml_int_field_with_fraction_is_refused(run_main, tmp_path):
     ("logging:\n  run_dir: [a, b]\n", "logging.run_dir=['a', 'b'] is not a valid str"),
     ("checkpoint:\n  save: {x: 1}\n", "checkpoint.save={'x': 1} is not a valid str"),
     ("data:\n  data_path: {a: 1}\n", "data.data_path={'a': 1} is not a valid list"),
+    ("checkpoint:\n  load: false\n", "checkpoint.load=False: YAML read this unquoted name as a bool; put it in "
+                                      "quotes, as you mean it to be read, or null for none"),
+    ("logging:\n  wandb_project: 1.10\n", "YAML read this unquoted name as a float"),
+    ("a: 1\n? [b, c]\n: 2\n", "a list is not a key"),
 ])
 def test_yaml_value_of_the_wrong_shape_is_refused(run_main, tmp_path, text, needle):
     code, err = run_main(["--config", _yaml(tmp_path, text)])
     assert code == 2 and needle in err, err
+
+
+def test_yaml_names_that_read_back_as_written_and_merge_keys_are_kept(tmp_path):
+    """A whole number or a date is a name as written; ``<<: *anchor`` merges, and a key after it
+    overrides the merged one (that is not a duplicate)."""
+    import yaml
+
+    from zerotron.training.cli import _NoDuplicates
+
+    merged = yaml.load("base: &b {lr: 0.1, min_lr: 0.01}\nopt:\n  <<: *b\n  lr: 0.2\n", Loader=_NoDuplicates)
+    assert merged["opt"] == {"lr": 0.2, "min_lr": 0.01}
+    cfg = parse_config(["--config", _yaml(tmp_path, "logging:\n  run_dir: 2024-06-01\n  wandb_project: 2024\n")])
+    assert (cfg.logging.run_dir, cfg.logging.wandb_project) == ("2024-06-01", "2024")
 
 
 def test_yaml_key_given_twice_is_refused(run_main, tmp_path):

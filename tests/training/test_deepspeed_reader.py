@@ -11,6 +11,7 @@ import pytest
 
 from scripts.pretrain_gpt import main
 from zerotron.training.cli import parse_config
+from zerotron.training.config import ConfigError, RunConfig
 from zerotron.training.deepspeed import from_deepspeed, markdown_table
 from zerotron.training.deepspeed.keys import TOP
 from zerotron.training.deepspeed.schema import rows
@@ -211,3 +212,37 @@ def test_values_deepspeed_accepts_are_accepted(tmp_path, ds, field, value):
     cfg = parse_config(["--deepspeed-config", str(path)], world_size=1).validate(1)
     section, name = field.split(".")
     assert getattr(getattr(cfg, section), name) == value
+
+
+def test_an_auto_value_is_not_blamed_on_the_json(tmp_path):
+    """``"lr": "auto"`` takes the run config's lr; an error about it names the run config's field
+    alone, not the JSON key that deferred to it."""
+    ds, yml = tmp_path / "ds.json", tmp_path / "run.yaml"
+    ds.write_text(json.dumps({"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}))
+    yml.write_text("optimizer: {lr: 1.0e-5}\n")  # not a flag: a flag would keep the JSON from applying at all
+    with pytest.raises(ConfigError) as err:
+        parse_config(["--config", str(yml), "--deepspeed-config", str(ds)], world_size=1).validate(1)
+    assert "optimizer.params.lr" not in str(err.value) and "optimizer.min_lr=0.0001" in str(err.value)
+
+
+def test_stage3_defaults_follow_the_stage_a_flag_sets(tmp_path):
+    """A stage-3 JSON fills in DeepSpeed's stage-3 defaults; with ``--zero-stage 2`` on the command
+    line they are neither set nor announced (they would do nothing)."""
+    from zerotron.training.inert import no_effect
+
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 3}}))
+    cfg = parse_config(["--zero-stage", "2", "--deepspeed-config", str(ds)], world_size=1).validate(1)
+    assert cfg.zero.stage3_max_reuse_distance == RunConfig().zero.stage3_max_reuse_distance
+    assert no_effect(cfg) == []
+    three = parse_config(["--deepspeed-config", str(ds)], world_size=1).validate(1)
+    assert three.zero.stage3_max_reuse_distance == 10**9  # DeepSpeed's default, applied at stage 3
+
+
+def test_a_checkpoint_count_without_the_contiguous_buffer_is_noted_not_refused():
+    from zerotron.training.deepspeed import from_deepspeed
+
+    cfg, lines = from_deepspeed({"activation_checkpointing": {"number_checkpoints": 4}})
+    assert cfg.validate(1).activation_checkpointing.number_checkpoints is None
+    assert any(line.startswith("accepted, no effect here: activation_checkpointing.number_checkpoints")
+               for line in lines), lines

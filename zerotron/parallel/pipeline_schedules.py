@@ -196,10 +196,13 @@ def microbatches_in_flight(schedule: str, pp_size: int, pp_rank: int, num_microb
     Counted in chunk-forwards (1/v of the rank's layers each): AFAB holds all m; 1F1B its
     warm-up forwards plus one, ``min(p - r, m)``; interleaved its warm-up plus one,
     ``min(2(p - r - 1) + (v - 1)p + 1, v·m)`` -- rank 0 about (1 + (p-1)/(p·v))·p micro-batches
-    of the whole stage's layers. Activation checkpointing sizes its MD buffer with this.
+    of the whole stage's layers; 1 without a pipeline, whatever the schedule. Activation
+    checkpointing sizes its MD buffer with this.
     """
     m, v = num_microbatches, virtual_stages
     check_schedule(schedule, pp_size, m, v)
+    if pp_size == 1:  # no pipeline: the step runs each micro-batch's forward and backward in turn
+        return 1
     if schedule == "afab":
         return m
     if v == 1:

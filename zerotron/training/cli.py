@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import decimal
 import os
 import typing
@@ -87,15 +88,28 @@ def _coerce(name: str, tp: Any, value: Any) -> Any:
             if isinstance(value, bool):  # YAML's true/yes would otherwise become 1.0
                 raise ValueError(value)
             return float(value)
-        if base is str:  # a YAML number is a name ("2024"); a mapping, list or null is a mistake
-            if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-                raise ValueError(value)
-            return str(value)
+        if base is str:
+            return _name(name, value, optional)
     except ConfigError:
         raise
     except (TypeError, ValueError):
         raise ConfigError(f"{name}={value!r} is not a valid {getattr(base, '__name__', base)}") from None
     return value
+
+
+def _name(name: str, value: Any, optional: bool) -> str:
+    """A string field's value. YAML turns some unquoted names into other types: a whole number or a
+    date reads back as written (2024, 2024-06-01); a float (1.10 -> 1.1), a boolean (off -> False)
+    or a mapping would not, so those are refused with the fix."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (int, datetime.date)) and not isinstance(value, bool):
+        return str(value)
+    if isinstance(value, (bool, float)):
+        none = ", or null for none" if optional else ""
+        raise ConfigError(f"{name}={value!r}: YAML read this unquoted name as a {type(value).__name__}; put "
+                          f"it in quotes, as you mean it to be read{none}")
+    raise ConfigError(f"{name}={value!r} is not a valid str")
 
 
 def _whole(name: str, value: Any) -> int:
@@ -180,8 +194,15 @@ class _NoDuplicates(yaml.SafeLoader):
     def construct_mapping(self, node, deep=False):
         seen = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # "<<: *anchor": its keys may be overridden
+                continue
             key = self.construct_object(key_node, deep=deep)
-            if key in seen:
+            try:
+                duplicate = key in seen
+            except TypeError:  # a list or mapping as a key
+                raise yaml.constructor.ConstructorError(None, None, f"a {type(key).__name__} is not a key; use a name",
+                                                        key_node.start_mark) from None
+            if duplicate:
                 raise yaml.constructor.ConstructorError(None, None, f"key {key!r} is given twice; keep one",
                                                         key_node.start_mark)
             seen.add(key)

@@ -14,6 +14,7 @@ import dataclasses
 import importlib.util
 import math
 import re
+import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any
@@ -141,7 +142,7 @@ class RunConfig:
     # which DeepSpeed JSON set which field ({"zero.grad_accum_dtype": "communication_data_type"}):
     # set per instance by the reader, so an error is named by the key the user wrote; not a section
     deepspeed_file: typing.ClassVar[str] = ""
-    deepspeed_keys: typing.ClassVar[dict[str, str]] = {}
+    deepspeed_keys: typing.ClassVar[typing.Mapping[str, str]] = types.MappingProxyType({})  # read-only
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -159,7 +160,7 @@ class RunConfig:
             named = [(f, key) for f, key in self.deepspeed_keys.items() if re.search(rf"\b{re.escape(f)}\b", str(e))]
             if not named:
                 raise
-            keys = ", ".join(f"{key} (read as {f})" for f, key in named)
+            keys = ", ".join(key if key == f else f"{key} (read as {f})" for f, key in named)
             raise ConfigError(f"--deepspeed-config {self.deepspeed_file}: {keys}: {e}") from None
 
     def _check(self, world_size: int) -> "RunConfig":

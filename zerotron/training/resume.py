@@ -192,14 +192,20 @@ def _schedule_refusal(asked: str, path: Path, diffs) -> str:
             f"values, or pass --checkpoint.override_schedule true to continue with this run's")
 
 
-def _corrupt(path: Path, problem: str, before: list[Path], grid, device, asked: str) -> str:
-    """The refusal of a damaged checkpoint, with the fix that works from where it was asked for:
-    under ``load=auto`` removing it starts afresh, an explicit ``load`` must be changed."""
+def _fresh_start(paths: list[Path], save: Path | None) -> str:
+    """How to start from scratch instead of loading ``paths``: a fresh run refuses to write over
+    checkpoints in its own ``checkpoint.save``, so those must go; elsewhere ``--load none`` does."""
+    if save is not None and all(p.resolve().parent == save.resolve() for p in paths):
+        return f"remove {', '.join(str(p) for p in paths)} to start from scratch"
+    return "pass --load none to start from scratch"
+
+
+def _corrupt(path: Path, problem: str, before: list[Path], grid, device, save: Path | None) -> str:
+    """The refusal of a damaged checkpoint, with a fix that works from where it lies."""
     head = f"checkpoint {path} is corrupt: {problem.removesuffix(LOAD_EARLIER)}. "
     if not before:
-        fix = (f"remove {path} to start from scratch" if asked.endswith("=auto") else
-               "pass --load none to start from scratch")
-        return head + f"There is no checkpoint before it: {fix}, or set checkpoint.load to another checkpoint"
+        return head + (f"There is no checkpoint before it: {_fresh_start([path], save)}, or set checkpoint.load "
+                       f"to another checkpoint")
     prev_problem, _ = verify(before[0], grid, device)
     state = "is intact (verified)" if prev_problem is None else f"is corrupt too ({prev_problem})"
     return head + (f"The one before it, {before[0]}, {state}: pass --checkpoint.fallback true to load "
@@ -222,12 +228,14 @@ def plan_resume(cfg, grid, device, log: Callable[[str], None] = print) -> Resume
             chosen = path
             break
         if not c.fallback:
-            raise CheckpointError(f"{asked}: " + _corrupt(path, problem, candidates[i + 1:], grid, device, asked))
-        log(f"[checkpoint] {path} is corrupt ({problem}); checkpoint.fallback=true: trying the one before it")
+            raise CheckpointError(f"{asked}: " + _corrupt(path, problem, candidates[i + 1:], grid, device, save))
+        log(f"[checkpoint] {path} is corrupt ({problem.removesuffix(LOAD_EARLIER)}); checkpoint.fallback=true: "
+            f"trying the one before it")
         skipped.append(path)
     if candidates and chosen is None:
         raise CheckpointError(f"{asked}: no intact checkpoint: {', '.join(str(p) for p in candidates)} are all "
-                              f"corrupt; set checkpoint.load to another checkpoint, or none to start from scratch")
+                              f"corrupt; set checkpoint.load to another checkpoint, or "
+                              f"{_fresh_start(candidates, save)}")
     step = int(meta["step"]) if chosen is not None else 0
     if chosen is not None and cfg.training.train_steps <= step:
         raise AlreadyComplete(f"the run is already complete at step {step} ({chosen}; training.train_steps="

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Callable
 
 from zerotron.model.presets import get_preset
-from zerotron.training.deepspeed.plan import Plan, flag, number, whole
+from zerotron.training.deepspeed.plan import Plan, flag, get, number, whole
 from zerotron.training.deepspeed.schema import DeepSpeedKeyError
 
 DTYPES = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "torch.float32": "fp32",
@@ -59,9 +59,11 @@ def zero(plan: Plan, z: dict) -> None:
         names = next((a for a in _ALIASES if a[0] == key), (key,))
         found = one_of(z, names, p)
         if found is None:
-            if key in _STAGE3_DEFAULTS and z.get("stage") == 3:
-                plan.set(f"{p}.{key}", f"zero.{key}", _STAGE3_DEFAULTS[key])
-                plan.note(f"{p}.{key} not given: {_STAGE3_DEFAULTS[key]:.0e}, DeepSpeed's default")
+            if key in _STAGE3_DEFAULTS and z.get("stage") == 3:  # unless a flag sets another stage
+                plan.set(f"{p}.{key}", f"zero.{key}", lambda cfg, k=key: _STAGE3_DEFAULTS[k] if cfg.zero.stage == 3
+                         else get(cfg, f"zero.{k}"))
+                plan.note(lambda cfg, k=key: f"{p}.{k} not given: {_STAGE3_DEFAULTS[k]:.0e}, DeepSpeed's default"
+                          if cfg.zero.stage == 3 else None)
             continue
         name, value = found
         if value == "auto":  # the Hugging Face Trainer's rule, from the model's hidden size
@@ -117,12 +119,16 @@ def param_offload_below_stage3(cfg, set_field: Callable, origins: dict) -> list[
     set_here = [t for t in origins if t.startswith("zero.offload_param_")]
     if cfg.zero.stage == 3 or not set_here:
         return []
+    key = origins.get("zero.offload_param_device", origins[set_here[0]])  # as the JSON spells it
+    offloaded = cfg.zero.offload_param_device != "none"
     for target in set_here:
         name = target.split(".")[1]
         set_field(cfg, "zero", name, getattr(ZeroConfig(), name))
         del origins[target]
-    return [f"accepted, no effect here: zero_optimization.offload_param (DeepSpeed offloads parameters at "
-            f"stage 3 only: zero.stage={cfg.zero.stage})"]
+    if not offloaded:  # {"device": "none"}: nothing was asked of stage 3
+        return []
+    return [f"accepted, no effect here: {key} (DeepSpeed offloads parameters at stage 3 only: "
+            f"zero.stage={cfg.zero.stage})"]
 
 
 def precision(plan: Plan, ds: dict) -> None:
@@ -182,9 +188,13 @@ def _loss_scaling(plan: Plan, fp16: dict) -> None:
 def activation(plan: Plan, section: dict) -> None:
     p = "activation_checkpointing"
     plan.set(p, f"{p}.checkpoint_activations", True)
+    md = section.get("contiguous_memory_optimization", False)
     for key, value in section.items():
-        if key == "number_checkpoints" and value is False:  # DeepSpeed reads a falsy count as "unset"
-            value = None
+        if key == "number_checkpoints" and not md:  # DeepSpeed reads the count only for that buffer
+            if value not in (None, False, 0):
+                plan.note(f"accepted, no effect here: {p}.number_checkpoints (it sizes the contiguous "
+                          f"checkpoint buffer, which {p}.contiguous_memory_optimization leaves off)")
+            continue
         if key != "profile":
             plan.set(f"{p}.{key}", f"{p}.{key}", value)
 

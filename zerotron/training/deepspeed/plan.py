@@ -28,12 +28,13 @@ class Assign:
 @dataclass
 class Plan:
     assigns: list[Assign] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
+    notes: list = field(default_factory=list)  # str, or fn(cfg) -> str | None
 
     def set(self, path: str, target: str, value: Any, auto: str = "", show: Callable | None = None) -> None:
         self.assigns.append(Assign(path, target, value, auto, show))
 
-    def note(self, text: str) -> None:
+    def note(self, text) -> None:
+        """A start-up line: a string, or ``fn(cfg)`` giving one (or None) once the plan is applied."""
         self.notes.append(text)
 
 
@@ -46,7 +47,7 @@ def apply(plan: Plan, cfg, set_field: Callable, flagged: set[str], origins: dict
     """Write the plan into ``cfg`` (``set_field(cfg, section, name, value)`` coerces and checks the
     type), except the fields in ``flagged`` (set on the command line); return the start-up lines.
     ``origins`` (when given) receives ``field -> DeepSpeed key`` for each field written."""
-    lines = list(plan.notes)
+    lines = [n for n in plan.notes if not callable(n)]
     for a in plan.assigns:
         if a.target in flagged:
             if not a.auto:
@@ -61,11 +62,11 @@ def apply(plan: Plan, cfg, set_field: Callable, flagged: set[str], origins: dict
             set_field(cfg, *a.target.split(".", 1), value)
         except ValueError as e:
             raise DeepSpeedKeyError(f"{a.path}={_show(value)}: {e}") from None
-        if origins is not None:
+        if origins is not None and not a.auto:  # an "auto" value is the run config's own, not the JSON's
             origins[a.target] = a.path
         if a.auto:
             lines.append(_auto_line(a, cfg))
-    return lines
+    return lines + [line for n in plan.notes if callable(n) and (line := n(cfg))]
 
 
 def _auto_line(a: Assign, cfg) -> str:
