@@ -45,7 +45,7 @@ def recompute_working_bytes(b: int, s: int, h: int, heads: int, tp: int = 1, fus
     probs = 0 if (fused_attention or selective) else (2 * e + m) * heads * s / (h * tp)
     if not sequence_parallel:
         return s * b * h * (replicated + 12 * e / tp + probs)
-    extra = (kept_gather_bytes(b, s, h, tp, e) / (s * b * h) + e + 4 * e / tp) if keep_gathers else 2 * e
+    extra = (_kept_gathers_per_sbh(tp, e) + e + 4 * e / tp) if keep_gathers else 2 * e
     return s * b * h * (replicated / tp + extra + 12 * e / tp + probs)
 
 
@@ -53,7 +53,11 @@ def kept_gather_bytes(b: int, s: int, h: int, tp: int, act_bytes: int = 2) -> fl
     """What a recomputed sequence-parallel layer holds beyond its sequence-split activations: the
     whole gathered inputs of QKV and fc1, kept for their weight gradients, in place of their s/t
     pieces -- 2e(1 - 1/t) per s·b·h, in every layer of the chunk being recomputed."""
-    return s * b * h * 2 * act_bytes * (1 - 1 / tp)
+    return s * b * h * _kept_gathers_per_sbh(tp, act_bytes)
+
+
+def _kept_gathers_per_sbh(tp: int, act_bytes: int) -> float:
+    return 2 * act_bytes * (1 - 1 / tp)
 
 
 def head_input_bytes(b: int, s: int, h: int, tp: int = 1, sequence_parallel: bool = False,

@@ -58,15 +58,15 @@ class GPTConfig:
 
     def validate(self, tp: int = 1) -> "GPTConfig":
         """Raise ValueError naming the field, its value and the fix; returns self when valid."""
+        derived = ("ffn_hidden_size", "max_position_embeddings")  # None: from hidden_size / seq_length
         for field in ("num_layers", "hidden_size", "num_heads", "vocab_size", "seq_length",
-                      "make_vocab_size_divisible_by"):
+                      "make_vocab_size_divisible_by", *derived):
             value = getattr(self, field)
+            if value is None and field in derived:
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"model.{field}={value!r}: must be a positive integer")
-        for field in ("ffn_hidden_size", "max_position_embeddings"):  # None: derived from hidden/seq
-            value = getattr(self, field)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise ValueError(f"model.{field}={value!r}: must be a positive integer, or null for the default")
+                null = ", or null for the default" if field in derived else ""
+                raise ValueError(f"model.{field}={value!r}: must be a positive integer{null}")
         if not isinstance(tp, int) or tp < 1:
             raise ValueError(f"parallel.tp={tp!r}: must be a positive integer")
         for field in ("dropout", "attention_dropout"):

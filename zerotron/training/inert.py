@@ -12,7 +12,6 @@ instead, and the section's own ``validate`` refuses it.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Callable
 
 # (field, True when the field acts in this run, why it does not otherwise)
@@ -64,8 +63,7 @@ RULES = _rules()
 
 
 def _default(section, name: str) -> Any:
-    f = {f.name: f for f in dataclasses.fields(section)}[name]
-    return f.default_factory() if f.default is dataclasses.MISSING else f.default
+    return getattr(type(section)(), name)  # a fresh section holds every default, factories included
 
 
 def no_effect(cfg) -> list[str]:
