@@ -34,13 +34,12 @@ import time
 from pathlib import Path
 
 import torch
-import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 from zerotron.data.progress import Progress
 from zerotron.model import GPTConfig, flops_per_iteration
 from zerotron.testing.launch import spawn
-from zerotron.training.cli import apply_mapping
+from zerotron.training.cli import apply_mapping, read_yaml
 from zerotron.training.config import RunConfig
 from zerotron.training.step_memory import StepMemory
 from zerotron.training.tracking import WANDB_DIRS
@@ -57,7 +56,7 @@ def ablation_config(name: str) -> RunConfig:
     cfg = RunConfig()
     if name.startswith("C"):
         path = ROOT / "configs" / "zero100b" / "ablations" / f"{name.lower()}.yaml"
-        apply_mapping(cfg, yaml.safe_load(path.read_text()), str(path))
+        apply_mapping(cfg, read_yaml(path), str(path))
     else:  # baseline: plain DP + checkpointing, CB + MD; stage3: Pos+g+p + C4's ZeRO-R
         cfg.zero.stage = 0 if name == "baseline" else 3
         ac = cfg.activation_checkpointing

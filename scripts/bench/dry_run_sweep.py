@@ -42,9 +42,9 @@ def header(path: Path, pattern: str) -> str | None:
 
 def ablation_overrides(name: str) -> list[str]:
     """A C1-C5 fragment as command-line overrides (``--section.field value``)."""
-    import yaml
+    from zerotron.training.cli import read_yaml
 
-    data = yaml.safe_load((CONFIGS / "ablations" / f"{name}.yaml").read_text())
+    data = read_yaml(CONFIGS / "ablations" / f"{name}.yaml")
     return [arg for section, fields in data.items() for k, v in fields.items()
             for arg in (f"--{section}.{k}", str(v).lower() if isinstance(v, bool) else str(v))]
 

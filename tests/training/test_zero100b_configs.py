@@ -11,10 +11,9 @@ import re
 from pathlib import Path
 
 import pytest
-import yaml
 
 from zerotron.model import PRESETS, get_preset
-from zerotron.training.cli import apply_mapping, parse_config
+from zerotron.training.cli import apply_mapping, parse_config, read_yaml
 
 ROOT = Path(__file__).resolve().parents[2] / "configs" / "zero100b"
 RUNS = sorted(p for p in ROOT.glob("table*/*.yaml"))
@@ -56,7 +55,7 @@ def test_run_config_parses_and_validates(path):
 def test_ablation_fragments(name, stage, pa, cpu):
     path = ROOT / "ablations" / f"{name}.yaml"
     cfg = parse_config(["--config", str(ROOT / "table5" / "zero-100b.yaml")])
-    apply_mapping(cfg, yaml.safe_load(path.read_text()), str(path))
+    apply_mapping(cfg, read_yaml(path), str(path))
     cfg.validate(world_size=400)
     ac = cfg.activation_checkpointing
     assert (cfg.zero.stage, ac.partition_activations, ac.cpu_checkpointing) == (stage, pa, cpu)

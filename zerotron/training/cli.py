@@ -209,6 +209,12 @@ class _NoDuplicates(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
+def read_yaml(path: str | Path):
+    """A YAML file's data, read as ``yaml.safe_load`` would but refusing a key given twice
+    (``yaml.YAMLError`` naming it): every reader of the project's configs goes through here."""
+    return yaml.load(Path(path).read_text(), Loader=_NoDuplicates)
+
+
 def parse_config(argv: list[str] | None = None, exit_codes: str = "", world_size: int | None = None) -> RunConfig:
     """Parse flags into a ``RunConfig`` (not yet validated against a world size). ``world_size``
     (default ``$WORLD_SIZE``, else 1) sizes a DeepSpeed JSON's batch triple."""
@@ -217,7 +223,7 @@ def parse_config(argv: list[str] | None = None, exit_codes: str = "", world_size
     cfg = RunConfig()
     if args.config:
         try:
-            data = yaml.load(Path(args.config).read_text(), Loader=_NoDuplicates)
+            data = read_yaml(args.config)
         except FileNotFoundError:
             raise ConfigError(f"--config {args.config}: file not found") from None
         except (IsADirectoryError, UnicodeDecodeError) as e:
