@@ -172,6 +172,16 @@ def test_exactly_one_sample_is_enough(run_main, tmp_path, zerotron_cache):
         run_main(_short_corpus(tmp_path, zerotron_cache, 33))
 
 
+def test_token_files_of_another_tokenizer_are_refused(run_main, tmp_path, zerotron_cache):
+    args = _short_corpus(tmp_path, zerotron_cache, 40)
+    with IndexedTokenWriter(args[1], DataSection.default_corpus_vocab - 24) as w:  # written for a 1000-token one
+        w.add_document(list(range(1, 41)))
+    code, err = run_main(args)
+    assert code == 2 and "data.data_path=" in err, err
+    assert f"tokenized with a {DataSection.default_corpus_vocab - 24}-token vocabulary" in err, err
+    assert f"has {DataSection.default_corpus_vocab} tokens" in err and "preprocess_data.py" in err, err
+
+
 def test_save_dir_under_a_file_is_refused(run_main, tmp_path):
     (tmp_path / "afile").write_text("x")
     code, err = run_main(["--save", str(tmp_path / "afile" / "ck")])

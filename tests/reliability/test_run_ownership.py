@@ -214,6 +214,17 @@ def test_override_schedule_resumes_with_the_new_values(zerotron_cache, tmp_path)
     assert "(step 4," in out and "[zerotron] done: step 6 of 6" in out, out
 
 
+def test_resume_refuses_another_tokenizer_naming_the_checkpoints_copy(trained, zerotron_cache):
+    ckpt = trained / "checkpoints" / "step_00000004"
+    res = run(argv(zerotron_cache, trained, 6, "--data.default_corpus_vocab", "1000", "--load", str(ckpt),
+                   "--save", "none"))
+    for code, _, err, _ in res:
+        assert code == 2, err
+        assert f"checkpoint {ckpt} was trained with the tokenizer" in err and "a different one" in err, err
+        assert f"set data.tokenizer to {ckpt / 'tokenizer.model'} (the checkpoint's copy)" in err, err
+        assert "pass --load none to start from scratch" in err, err
+
+
 @pytest.mark.parametrize("train_steps", [4, 3])
 def test_a_run_already_at_train_steps_exits_0_saying_so(train_steps, trained, zerotron_cache):
     res = run(argv(zerotron_cache, trained, train_steps))

@@ -23,6 +23,14 @@ _LOSS_SCALING = ("initial_loss_scale", "loss_scale_window", "hysteresis", "min_l
                  "consecutive_hysteresis")
 
 
+_NO_HELD_OUT = "there is no held-out data: data.data_path is set without data.eval_path"
+
+
+def _held_out(c) -> bool:
+    """Evaluation has data: the built-in corpus's held-out split, or ``data.eval_path``."""
+    return not c.data.data_path or bool(c.data.eval_path)
+
+
 def _rules() -> list[Rule]:
     rules: list[Rule] = []
     rules += [(f"zero.{k}", lambda c: c.zero.stage == 3,
@@ -48,8 +56,10 @@ def _rules() -> list[Rule]:
                lambda c: "there is no pipeline: parallel.pp=1"),
               ("activation_checkpointing.checkpoint_every", lambda c: c.activation_checkpointing.checkpoint_activations,
                lambda c: "activation checkpointing is off: activation_checkpointing.checkpoint_activations=false"),
-              ("logging.eval_steps", lambda c: c.logging.eval_interval > 0,
-               lambda c: "evaluation is off: logging.eval_interval=0")]
+              ("logging.eval_interval", _held_out, lambda c: _NO_HELD_OUT),
+              ("logging.eval_steps", lambda c: c.logging.eval_interval > 0 and _held_out(c),
+               lambda c: "evaluation is off: logging.eval_interval=0" if c.logging.eval_interval <= 0
+               else _NO_HELD_OUT)]
     rules += [("data.default_corpus_vocab", lambda c: not c.data.data_path,
                lambda c: "data.data_path replaces the built-in corpus; model.vocab_size sizes the model")]
     rules += [(f"checkpoint.{k}", lambda c: bool(c.checkpoint.save),

@@ -14,7 +14,8 @@ whether that checkpoint may continue it.
   loaded only with ``checkpoint.fallback=true``.
 * **May it continue.** As Megatron's ``check_checkpoint_args``: a learning-rate schedule, global
   batch or seed (``SCHEDULE``) that differs from the checkpoint's is refused unless
-  ``checkpoint.override_schedule=true``; a checkpoint at or past ``training.train_steps`` means
+  ``checkpoint.override_schedule=true``, and another tokenizer than the checkpoint's (by
+  SHA-256, ``check_tokenizer``) always; a checkpoint at or past ``training.train_steps`` means
   the run is complete (``AlreadyComplete``, exit 0). A run never writes over checkpoints it
   does not continue: a fresh start (or a load from elsewhere) into a directory that holds
   checkpoints is refused, and so is continuing where another run's checkpoints are newer.
@@ -250,6 +251,21 @@ def plan_resume(cfg, grid, device, log: Callable[[str], None] = print) -> Resume
         _check_save_dir(save, chosen, step, rid, skipped, asked, log)
     files = frozenset(meta["files"]) if chosen is not None else frozenset()
     return ResumePlan(chosen, step, files)
+
+
+def check_tokenizer(path: Path, tokenizer: str | None, save: str | None) -> None:
+    """A checkpoint continues only with the tokenizer it was trained with: another one's ids name
+    other tokens to its embedding, which trains on in silence. The checkpoint keeps a copy of its
+    own, so the fix is to point ``data.tokenizer`` at it."""
+    kept = read_metadata(path).get("tokenizer")
+    if not kept or not tokenizer:
+        return
+    if sha256_file(Path(tokenizer)) != kept["sha256"]:
+        raise CheckpointError(
+            f"checkpoint {path} was trained with the tokenizer {kept['path']} (SHA-256 {kept['sha256'][:12]}...), "
+            f"but this run's is {tokenizer}, a different one: its token ids would mean other tokens to the "
+            f"checkpoint's embedding; set data.tokenizer to {path / kept['file']} (the checkpoint's copy) with "
+            f"data of that tokenizer, or {_fresh_start([path], Path(save) if save else None)}")
 
 
 def _check_save_dir(save: Path, chosen: Path | None, step: int, rid: str, skipped: list[Path], asked: str,

@@ -133,7 +133,9 @@ class RunLog:
         source = ("built-in corpus (Python standard-library docstrings)" if not d.data_path
                   else ", ".join(data.train_prefixes) + (f" (weights {d.data_weights})" if d.data_weights else ""))
         evals = (f"eval every {lg.eval_interval} steps ({lg.eval_steps} batches)"
-                 if self.t.eval_ds is not None else "no evaluation")
+                 if self.t.eval_ds is not None else
+                 "no evaluation (logging.eval_interval=0)" if lg.eval_interval <= 0 else
+                 "no evaluation (no held-out data: set data.eval_path)")
         return f"data: {source} | tokenizer {data.tokenizer_path} | {evals}"
 
     def _checkpoint_line(self) -> str:

@@ -80,6 +80,11 @@ def check_data(cfg: RunConfig, tokenizer_path: str | None, train: list[str], eva
         for prefix in prefixes:
             try:
                 ds = IndexedTokenDataset(prefix)  # opening maps the files; the scan below reads them
+                if tok_vocab is not None and ds.vocab_size != tok_vocab:  # ids of another tokenizer
+                    raise ValueError(f"was tokenized with a {ds.vocab_size}-token vocabulary (its .idx header) but "
+                                     f"data.tokenizer={tokenizer_path} has {tok_vocab} tokens; set data.tokenizer "
+                                     f"to the tokenizer it was made with, or re-run scripts/preprocess_data.py "
+                                     f"with this one")
                 if seq is not None and ds.num_tokens < seq + 1:
                     raise ValueError(f"holds {ds.num_tokens} tokens, fewer than model.seq_length + 1 = {seq + 1} "
                                      f"(one sample); use a larger corpus or a shorter model.seq_length")
