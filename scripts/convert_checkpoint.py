@@ -11,9 +11,33 @@ Exit codes: 0 written, 2 a bad checkpoint or tokenizer (the message says which a
 
 import argparse
 import sys
+from pathlib import Path
 
-from zerotron.training.checkpoint_io import CheckpointError
+from zerotron.training.checkpoint_io import LOAD_EARLIER, CheckpointError, complete_checkpoints, resolve_load_path
+from zerotron.training.config import ConfigError
 from zerotron.training.export import export_hf_gpt2, export_safetensors
+from zerotron.training.setup_run import writable_dir
+
+
+def check_output(flag: str, out: str, source: Path, directory: bool) -> None:
+    """``out`` can be written, as a file or a directory, and lies outside the checkpoint read:
+    an export into its own step directory would replace a shard the checksums vouch for."""
+    path = Path(out)
+    if directory and path.is_file():
+        raise ConfigError(f"{flag} {out} is a file; the Hugging Face export is a directory: name a new one")
+    if not directory and path.is_dir():
+        raise ConfigError(f"{flag} {out} is a directory; give the path of the .safetensors file to write")
+    if path.resolve().is_relative_to(source.resolve()):
+        raise ConfigError(f"{flag} {out} is inside the checkpoint it exports ({source}); write it elsewhere")
+    writable_dir(flag, str(path if directory else path.parent), "the export")
+
+
+def earlier(path: Path) -> str:
+    """What to export instead of a damaged ``path``: the newest complete checkpoint before it."""
+    before = [p for p in complete_checkpoints(path.parent) if p.name < path.name]
+    if not before:
+        return "; there is no earlier checkpoint beside it"
+    return f"; export an earlier one, e.g. {before[-1]}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,13 +53,21 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not args.safetensors and not args.hf:
         p.error("give --safetensors PATH and/or --hf DIR")
+    path = None
     try:
+        path, _ = resolve_load_path(args.checkpoint, field="checkpoint", otherwise="")
+        for flag, out, directory in (("--safetensors", args.safetensors, False), ("--hf", args.hf, True)):
+            if out:
+                check_output(flag, out, path, directory)
         if args.safetensors:
-            print(f"wrote {export_safetensors(args.checkpoint, args.safetensors, args.dtype)}")
+            print(f"wrote {export_safetensors(str(path), args.safetensors, args.dtype)} (from {path})")
         if args.hf:
-            print(f"wrote {export_hf_gpt2(args.checkpoint, args.hf, args.dtype, args.tokenizer)}")
-    except CheckpointError as e:
-        print(f"error: {e}", file=sys.stderr)
+            print(f"wrote {export_hf_gpt2(str(path), args.hf, args.dtype, args.tokenizer)} (from {path})")
+    except (CheckpointError, ConfigError) as e:
+        text = str(e)
+        if text.endswith(LOAD_EARLIER) and path is not None:
+            text = text.removesuffix(LOAD_EARLIER) + earlier(path)
+        print(f"error: {text}", file=sys.stderr)
         return 2
     return 0
 

@@ -237,9 +237,19 @@ def parse_args(argv=None):
         a.layers, a.steps, a.batch, a.cap_kib, a.dp_sweep = 4, 2, 4, 1024.0, "2,4"
     a.configs = [c for c in a.configs.split(",") if c]
     bad = sorted(set(a.configs) - set(NAMES))
-    if bad:
-        p.error(f"--configs: unknown {bad}; choose from {NAMES}")
-    a.dp_sweep = [int(x) for x in str(a.dp_sweep).split(",") if x]
+    if bad or not a.configs:
+        p.error(f"--configs: unknown {bad}; choose from {NAMES}" if bad else f"--configs: name at least one of {NAMES}")
+    for flag in ("tp", "dp", "hidden", "seq", "batch", "layers", "steps", "bucket", "max_search_layers"):
+        if getattr(a, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} {getattr(a, flag)}: must be at least 1")
+    if not 0 < a.cap_kib < float("inf"):
+        p.error(f"--cap-kib {a.cap_kib}: must be a positive number of KiB")
+    try:
+        a.dp_sweep = [int(x) for x in str(a.dp_sweep).split(",") if x]
+    except ValueError:
+        p.error(f"--dp-sweep {a.dp_sweep}: give DP sizes as a comma list of whole numbers, e.g. 2,4,8")
+    if not a.dp_sweep or min(a.dp_sweep) < 1:
+        p.error(f"--dp-sweep {a.dp_sweep}: give at least one DP size, each at least 1")
     a.cap_bytes = int(a.cap_kib * 1024)
     return a
 

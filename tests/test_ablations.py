@@ -60,3 +60,15 @@ def test_quick_ablations_match_memory_model(tmp_path):
     for name in ("max_model_size", "max_cached_memory", "throughput", "memory_vs_dp"):
         png = tmp_path / "fig" / f"ablation_{name}.png"
         assert png.read_bytes()[:4] == b"\x89PNG", name
+
+
+def test_bad_arguments_exit_2_naming_the_flag(capsys):
+    import pytest
+
+    mod = _script()
+    for argv, needle in ((["--tp", "0"], "--tp 0"), (["--steps", "0"], "--steps 0"),
+                         (["--dp-sweep", "2,x"], "--dp-sweep 2,x"), (["--configs", ","], "--configs"),
+                         (["--cap-kib", "nan"], "--cap-kib nan"), (["--configs", "C9"], "unknown ['C9']")):
+        with pytest.raises(SystemExit) as e:
+            mod.parse_args(argv)
+        assert e.value.code == 2 and needle in capsys.readouterr().err, argv

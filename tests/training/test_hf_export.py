@@ -143,3 +143,39 @@ def test_hf_export_of_a_checkpoint_without_its_tokenizer_names_the_fix(checkpoin
     (old / recorded["file"]).write_bytes(b"corrupted")
     with pytest.raises(CheckpointError, match="does not match the SHA-256"):
         tokenizer_model(str(old))
+
+
+def test_convert_refuses_outputs_it_cannot_write_and_names_what_to_export_instead(checkpoint, tmp_path, capsys):
+    """Every bad path exits 2 before anything is written, naming the argument and the fix."""
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "adir").mkdir()
+    cases = [
+        ([str(checkpoint), "--safetensors", str(tmp_path / "adir")], "--safetensors", "is a directory"),
+        ([str(checkpoint), "--hf", str(tmp_path / "afile")], "--hf", "is a file"),
+        ([str(checkpoint), "--safetensors", str(tmp_path / "afile" / "m.safetensors")], "--safetensors",
+         "is a file, not a directory"),
+        ([str(checkpoint), "--safetensors", str(checkpoint / "rank_00000.safetensors")], "--safetensors",
+         "is inside the checkpoint it exports"),
+        ([str(checkpoint / "metadata.json"), "--hf", str(tmp_path / "hf")], "checkpoint=",
+         f"is a file; give the checkpoint's directory, {checkpoint}"),
+        ([str(tmp_path / "adir"), "--hf", str(tmp_path / "hf")], "checkpoint=",
+         "no complete checkpoint found; point checkpoint at a checkpoint"),
+    ]
+    before = sorted(p.name for p in checkpoint.iterdir())
+    for argv, field, needle in cases:
+        assert convert_checkpoint.main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert field in err and needle in err and "--load" not in err, (argv, err)
+    assert sorted(p.name for p in checkpoint.iterdir()) == before and not (tmp_path / "hf").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adir", "afile"]  # no .partial left anywhere
+
+    broken = tmp_path / "save"
+    shutil.copytree(checkpoint.parent, broken)
+    newest = sorted(broken.glob("step_*"))[-1]
+    shard = next(newest.glob("rank_*.safetensors"))
+    shard.write_bytes(shard.read_bytes()[:-8])
+    assert convert_checkpoint.main([str(broken), "--safetensors", str(tmp_path / "m.safetensors")]) == 2
+    err = capsys.readouterr().err
+    assert "load an earlier checkpoint" not in err, err
+    earlier = sorted(broken.glob("step_*"))[:-1]
+    assert (f"export an earlier one, e.g. {earlier[-1]}" if earlier else "there is no earlier checkpoint") in err, err

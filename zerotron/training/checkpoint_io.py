@@ -114,25 +114,43 @@ def complete_checkpoints(save: str | Path) -> list[Path]:
     return sorted(found, key=lambda p: int(STEP_DIR.match(p.name).group(1)))
 
 
-def resolve_load_path(load: str | Path) -> tuple[Path, list[str]]:
+def check_checkpoint_path(load: str | Path, field: str = "checkpoint.load") -> Path:
+    """``load`` names a directory that can hold checkpoints: not a file inside one (its step
+    directory is meant), not a ``.tmp`` directory (a save that never committed: the rename to
+    ``step_XXXXXXXX`` is what marks a checkpoint complete). Raises naming ``field``."""
+    path = Path(load)
+    if path.is_file():
+        hint = (f"give the checkpoint's directory, {path.parent}" if (path.parent / "metadata.json").is_file()
+                else "give a step_XXXXXXXX directory or the save directory holding them")
+        raise CheckpointError(f"{field}={load} is a file; {hint}")
+    if path.name.endswith(".tmp"):
+        raise CheckpointError(f"{field}={load} is a partial checkpoint (a save that did not finish; a complete "
+                              f"one is renamed to {path.name.removesuffix('.tmp')}); give its save directory, "
+                              f"{path.parent}, to load the newest complete one")
+    return path
+
+
+def resolve_load_path(load: str | Path, field: str = "checkpoint.load",
+                      otherwise: str = "pass --load none to start from scratch") -> tuple[Path, list[str]]:
     """The checkpoint to load from ``load`` (a step directory or a save directory) and notes to print.
 
     A save directory resolves to its newest *complete* checkpoint; partial ones (``.tmp``
-    directories left by a crash mid-write) are skipped, and the notes say so.
+    directories left by a crash mid-write) are skipped, and the notes say so. Errors name
+    ``field`` and end with ``otherwise``, what else the caller can do.
     """
-    path = Path(load)
+    path = check_checkpoint_path(load, field)
     notes: list[str] = []
     if (path / "metadata.json").is_file():
         return path, notes
     if not path.exists():
-        raise CheckpointError(f"checkpoint.load={load}: no such file or directory")
+        raise CheckpointError(f"{field}={load}: no such file or directory")
     complete = complete_checkpoints(path)
     partial = sorted(p.name for p in path.iterdir() if p.name.endswith(".tmp") or
                      (STEP_DIR.match(p.name) and not (p / "metadata.json").is_file()))
     if not complete:
-        raise CheckpointError(f"checkpoint.load={load}: no complete checkpoint found"
+        raise CheckpointError(f"{field}={load}: no complete checkpoint found"
                               + (f" (partial: {', '.join(partial)})" if partial else "")
-                              + "; point checkpoint.load at a checkpoint, or pass --load none to start from scratch")
+                              + f"; point {field} at a checkpoint" + (f", or {otherwise}" if otherwise else ""))
     newest = complete[-1]
     newer_partial = [n for n in partial if n.split(".")[0] > newest.name]
     if newer_partial:

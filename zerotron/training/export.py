@@ -35,7 +35,7 @@ def _dtype(name: str) -> torch.dtype:
 
 
 def _open(checkpoint: str) -> tuple[dict, Path, _Assembler]:
-    path, _ = resolve_load_path(checkpoint)
+    path, _ = resolve_load_path(checkpoint, field="checkpoint", otherwise="")  # convert_checkpoint.py's argument
     meta = read_metadata(path)
     single = SimpleNamespace(tp_size=1, tp_rank=0)  # assemble full (unsharded) tensors
     return meta, path, _Assembler(meta, ShardReader(path, meta["files"]), single)

@@ -8,6 +8,7 @@ read to the host here, all its tensors in one read (``host_values``), at the log
 from __future__ import annotations
 
 import json
+import os
 import resource
 import sys
 import time
@@ -49,6 +50,33 @@ def host_values(record: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+SUPERSEDED = "metrics.superseded.jsonl"
+
+
+def supersede(path: Path, start_step: int) -> int:
+    """Move the records of ``path`` past ``start_step`` to ``metrics.superseded.jsonl`` beside it
+    and return how many: a run resumed from step N trains N+1.. again, and one record per step
+    is what a plot or an average of the file needs (TensorBoard's ``purge_step`` does the same).
+    A line that does not parse (a write cut by a kill) goes with them. The rewrite is atomic."""
+    if not path.is_file():
+        return 0
+    keep, moved = [], []
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+            past = not isinstance(rec, dict) or int(rec.get("step", 0)) > start_step
+        except (ValueError, TypeError):
+            past = True
+        (moved if past else keep).append(line)
+    if moved:
+        with open(path.with_name(SUPERSEDED), "a") as f:
+            f.write("".join(line + "\n" for line in moved))
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in keep))
+        os.replace(tmp, path)
+    return len(moved)
+
+
 class MetricsLogger:
     """Writes one JSON object per logged step; only the rank with ``enabled=True`` writes."""
 
@@ -61,15 +89,19 @@ class MetricsLogger:
             return
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        moved = supersede(self.run_dir / "metrics.jsonl", start_step)
         self._file = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
         if wandb_mode != "disabled":
             self._wandb = tracking.start_wandb(self.run_dir, config, wandb_mode, project)
         if tensorboard:
-            self._tb = tracking.TensorBoard(self.run_dir)
+            self._tb = tracking.TensorBoard(self.run_dir, purge_step=start_step + 1)
         if sys.stderr.isatty():  # a bar on a terminal; elsewhere (a log file) each log line says step N/M and the ETA
             from tqdm import tqdm
 
             self._bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
+        if moved:
+            self.message(f"[metrics] {moved} record(s) of {self.run_dir / 'metrics.jsonl'} past step {start_step} "
+                         f"(steps this run trains again, or another run's) moved to {SUPERSEDED}")
 
     def log(self, record: dict[str, Any], suffix: str = "") -> None:
         """Write ``record``; its console line ends with ``suffix`` (the run log's elapsed time and ETA)."""

@@ -35,8 +35,9 @@ from typing import Any, Callable
 import torch
 
 from zerotron.parallel import collectives as C
-from zerotron.training.checkpoint_io import (LOAD_EARLIER, CheckpointError, complete_checkpoints, owner,
-                                             read_metadata, resolve_load_path, sha256_file, step_of)
+from zerotron.training.checkpoint_io import (LOAD_EARLIER, CheckpointError, check_checkpoint_path,
+                                             complete_checkpoints, owner, read_metadata, resolve_load_path,
+                                             sha256_file, step_of)
 from zerotron.training.run_lock import RunLock, RunLockError
 
 # not part of what a run trains: its length, how it is logged, how and where its checkpoints are
@@ -177,7 +178,7 @@ def _candidates(cfg, save: Path | None, ours: dict, log) -> tuple[list[Path], st
         for note in resolve_load_path(save)[1]:
             log(f"[checkpoint] {note}")
         return mine, "checkpoint.load=auto"
-    path = Path(c.load)
+    path = check_checkpoint_path(c.load)
     if (path / "metadata.json").is_file():  # one checkpoint; the earlier ones beside it are the fallbacks
         step = step_of(path)
         earlier = [p for p in reversed(complete_checkpoints(path.parent)) if step is not None and step_of(p) < step]

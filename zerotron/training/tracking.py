@@ -52,13 +52,14 @@ def start_wandb(run_dir: Path, config: dict, mode: str, project: str):
 class TensorBoard:
     """Scalars to ``<run-dir>/tensorboard`` (one event file per run; the step is the optimizer step)."""
 
-    def __init__(self, run_dir: Path):
+    def __init__(self, run_dir: Path, purge_step: int | None = None):
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as e:  # validate() checks first; this is the message if it was bypassed
             raise RuntimeError(f"logging.tensorboard=true needs the tensorboard package ({e}); "
                                f"pip install tensorboard, or set logging.tensorboard=false") from None
-        self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        # purge_step: a resumed run hides what an earlier attempt logged from that step on
+        self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=purge_step)
 
     def log(self, scalars: dict[str, float], step: int) -> None:
         for name, value in scalars.items():

@@ -1,0 +1,33 @@
+"""A resumed run's ``metrics.jsonl`` holds one record per step: what an earlier attempt logged past
+the checkpoint it resumes is moved aside to ``metrics.superseded.jsonl`` (nothing is deleted), and
+the move is said."""
+
+from __future__ import annotations
+
+import json
+
+from zerotron.training.metrics import SUPERSEDED, MetricsLogger
+
+
+def _write(path, steps, torn=False):
+    lines = [json.dumps({"step": s, "loss": float(s)}) for s in steps]
+    path.write_text("\n".join(lines) + "\n" + ('{"step": 7, "lo' if torn else ""))
+
+
+def test_records_past_the_resumed_step_are_moved_aside_and_said(tmp_path, capsys):
+    _write(tmp_path / "metrics.jsonl", [1, 2, 3, 4, 5, 6], torn=True)  # killed at step 7, mid-write
+    logger = MetricsLogger(str(tmp_path), {}, enabled=True, wandb_mode="disabled", total_steps=8, start_step=4)
+    logger.log({"step": 5, "loss": 50.0, "lr": 0.1})
+    logger.close()
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5]
+    moved = (tmp_path / SUPERSEDED).read_text().splitlines()
+    assert [json.loads(line)["step"] for line in moved[:2]] == [5, 6] and moved[2] == '{"step": 7, "lo'
+    assert f"3 record(s) of {tmp_path / 'metrics.jsonl'} past step 4" in capsys.readouterr().out
+
+
+def test_a_run_that_continues_where_the_file_ends_moves_nothing(tmp_path, capsys):
+    _write(tmp_path / "metrics.jsonl", [1, 2, 3, 4])
+    MetricsLogger(str(tmp_path), {}, enabled=True, wandb_mode="disabled", start_step=4).close()
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 4
+    assert not (tmp_path / SUPERSEDED).exists() and "[metrics]" not in capsys.readouterr().out
