@@ -214,6 +214,22 @@ def test_override_schedule_resumes_with_the_new_values(zerotron_cache, tmp_path)
     assert "(step 4," in out and "[zerotron] done: step 6 of 6" in out, out
 
 
+@pytest.mark.parametrize("target, needle", [
+    ("step_00000004/metadata.json", "is a file; give the checkpoint's directory, {ckpts}/step_00000004"),
+    ("step_00000006.tmp", "is a partial checkpoint (a save that did not finish"),
+])
+def test_a_load_that_names_a_file_or_a_partial_checkpoint_is_refused(target, needle, trained, zerotron_cache):
+    ckpts = trained / "checkpoints"
+    (ckpts / "step_00000006.tmp").mkdir(exist_ok=True)  # what a save cut short leaves
+    try:
+        res = run(argv(zerotron_cache, trained, 8, "--load", str(ckpts / target), "--save", "none"))
+    finally:
+        (ckpts / "step_00000006.tmp").rmdir()
+    for code, _, err, _ in res:
+        assert code == 2 and f"checkpoint.load={ckpts / target}" in err, err
+        assert needle.format(ckpts=ckpts) in err, err
+
+
 def test_resume_refuses_another_tokenizer_naming_the_checkpoints_copy(trained, zerotron_cache):
     ckpt = trained / "checkpoints" / "step_00000004"
     res = run(argv(zerotron_cache, trained, 6, "--data.default_corpus_vocab", "1000", "--load", str(ckpt),
