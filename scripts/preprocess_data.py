@@ -25,13 +25,15 @@ import sys
 
 
 from zerotron.data import Tokenizer, iter_texts, load_source
+from zerotron.data.atomic import check_output_prefix
 from zerotron.data.preprocess import tokenize_to_file
 from zerotron.data.sources import known_rows
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("inputs", nargs="+", help="files, directories, globs, or one hub dataset name")
+    ap.add_argument("inputs", nargs="+", help="files (a row per document; a .txt file is one document), "
+                                              "directories, globs, or one hub dataset name")
     ap.add_argument("--text-field", default="text",
                     help="the column holding each document's text (default: %(default)s)")
     ap.add_argument("--tokenizer", required=True, help="SentencePiece .model file (scripts/train_tokenizer.py)")
@@ -50,7 +52,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.workers < 1:
         ap.error(f"--workers must be >= 1, got {args.workers}")
+    if args.batch_size < 1:
+        ap.error(f"--batch-size must be >= 1, got {args.batch_size}")
     try:
+        check_output_prefix("--output-prefix", args.output_prefix, "PREFIX.bin and PREFIX.idx")
         tok = Tokenizer.load(args.tokenizer)
         ds = load_source(args.inputs, args.text_field, streaming=args.streaming, split=args.split)
         stats = tokenize_to_file(iter_texts(ds, args.text_field), tok, args.output_prefix,
@@ -58,7 +63,7 @@ def main(argv=None) -> int:
                                  batch_size=args.batch_size, progress=not args.no_progress,
                                  total_docs=known_rows(ds))
     except (FileNotFoundError, KeyError, ValueError, TypeError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {exc.args[0] if isinstance(exc, KeyError) and exc.args else exc}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(stats))

@@ -21,11 +21,13 @@ import time
 
 
 from zerotron.data import iter_texts, load_source, train_tokenizer
+from zerotron.data.atomic import check_output_prefix
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("inputs", nargs="+", help="files, directories, globs, or one hub dataset name")
+    ap.add_argument("inputs", nargs="+", help="files (a row per document; a .txt file is one document), "
+                                              "directories, globs, or one hub dataset name")
     ap.add_argument("--text-field", default="text",
                     help="the column holding each document's text (default: %(default)s)")
     ap.add_argument("--model-prefix", required=True, help="writes PREFIX.model and PREFIX.vocab")
@@ -41,7 +43,12 @@ def main(argv=None) -> int:
                     help="dataset split of a hub or save_to_disk input (default: %(default)s)")
     ap.add_argument("--threads", type=int, default=2, help="SentencePiece trainer threads (default: %(default)s)")
     args = ap.parse_args(argv)
+    for flag, value, least in (("--vocab-size", args.vocab_size, 1), ("--threads", args.threads, 1),
+                               ("--max-documents", args.max_documents, 1)):
+        if value is not None and value < least:
+            ap.error(f"{flag} must be >= {least}, got {value}")
     try:
+        check_output_prefix("--model-prefix", args.model_prefix, "PREFIX.model and PREFIX.vocab")
         ds = load_source(args.inputs, args.text_field, streaming=True, split=args.split)
         texts = itertools.islice(iter_texts(ds, args.text_field), args.max_documents)
         t0 = time.perf_counter()
@@ -49,7 +56,7 @@ def main(argv=None) -> int:
                               byte_fallback=not args.no_byte_fallback, num_threads=args.threads,
                               text_field=args.text_field)
     except (FileNotFoundError, KeyError, ValueError, TypeError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {exc.args[0] if isinstance(exc, KeyError) and exc.args else exc}", file=sys.stderr)
         return 2
     print(f"wrote {args.model_prefix}.model: vocab {tok.vocab_size}, eod id {tok.eod_id}, "
           f"{time.perf_counter() - t0:.1f} s")

@@ -84,3 +84,43 @@ def test_scripts_end_to_end_and_errors(tmp_path, corpus, capsys):
         assert preprocess_data.main(args + base if "--tokenizer" not in args else args + base[2:]) == 2
         assert msg in capsys.readouterr().err
         assert not os.path.exists(tmp_path / "bad") or os.listdir(tmp_path / "bad") == []
+
+
+def test_script_arguments_that_cannot_work_exit_2_before_any_work(tmp_path, corpus, capsys, monkeypatch):
+    """Output prefixes that name a directory or lie under a file, sizes below 1, a split of local
+    files, a name that is neither a local file nor reachable on the Hub: exit 2 naming the flag,
+    and nothing written."""
+    import datasets
+    import huggingface_hub
+
+    # offline, as this suite runs: the Hub lookup fails at once (the variable is read at import)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.chdir(tmp_path)  # "corpus/c.jsonl.typo" is relative, and so read as a hub name too
+    src = _jsonl(tmp_path / "c.jsonl", corpus)
+    (tmp_path / "afile").write_text("x")
+    tok = ["--text-field", "content", "--vocab-size", "400"]
+    tok_cases = [
+        ([src, *tok, "--model-prefix", str(tmp_path / "out") + "/"], "--model-prefix", "names a directory"),
+        ([src, *tok, "--model-prefix", str(tmp_path / "afile" / "t")], "--model-prefix", "is a file, not a directory"),
+        ([src, *tok, "--model-prefix", str(tmp_path / "t"), "--split", "validation"], "--split validation",
+         "local files are one split"),
+        (["corpus/c.jsonl.typo", *tok, "--model-prefix", str(tmp_path / "t")], "corpus/c.jsonl.typo",
+         "no such local file or directory, and the Hugging Face Hub did not give it"),
+    ]
+    for argv, flag, needle in tok_cases:
+        assert train_tokenizer.main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert flag in err and needle in err, (argv, err)
+    for flag in (["--vocab-size", "0"], ["--threads", "0"], ["--max-documents", "-3"]):
+        with pytest.raises(SystemExit) as e:
+            train_tokenizer.main([src, "--text-field", "content", "--model-prefix", str(tmp_path / "t"),
+                                  "--vocab-size", "400", *flag])
+        assert e.value.code == 2 and f"{flag[0]} must be >= 1" in capsys.readouterr().err
+    assert sorted(os.listdir(tmp_path)) == ["afile", "c.jsonl"]
+    with pytest.raises(SystemExit) as e:
+        preprocess_data.main([src, "--tokenizer", "t.model", "--output-prefix", "o", "--batch-size", "0"])
+    assert e.value.code == 2 and "--batch-size must be >= 1" in capsys.readouterr().err
+    assert preprocess_data.main([src, "--text-field", "content", "--tokenizer", "t.model",
+                                 "--output-prefix", str(tmp_path / "afile" / "o")]) == 2
+    assert "--output-prefix" in capsys.readouterr().err

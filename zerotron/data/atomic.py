@@ -84,3 +84,20 @@ def atomic_dir(final: str) -> Iterator[str]:
         fsync_path(parent)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def check_output_prefix(flag: str, prefix: str, suffixes: str) -> None:
+    """``prefix`` names files (``PREFIX.bin``, ``PREFIX.model``...) in a directory that exists or
+    can be made, and that this process can write in: checked before hours of work, not at the
+    end. Raises ``ValueError`` naming ``flag``."""
+    base = os.path.basename(prefix)
+    if not base or os.path.isdir(prefix):
+        raise ValueError(f"{flag} {prefix}: names a directory; give a file prefix inside it, e.g. "
+                         f"{os.path.join(prefix, 'corpus' if '.bin' in suffixes else 'tokenizer')} (writes {suffixes})")
+    where = os.path.dirname(os.path.abspath(prefix))
+    while not os.path.exists(where):
+        where = os.path.dirname(where)
+    if not os.path.isdir(where):
+        raise ValueError(f"{flag} {prefix}: {where} is a file, not a directory; put the output elsewhere")
+    if not os.access(where, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {prefix}: cannot write in {where}; choose a writable directory")

@@ -181,8 +181,17 @@ def load_source(inputs: str | Sequence[str], text_field: str = "text", streaming
         if streaming:
             ds = ds.to_iterable_dataset()
     elif len(names) == 1 and not os.path.exists(first) and not _looks_local(names[0]):
-        ds = datasets.load_dataset(names[0], split=split, streaming=streaming, cache_dir=cache_dir)
+        try:
+            ds = datasets.load_dataset(names[0], split=split, streaming=streaming, cache_dir=cache_dir)
+        except Exception as exc:  # the Hub's own errors: offline, no such dataset, no such split
+            raise SourceError(f"{names[0]}: no such local file or directory, and the Hugging Face Hub did not "
+                              f"give it ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+                              f"check the path (a file needs its extension: {', '.join(sorted(_BUILDERS))}) "
+                              f"or the dataset name") from None
     else:
+        if split != "train":
+            raise SourceError(f"--split {split}: local files are one split; the split selects within a hub "
+                              f"dataset or a save_to_disk directory, so name the files of that split instead")
         builder, files = _expand(names)
         kwargs = {"sample_by": "document"} if builder == "text" else {}
         try:

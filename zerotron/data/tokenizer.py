@@ -110,6 +110,9 @@ def _lines(texts_or_files) -> Iterator[str]:
                 line = line[_MAX_SENTENCE_BYTES // 4:]
 
 
+_CHARACTER_COVERAGE = 0.9995  # the rarest 0.05 % of characters become bytes (byte fallback) or <unk>
+
+
 def train_tokenizer(texts_or_files: Iterable[str] | str, model_prefix: str, vocab_size: int,
                     model_type: str = "bpe", byte_fallback: bool = True, num_threads: int = 2,
                     text_field: str = "text") -> Tokenizer:
@@ -120,6 +123,8 @@ def train_tokenizer(texts_or_files: Iterable[str] | str, model_prefix: str, voca
     """
     if model_type not in ("bpe", "unigram"):
         raise ValueError(f"model_type must be 'bpe' or 'unigram', got {model_type!r}")
+    if vocab_size < 1 or num_threads < 1:
+        raise ValueError(f"vocab_size={vocab_size} and num_threads={num_threads} must both be >= 1")
     if hasattr(texts_or_files, "column_names") and hasattr(texts_or_files, "map"):
         from zerotron.data.sources import iter_texts
         texts_or_files = iter_texts(texts_or_files, text_field)
@@ -141,7 +146,7 @@ def train_tokenizer(texts_or_files: Iterable[str] | str, model_prefix: str, voca
     try:
         spm.SentencePieceTrainer.Train(
             sentence_iterator=sentences(), model_prefix=model_prefix, vocab_size=vocab_size,
-            model_type=model_type, byte_fallback=byte_fallback, character_coverage=0.9995,
+            model_type=model_type, byte_fallback=byte_fallback, character_coverage=_CHARACTER_COVERAGE,
             normalization_rule_name="identity", remove_extra_whitespaces=False,
             add_dummy_prefix=False, allow_whitespace_only_pieces=True, split_digits=True,
             max_sentence_length=_MAX_SENTENCE_BYTES, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOD_ID,
@@ -150,6 +155,6 @@ def train_tokenizer(texts_or_files: Iterable[str] | str, model_prefix: str, voca
         if counted["n"] == 0:
             raise ValueError("empty corpus: no text to train the tokenizer on; check the input "
                              "files and the text field") from exc
-        raise ValueError(f"SentencePiece training failed ({exc}); adjust vocab_size as the message "
-                         f"says") from exc
+        raise ValueError(f"SentencePiece training failed ({exc}); change the vocabulary size (--vocab-size) as it "
+                         f"says: its other options (character_coverage {_CHARACTER_COVERAGE}) are fixed here") from exc
     return Tokenizer.load(model_prefix + ".model")
