@@ -306,3 +306,24 @@ def test_a_copied_checkpoint_directory_is_the_same_run(tmp_path):
     assert resume.differences(here.to_dict(), flat, ignore=resume.IGNORED) == []
     other = parse_config(tiny(str(tmp_path)) + ["--save", str(tmp_path / "a"), "--optimizer.weight_decay", "0.05"])
     assert resume.run_id(other) != resume.run_id(here)  # what is trained still tells runs apart
+
+
+def test_an_earlier_attempt_of_this_job_on_another_host_is_taken_over_at_once(tmp_path, monkeypatch):
+    """A restarted or requeued job whose rank 0 lands on another node within ``STALE_S`` continues:
+    the lock of its own earlier attempt (same launcher identity) is no refusal; another job's is."""
+    from zerotron.training.run_lock import RunLock, RunLockError, job_key
+
+    for name in ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT", "ZEROTRON_JOB_ID"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SLURM_JOB_ID", "777")
+    for job, taken in ((job_key(), True), ("SLURM_JOB_ID=776", False)):
+        (tmp_path / LOCK_NAME).write_text(json.dumps({"host": "node-elsewhere", "pid": 4242, "run_id": "r",
+                                                      "started": 0, "job": job}))  # refreshed just now
+        if taken:
+            lock = RunLock.acquire(tmp_path, "r", refresh_s=None)
+            assert "took over the stale lock of host node-elsewhere" in lock.note, lock.note
+            assert "an earlier attempt of this job" in lock.note, lock.note
+            lock.release()
+        else:
+            with pytest.raises(RunLockError, match="is in use by a run on another host"):
+                RunLock.acquire(tmp_path, "r", refresh_s=None)

@@ -8,7 +8,9 @@ is taken over with a message, so ``torchrun --max-restarts`` or a requeued job c
 itself. On the holder's host, stale means its pid is not alive (or now belongs to a process
 started later). Another host cannot be probed, so the holder refreshes the file's mtime every
 ``REFRESH_S`` from a thread, and a lock from another host is stale once it has not been
-refreshed for ``STALE_S`` (rank 0 of a restarted job often lands on another node).
+refreshed for ``STALE_S`` (rank 0 of a restarted job often lands on another node). A lock
+that this job's launcher identity (``job_key``) holds is an earlier attempt of the same job,
+taken over at once: its ranks are gone before a restart begins.
 
 The check-then-take-over is serialized with ``flock`` on the directory, so two runs that find
 the same stale lock at once cannot both take it (where the file system has no ``flock``, the
@@ -170,11 +172,15 @@ class RunLock:
                             continue
                         holder = {}
                     idle = _idle_s(path)
-                    refusal = _refusal(directory, path, holder, info["host"]) if holder else None
+                    # a restart of this very job (torchrun --max-restarts, a requeue) starts only
+                    # once its earlier attempt's ranks are gone, wherever its rank 0 ran
+                    again = bool(holder) and bool(info["job"]) and holder.get("job") == info["job"]
+                    refusal = _refusal(directory, path, holder, info["host"]) if holder and not again else None
                     if refusal:
                         raise RunLockError(refusal)
-                    why = ("process no longer running" if holder.get("host") == info["host"]
-                           else f"not refreshed for {idle:.0f} s") if holder else ""
+                    why = ("an earlier attempt of this job" if again else "process no longer running"
+                           if holder.get("host") == info["host"] else f"not refreshed for {idle:.0f} s") \
+                        if holder else ""
                     note = (f"took over the stale lock of {describe(holder)} ({why})" if holder
                             else f"took over an unreadable lock file {path}")
                     with contextlib.suppress(FileNotFoundError):
