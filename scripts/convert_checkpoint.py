@@ -10,26 +10,34 @@ Exit codes: 0 written, 2 a bad checkpoint or tokenizer (the message says which a
 """
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
-from zerotron.training.checkpoint_io import LOAD_EARLIER, CheckpointError, complete_checkpoints, resolve_load_path
+from zerotron.training.checkpoint_io import (LOAD_EARLIER, STEP_DIR, CheckpointError, complete_checkpoints,
+                                             resolve_load_path)
 from zerotron.training.config import ConfigError
 from zerotron.training.export import export_hf_gpt2, export_safetensors
-from zerotron.training.setup_run import writable_dir
 
 
-def check_output(flag: str, out: str, source: Path, directory: bool) -> None:
-    """``out`` can be written, as a file or a directory, and lies outside the checkpoint read:
-    an export into its own step directory would replace a shard the checksums vouch for."""
-    path = Path(out)
+def check_output(flag: str, out: str, directory: bool) -> None:
+    """``out`` can be written, as a file or a directory, and lies in no checkpoint: an export into
+    a step directory would replace files its checksums vouch for."""
+    path = Path(out).absolute()
     if directory and path.is_file():
         raise ConfigError(f"{flag} {out} is a file; the Hugging Face export is a directory: name a new one")
     if not directory and path.is_dir():
         raise ConfigError(f"{flag} {out} is a directory; give the path of the .safetensors file to write")
-    if path.resolve().is_relative_to(source.resolve()):
-        raise ConfigError(f"{flag} {out} is inside the checkpoint it exports ({source}); write it elsewhere")
-    writable_dir(flag, str(path if directory else path.parent), "the export")
+    for above in [path, *path.parents] if directory else path.parents:
+        if (above / "metadata.json").is_file() or STEP_DIR.match(above.name.removesuffix(".tmp")):
+            raise ConfigError(f"{flag} {out} is inside the checkpoint {above}; write the export elsewhere")
+    where = path if directory else path.parent
+    while not where.exists():
+        where = where.parent
+    if not where.is_dir():
+        raise ConfigError(f"{flag} {out}: {where} is a file, not a directory; write the export elsewhere")
+    if not os.access(where, os.W_OK | os.X_OK):
+        raise ConfigError(f"{flag} {out}: cannot write in {where}; choose a writable directory")
 
 
 def earlier(path: Path) -> str:
@@ -58,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         path, _ = resolve_load_path(args.checkpoint, field="checkpoint", otherwise="")
         for flag, out, directory in (("--safetensors", args.safetensors, False), ("--hf", args.hf, True)):
             if out:
-                check_output(flag, out, path, directory)
+                check_output(flag, out, directory)
         if args.safetensors:
             print(f"wrote {export_safetensors(str(path), args.safetensors, args.dtype)} (from {path})")
         if args.hf:

@@ -236,9 +236,34 @@ def test_resume_refuses_another_tokenizer_naming_the_checkpoints_copy(trained, z
                    "--save", "none"))
     for code, _, err, _ in res:
         assert code == 2, err
-        assert f"checkpoint {ckpt} was trained with the tokenizer" in err and "a different one" in err, err
-        assert f"set data.tokenizer to {ckpt / 'tokenizer.model'} (the checkpoint's copy)" in err, err
-        assert "pass --load none to start from scratch" in err, err
+        assert f"checkpoint {ckpt} was trained with another tokenizer: this run's tokenizer" in err, err
+        assert f"set data.default_corpus_vocab=1024, the checkpoint's, with --load {ckpt}" in err, err
+        assert "or start from scratch: --load none" in err, err
+
+
+def test_a_rebuilt_tokenizer_that_encodes_the_same_resumes_and_another_does_not(trained):
+    """The built-in corpus's tokenizer rebuilt elsewhere has other bytes (SentencePiece records
+    the directory it trained in) and encodes the same: no refusal. One changed score is refused."""
+    from sentencepiece import sentencepiece_model_pb2
+
+    from zerotron.training.checkpoint_io import CheckpointError
+    from zerotron.training.cli import parse_config
+    from zerotron.training.resume import check_tokenizer
+
+    ckpt = trained / "checkpoints" / "step_00000004"
+    cfg = parse_config(["--config", "configs/tiny.yaml"])
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString((ckpt / "tokenizer.model").read_bytes())
+    proto.trainer_spec.model_prefix, proto.trainer_spec.num_threads = "/elsewhere/.tmp-x/tokenizer", 7
+    rebuilt = trained / "rebuilt.model"
+    rebuilt.write_bytes(proto.SerializeToString())
+    assert rebuilt.read_bytes() != (ckpt / "tokenizer.model").read_bytes()
+    check_tokenizer(ckpt, str(rebuilt), cfg)
+    proto.pieces[300].score += 1.0
+    other = trained / "other.model"
+    other.write_bytes(proto.SerializeToString())
+    with pytest.raises(CheckpointError, match="encodes otherwise than"):
+        check_tokenizer(ckpt, str(other), cfg)
 
 
 @pytest.mark.parametrize("train_steps", [4, 3])
@@ -310,20 +335,47 @@ def test_a_copied_checkpoint_directory_is_the_same_run(tmp_path):
 
 def test_an_earlier_attempt_of_this_job_on_another_host_is_taken_over_at_once(tmp_path, monkeypatch):
     """A restarted or requeued job whose rank 0 lands on another node within ``STALE_S`` continues:
-    the lock of its own earlier attempt (same launcher identity) is no refusal; another job's is."""
-    from zerotron.training.run_lock import RunLock, RunLockError, job_key
+    the lock of its own earlier attempt is no refusal. As torchrun's c10d rendezvous sets them,
+    the rendezvous address and port differ between attempts; the SLURM job id / torchrun run id
+    stay and a restart count grows. Another job's lock, one of the same attempt, and one under
+    static rendezvous (run id "none", no SLURM) still stand."""
+    from zerotron.training.run_lock import RunLock, RunLockError
 
-    for name in ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT", "ZEROTRON_JOB_ID"):
+    for name in ("SLURM_JOB_ID", "SLURM_RESTART_COUNT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
+                 "MASTER_ADDR", "MASTER_PORT", "ZEROTRON_JOB_ID"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("SLURM_JOB_ID", "777")
-    for job, taken in ((job_key(), True), ("SLURM_JOB_ID=776", False)):
-        (tmp_path / LOCK_NAME).write_text(json.dumps({"host": "node-elsewhere", "pid": 4242, "run_id": "r",
-                                                      "started": 0, "job": job}))  # refreshed just now
-        if taken:
-            lock = RunLock.acquire(tmp_path, "r", refresh_s=None)
-            assert "took over the stale lock of host node-elsewhere" in lock.note, lock.note
-            assert "an earlier attempt of this job" in lock.note, lock.note
-            lock.release()
-        else:
-            with pytest.raises(RunLockError, match="is in use by a run on another host"):
-                RunLock.acquire(tmp_path, "r", refresh_s=None)
+
+    def holder(lineage: str, attempt: list[int]) -> None:  # rank 0 of that attempt, refreshed just now
+        (tmp_path / LOCK_NAME).write_text(json.dumps({
+            "host": "node-elsewhere", "pid": 4242, "run_id": "r", "started": 0, "lineage": lineage,
+            "attempt": attempt, "job": f"{lineage},MASTER_ADDR=node-elsewhere,MASTER_PORT=34583"}))
+
+    now = {"MASTER_ADDR": "node-b", "MASTER_PORT": "36771", "TORCHELASTIC_RESTART_COUNT": "1"}
+    cases = [({"SLURM_JOB_ID": "777", **now}, "slurm:777", [0, 0], True),  # torchrun --max-restarts
+             ({"SLURM_JOB_ID": "777", "SLURM_RESTART_COUNT": "1", **now, "TORCHELASTIC_RESTART_COUNT": "0"},
+              "slurm:777", [0, 2], True),  # a requeue: torchrun's count starts again
+             ({"TORCHELASTIC_RUN_ID": "abc", **now}, "torchelastic:abc", [0, 0], True),
+             ({"SLURM_JOB_ID": "777", **now}, "slurm:776", [0, 0], False),  # another job
+             ({"SLURM_JOB_ID": "777", **now}, "slurm:777", [0, 1], False),  # not an earlier attempt
+             ({"TORCHELASTIC_RUN_ID": "none", **now}, "", [0, 0], False)]  # static rendezvous: unknowable
+    for env, lineage, attempt, taken in cases:
+        with monkeypatch.context() as m:
+            for k, v in env.items():
+                m.setenv(k, v)
+            holder(lineage, attempt)
+            if taken:
+                lock = RunLock.acquire(tmp_path, "r", refresh_s=None)
+                assert "took over the stale lock of host node-elsewhere" in lock.note, (env, lock.note)
+                assert "an earlier attempt of this job" in lock.note, (env, lock.note)
+                lock.release()
+            else:
+                with pytest.raises(RunLockError, match="is in use by a run on another host"):
+                    RunLock.acquire(tmp_path, "r", refresh_s=None)
+
+
+def test_only_a_step_directory_ending_in_tmp_is_a_partial_checkpoint(tmp_path):
+    from zerotron.training.checkpoint_io import CheckpointError, check_checkpoint_path
+
+    assert check_checkpoint_path(tmp_path / "exp.tmp") == tmp_path / "exp.tmp"  # a save directory's own name
+    with pytest.raises(CheckpointError, match="is a partial checkpoint"):
+        check_checkpoint_path(tmp_path / "exp.tmp" / "step_00000006.tmp")

@@ -152,14 +152,15 @@ def test_convert_refuses_outputs_it_cannot_write_and_names_what_to_export_instea
     cases = [
         ([str(checkpoint), "--safetensors", str(tmp_path / "adir")], "--safetensors", "is a directory"),
         ([str(checkpoint), "--hf", str(tmp_path / "afile")], "--hf", "is a file"),
-        ([str(checkpoint), "--safetensors", str(tmp_path / "afile" / "m.safetensors")], "--safetensors",
-         "is a file, not a directory"),
+        ([str(checkpoint), "--safetensors", str(tmp_path / "afile" / "m.safetensors")],
+         f"--safetensors {tmp_path / 'afile' / 'm.safetensors'}: ", f"{tmp_path / 'afile'} is a file, not a directory"),
         ([str(checkpoint), "--safetensors", str(checkpoint / "rank_00000.safetensors")], "--safetensors",
-         "is inside the checkpoint it exports"),
+         f"is inside the checkpoint {checkpoint}"),
+        ([str(checkpoint), "--hf", str(checkpoint.parent / "step_00000001")], "--hf", "is inside the checkpoint"),
         ([str(checkpoint / "metadata.json"), "--hf", str(tmp_path / "hf")], "checkpoint=",
          f"is a file; give the checkpoint's directory, {checkpoint}"),
         ([str(tmp_path / "adir"), "--hf", str(tmp_path / "hf")], "checkpoint=",
-         "no complete checkpoint found; point checkpoint at a checkpoint"),
+         "no complete checkpoint found; point checkpoint at a step_XXXXXXXX directory"),
     ]
     before = sorted(p.name for p in checkpoint.iterdir())
     for argv, field, needle in cases:

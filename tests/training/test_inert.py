@@ -62,6 +62,8 @@ def test_defaults_are_never_noted_nor_a_value_that_acts():
     assert no_effect(RunConfig().validate(1)) == []
     assert notes([]) == []  # configs/tiny.yaml: every value it sets acts
     assert notes(["--data.default_corpus_vocab", "4096"]) == []  # sizes the built-in corpus it trains on
+    assert notes(["--data.data_path", "a", "--data.tokenizer", "t.model", "--eval-interval", "0",
+                  "--logging.eval_steps", "5"]) == []  # evaluation turned off where there is nothing to evaluate
 
 
 def test_a_deepspeed_json_s_disabled_fp16_section_is_noted(tmp_path):

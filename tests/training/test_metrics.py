@@ -31,3 +31,15 @@ def test_a_run_that_continues_where_the_file_ends_moves_nothing(tmp_path, capsys
     MetricsLogger(str(tmp_path), {}, enabled=True, wandb_mode="disabled", start_step=4).close()
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 4
     assert not (tmp_path / SUPERSEDED).exists() and "[metrics]" not in capsys.readouterr().out
+
+
+def test_a_second_live_run_in_the_directory_rewrites_nothing_and_says_so(tmp_path, capsys):
+    first = MetricsLogger(str(tmp_path), {}, enabled=True, wandb_mode="disabled", start_step=0)
+    first.log({"step": 1, "loss": 1.0, "lr": 0.1})
+    second = MetricsLogger(str(tmp_path), {}, enabled=True, wandb_mode="disabled", start_step=0)
+    first.log({"step": 2, "loss": 2.0, "lr": 0.1})  # still reaches the file: it was not replaced
+    second.close()
+    first.close()
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2] and not (tmp_path / SUPERSEDED).exists()
+    assert "another live run writes" in capsys.readouterr().out

@@ -186,8 +186,8 @@ def load_source(inputs: str | Sequence[str], text_field: str = "text", streaming
         except Exception as exc:  # the Hub's own errors: offline, no such dataset, no such split
             raise SourceError(f"{names[0]}: no such local file or directory, and the Hugging Face Hub did not "
                               f"give it ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
-                              f"check the path (a file needs its extension: {', '.join(sorted(_BUILDERS))}) "
-                              f"or the dataset name") from None
+                              f"check the path (a file needs its extension: {', '.join(sorted(_BUILDERS))}), "
+                              f"or the dataset's name, split and access (a gated one needs a Hub login)") from None
     else:
         if split != "train":
             raise SourceError(f"--split {split}: local files are one split; the split selects within a hub "

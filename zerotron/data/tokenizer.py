@@ -158,3 +158,28 @@ def train_tokenizer(texts_or_files: Iterable[str] | str, model_prefix: str, voca
         raise ValueError(f"SentencePiece training failed ({exc}); change the vocabulary size (--vocab-size) as it "
                          f"says: its other options (character_coverage {_CHARACTER_COVERAGE}) are fixed here") from exc
     return Tokenizer.load(model_prefix + ".model")
+
+
+# trainer fields about where and how training ran, not about how text encodes
+_TRAINING_IO = ("input", "input_format", "model_prefix", "num_threads")
+
+
+def encoding_digest(model_path: str) -> str:
+    """SHA-256 of what decides how a SentencePiece model encodes: the model with the trainer's
+    input, output path and thread count cleared. Two builds of one tokenizer differ in their bytes
+    (the ``.model`` records the temporary directory it was trained in) but not in this digest;
+    any change of a piece, score, id or normalization rule changes it. A file that does not parse
+    as a model is hashed as it is."""
+    import hashlib
+
+    from sentencepiece import sentencepiece_model_pb2
+
+    data = open(model_path, "rb").read()
+    proto = sentencepiece_model_pb2.ModelProto()
+    try:
+        proto.ParseFromString(data)
+    except Exception:  # noqa: BLE001 - protobuf's DecodeError; not a model, so its bytes are its identity
+        return hashlib.sha256(data).hexdigest()
+    for name in _TRAINING_IO:
+        proto.trainer_spec.ClearField(name)
+    return hashlib.sha256(proto.SerializeToString(deterministic=True)).hexdigest()

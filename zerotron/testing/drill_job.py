@@ -181,8 +181,9 @@ def _signal(pid: int, sig: int) -> None:
 
 
 def losses(run_dir: Path) -> dict[int, float]:
-    """``{step: loss}`` from a run's metrics.jsonl (the last record of a step wins: a resumed run
-    logs again the steps after its checkpoint)."""
+    """``{step: loss}`` from a run's metrics.jsonl (one record per step: a resumed run moves the
+    earlier attempt's records past its checkpoint to metrics.superseded.jsonl; were one left, the
+    last would win)."""
     out: dict[int, float] = {}
     path = run_dir / "metrics.jsonl"
     if not path.is_file():

@@ -116,14 +116,14 @@ def complete_checkpoints(save: str | Path) -> list[Path]:
 
 def check_checkpoint_path(load: str | Path, field: str = "checkpoint.load") -> Path:
     """``load`` names a directory that can hold checkpoints: not a file inside one (its step
-    directory is meant), not a ``.tmp`` directory (a save that never committed: the rename to
+    directory is meant), not a ``step_XXXXXXXX.tmp`` directory (a save that never committed: the rename to
     ``step_XXXXXXXX`` is what marks a checkpoint complete). Raises naming ``field``."""
     path = Path(load)
     if path.is_file():
         hint = (f"give the checkpoint's directory, {path.parent}" if (path.parent / "metadata.json").is_file()
                 else "give a step_XXXXXXXX directory or the save directory holding them")
         raise CheckpointError(f"{field}={load} is a file; {hint}")
-    if path.name.endswith(".tmp"):
+    if path.name.endswith(".tmp") and STEP_DIR.match(path.name.removesuffix(".tmp")):
         raise CheckpointError(f"{field}={load} is a partial checkpoint (a save that did not finish; a complete "
                               f"one is renamed to {path.name.removesuffix('.tmp')}); give its save directory, "
                               f"{path.parent}, to load the newest complete one")
@@ -150,7 +150,8 @@ def resolve_load_path(load: str | Path, field: str = "checkpoint.load",
     if not complete:
         raise CheckpointError(f"{field}={load}: no complete checkpoint found"
                               + (f" (partial: {', '.join(partial)})" if partial else "")
-                              + f"; point {field} at a checkpoint" + (f", or {otherwise}" if otherwise else ""))
+                              + f"; point {field} at a step_XXXXXXXX directory or a save directory holding one"
+                              + (f", or {otherwise}" if otherwise else ""))
     newest = complete[-1]
     newer_partial = [n for n in partial if n.split(".")[0] > newest.name]
     if newer_partial:

@@ -56,7 +56,8 @@ def _rules() -> list[Rule]:
                lambda c: "there is no pipeline: parallel.pp=1"),
               ("activation_checkpointing.checkpoint_every", lambda c: c.activation_checkpointing.checkpoint_activations,
                lambda c: "activation checkpointing is off: activation_checkpointing.checkpoint_activations=false"),
-              ("logging.eval_interval", _held_out, lambda c: _NO_HELD_OUT),
+              ("logging.eval_interval", lambda c: c.logging.eval_interval <= 0 or _held_out(c),  # 0: off, as it is
+               lambda c: _NO_HELD_OUT),
               ("logging.eval_steps", lambda c: c.logging.eval_interval > 0 and _held_out(c),
                lambda c: "evaluation is off: logging.eval_interval=0" if c.logging.eval_interval <= 0
                else _NO_HELD_OUT)]

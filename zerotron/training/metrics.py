@@ -53,6 +53,23 @@ def host_values(record: dict[str, Any]) -> dict[str, Any]:
 SUPERSEDED = "metrics.superseded.jsonl"
 
 
+def _only_writer(run_dir: Path):
+    """An open file holding ``flock`` on ``<run_dir>/.metrics.lock`` for this run's life, or None
+    when another live run holds it: then its ``metrics.jsonl`` must not be rewritten under it. A
+    file system without ``flock`` gives no such guard (the file is then taken as this run's)."""
+    handle = open(run_dir / ".metrics.lock", "a")
+    try:
+        import fcntl
+
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        return None
+    except (ImportError, OSError):
+        pass
+    return handle
+
+
 def supersede(path: Path, start_step: int) -> int:
     """Move the records of ``path`` past ``start_step`` to ``metrics.superseded.jsonl`` beside it
     and return how many: a run resumed from step N trains N+1.. again, and one record per step
@@ -89,8 +106,12 @@ class MetricsLogger:
             return
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        moved = supersede(self.run_dir / "metrics.jsonl", start_step)
+        self._writer = _only_writer(self.run_dir)
+        moved = supersede(self.run_dir / "metrics.jsonl", start_step) if self._writer else 0
         self._file = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
+        if not self._writer:
+            self.message(f"[metrics] another live run writes {self.run_dir / 'metrics.jsonl'}: the records of both "
+                         f"interleave there; give this run its own logging.run_dir")
         if wandb_mode != "disabled":
             self._wandb = tracking.start_wandb(self.run_dir, config, wandb_mode, project)
         if tensorboard:
@@ -146,6 +167,8 @@ class MetricsLogger:
         if self._bar is not None:
             self._bar.close()
         self._file.close()
+        if self._writer is not None:
+            self._writer.close()  # releases the flock
         if self._wandb is not None:
             self._wandb.finish()
         if self._tb is not None:

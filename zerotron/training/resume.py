@@ -14,8 +14,8 @@ whether that checkpoint may continue it.
   loaded only with ``checkpoint.fallback=true``.
 * **May it continue.** As Megatron's ``check_checkpoint_args``: a learning-rate schedule, global
   batch or seed (``SCHEDULE``) that differs from the checkpoint's is refused unless
-  ``checkpoint.override_schedule=true``, and another tokenizer than the checkpoint's (by
-  SHA-256, ``check_tokenizer``) always; a checkpoint at or past ``training.train_steps`` means
+  ``checkpoint.override_schedule=true``, and a tokenizer that encodes otherwise than the
+  checkpoint's (``check_tokenizer``) always; a checkpoint at or past ``training.train_steps`` means
   the run is complete (``AlreadyComplete``, exit 0). A run never writes over checkpoints it
   does not continue: a fresh start (or a load from elsewhere) into a directory that holds
   checkpoints is refused, and so is continuing where another run's checkpoints are newer.
@@ -254,19 +254,33 @@ def plan_resume(cfg, grid, device, log: Callable[[str], None] = print) -> Resume
     return ResumePlan(chosen, step, files)
 
 
-def check_tokenizer(path: Path, tokenizer: str | None, save: str | None) -> None:
-    """A checkpoint continues only with the tokenizer it was trained with: another one's ids name
-    other tokens to its embedding, which trains on in silence. The checkpoint keeps a copy of its
-    own, so the fix is to point ``data.tokenizer`` at it."""
-    kept = read_metadata(path).get("tokenizer")
-    if not kept or not tokenizer:
+def check_tokenizer(path: Path, tokenizer: str | None, cfg) -> None:
+    """A checkpoint continues only with a tokenizer that encodes as its own did: another one's ids
+    name other tokens to its embedding, which trains on in silence. Compared by
+    ``encoding_digest`` against the copy the checkpoint keeps (two builds of the built-in corpus's
+    tokenizer differ in their bytes, not in how they encode); a checkpoint without a copy is not
+    checked."""
+    from zerotron.data.tokenizer import encoding_digest
+
+    meta = read_metadata(path)
+    kept = meta.get("tokenizer")
+    copy = path / kept["file"] if kept else None
+    if not tokenizer or copy is None or not copy.is_file() or encoding_digest(tokenizer) == encoding_digest(copy):
         return
-    if sha256_file(Path(tokenizer)) != kept["sha256"]:
-        raise CheckpointError(
-            f"checkpoint {path} was trained with the tokenizer {kept['path']} (SHA-256 {kept['sha256'][:12]}...), "
-            f"but this run's is {tokenizer}, a different one: its token ids would mean other tokens to the "
-            f"checkpoint's embedding; set data.tokenizer to {path / kept['file']} (the checkpoint's copy) with "
-            f"data of that tokenizer, or {_fresh_start([path], Path(save) if save else None)}")
+    what = (f"the tokenizer at {tokenizer} has changed since" if Path(kept["path"]) == Path(tokenizer).resolve()
+            else f"this run's tokenizer, {tokenizer}, encodes otherwise than {kept['path']}, the one it had when")
+    head = (f"checkpoint {path} was trained with another tokenizer: {what} the checkpoint was written; its "
+            f"token ids would mean other tokens to the checkpoint's embedding")
+    theirs = meta.get("config", {}).get("data", {}).get("default_corpus_vocab")
+    if cfg.data.data_path:
+        fix = f"train on token files made with the checkpoint's own copy: --data.tokenizer {copy} --load {path}"
+    elif theirs is not None and theirs != cfg.data.default_corpus_vocab:
+        fix = f"set data.default_corpus_vocab={theirs}, the checkpoint's, with --load {path}"
+    else:
+        fix = (f"this zerotron's built-in corpus is not the one it trained on: pass token files made with its "
+               f"tokenizer as data.data_path, with --data.tokenizer {copy} --load {path}")
+    fresh = "--load none" + (" with another checkpoint.save" if cfg.checkpoint.save else "")
+    raise CheckpointError(f"{head}; {fix}, or start from scratch: {fresh}")
 
 
 def _check_save_dir(save: Path, chosen: Path | None, step: int, rid: str, skipped: list[Path], asked: str,

@@ -9,8 +9,9 @@ itself. On the holder's host, stale means its pid is not alive (or now belongs t
 started later). Another host cannot be probed, so the holder refreshes the file's mtime every
 ``REFRESH_S`` from a thread, and a lock from another host is stale once it has not been
 refreshed for ``STALE_S`` (rank 0 of a restarted job often lands on another node). A lock
-that this job's launcher identity (``job_key``) holds is an earlier attempt of the same job,
-taken over at once: its ranks are gone before a restart begins.
+held on another host by an earlier attempt of this same job (``lineage``: same SLURM job or
+torchrun run id, a lower restart count) is taken over at once: a restart begins only once the
+earlier attempt's ranks are gone.
 
 The check-then-take-over is serialized with ``flock`` on the directory, so two runs that find
 the same stale lock at once cannot both take it (where the file system has no ``flock``, the
@@ -117,6 +118,22 @@ def job_key() -> str:
     return ",".join(f"{n}={os.environ[n]}" for n in names if os.environ.get(n))
 
 
+def lineage() -> tuple[str, list[int]]:
+    """The job this process is an attempt of, the same across its restarts and requeues (SLURM's
+    job id, else torchrun's ``--rdzv_id`` unless it is static rendezvous's "none"; "" when there is
+    neither), and which attempt: [SLURM_RESTART_COUNT, TORCHELASTIC_RESTART_COUNT], which grow."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    job = (f"slurm:{os.environ['SLURM_JOB_ID']}" if os.environ.get("SLURM_JOB_ID")
+           else f"torchelastic:{run_id}" if run_id and run_id != "none" else "")
+    attempt = []
+    for name in ("SLURM_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT"):
+        try:
+            attempt.append(int(os.environ.get(name) or 0))
+        except ValueError:
+            return "", []
+    return job, attempt
+
+
 def check_free(directory: str | Path) -> None:
     """Raise ``RunLockError`` if a live run holds ``directory``'s lock; a look that takes nothing.
 
@@ -157,8 +174,9 @@ class RunLock:
         directory.mkdir(parents=True, exist_ok=True)
         path = directory / LOCK_NAME
         pid = os.getpid()
+        job, attempt = lineage()
         info = {"host": socket.gethostname(), "pid": pid, "run_id": run_id, "started": time.time(),
-                "start_ticks": _start_ticks(pid), "job": job_key()}
+                "start_ticks": _start_ticks(pid), "job": job_key(), "lineage": job, "attempt": attempt}
         note = None
         with _serialized(directory):
             for _ in range(20):
@@ -172,9 +190,10 @@ class RunLock:
                             continue
                         holder = {}
                     idle = _idle_s(path)
-                    # a restart of this very job (torchrun --max-restarts, a requeue) starts only
-                    # once its earlier attempt's ranks are gone, wherever its rank 0 ran
-                    again = bool(holder) and bool(info["job"]) and holder.get("job") == info["job"]
+                    # an earlier attempt of this very job on another host (torchrun --max-restarts,
+                    # a requeue): a restart starts only once that attempt's ranks are gone
+                    again = bool(holder) and bool(info["lineage"]) and holder.get("host") != info["host"] \
+                        and holder.get("lineage") == info["lineage"] and list(holder.get("attempt", ())) < info["attempt"]
                     refusal = _refusal(directory, path, holder, info["host"]) if holder and not again else None
                     if refusal:
                         raise RunLockError(refusal)

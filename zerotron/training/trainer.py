@@ -63,7 +63,7 @@ class Trainer:
 
         self.data = prepare_data(cfg, grid, env.device)
         if self.resume.path is not None:
-            resume.check_tokenizer(self.resume.path, self.data.tokenizer_path, cfg.checkpoint.save)
+            resume.check_tokenizer(self.resume.path, self.data.tokenizer_path, cfg)
         self.mcfg = model_config(cfg, self.data.vocab_size)
         t = cfg.training
         self.memory = StepMemory(cfg.logging.log_interval)
