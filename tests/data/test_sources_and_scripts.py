@@ -124,3 +124,15 @@ def test_script_arguments_that_cannot_work_exit_2_before_any_work(tmp_path, corp
     assert preprocess_data.main([src, "--text-field", "content", "--tokenizer", "t.model",
                                  "--output-prefix", str(tmp_path / "afile" / "o")]) == 2
     assert "--output-prefix" in capsys.readouterr().err
+
+
+def test_a_file_of_blank_lines_is_an_empty_corpus_streaming_or_not(tmp_path, capsys, zerotron_cache):
+    from zerotron.data import build_default_corpus
+
+    tokenizer = build_default_corpus(zerotron_cache)[1]
+    blank = tmp_path / "blank.jsonl"
+    blank.write_text("\n\n\n")
+    assert train_tokenizer.main([str(blank), "--model-prefix", str(tmp_path / "t"), "--vocab-size", "400"]) == 2
+    assert "empty corpus" in capsys.readouterr().err
+    assert preprocess_data.main([str(blank), "--tokenizer", tokenizer, "--output-prefix", str(tmp_path / "o")]) == 2
+    assert "blank.jsonl holds no rows (empty, or only blank lines)" in capsys.readouterr().err

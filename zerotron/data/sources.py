@@ -125,6 +125,9 @@ def _read_error(files: Sequence[str], names: Sequence[str], exc: BaseException) 
     cause = exc
     while cause.__cause__ is not None or cause.__context__ is not None:  # datasets wraps the reader's error
         cause = cause.__cause__ or cause.__context__
+    if "corresponds to no data" in str(exc):  # datasets' words for a split without one row
+        return SourceError(f"{', '.join(names)} holds no rows (empty, or only blank lines): nothing to read; "
+                           f"check the files")
     return SourceError(f"cannot read {', '.join(names)}: {type(cause).__name__}: {cause}; every row must hold the "
                        f"same fields with the same types -- fix the rows or pick another --text-field")
 
@@ -223,6 +226,8 @@ def check_text_field(ds, text_field: str, names: Sequence[str] = ()) -> None:
         if row is None:
             raise SourceError(f"empty corpus: {', '.join(names) or 'the input'} has no rows")
         columns = list(row)
+    if columns == [] and next(iter(ds), None) is None:  # streaming JSON of blank lines declares no columns
+        raise SourceError(f"empty corpus: {', '.join(names) or 'the input'} has no rows")
     if text_field not in columns:
         raise KeyError(f"text field {text_field!r} not found in {', '.join(names) or 'the input'}; "
                        f"its columns are {columns}; pass --text-field with one of them")
