@@ -7,7 +7,8 @@ costs about a millisecond (a 1-float all_reduce between 2 ranks: 0.8-2.6 ms acro
 ms on one), so most multi-rank tests are faster on one core than spread over two -- and the
 other cores run other files meanwhile (the suite here: 460 s serial, 330-350 s on 2 workers).
 Files, not tests, are the unit of distribution: module fixtures and ``Overlap``'s prefetch stay
-inside a worker. ``-n 0`` runs everything in one process, unpinned.
+inside a worker. They are handed out heaviest first (``HEAVY_FIRST``, with xdist's own reorder by
+test count turned off in pyproject.toml), so no long file starts last. ``-n 0`` runs everything in one process, unpinned.
 
 ``zerotron_cache``: the trainer and reliability tests' data cache (the built-in corpus and its
 sample indices), outside the checkout. Built once per worker (about 5 s) under pytest's base temp
@@ -78,3 +79,23 @@ def pytest_configure(config) -> None:
     if worker.startswith("gw") and hasattr(os, "sched_setaffinity"):
         cpus = sorted(os.sched_getaffinity(0))
         os.sched_setaffinity(0, {cpus[int(worker[2:]) % len(cpus)]})
+
+
+# The most expensive files, heaviest first (``--durations`` on a 2-core machine): xdist's loadfile
+# scheduler hands files out in collection order, so these start first and the suite does not end
+# on one long file while the other workers idle. A stale entry only costs time, never a result.
+HEAVY_FIRST = (
+    "tests/training/test_trainer.py", "tests/training/test_compile.py", "tests/zero/test_zeropp.py",
+    "tests/parallel/test_pipeline_interleaved.py", "tests/test_ablations.py",
+    "tests/reliability/test_run_ownership.py", "tests/estimate/test_memory_grid.py",
+    "tests/training/test_dry_run.py", "tests/training/test_deepspeed_configs.py",
+    "tests/reliability/test_faults.py", "tests/training/test_slurm.py", "tests/zero/test_grad_accumulation.py",
+    "tests/parallel/test_pipeline.py",
+)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Heaviest files first (``HEAVY_FIRST``); a stable sort, so each file's tests stay together
+    and in their order (module fixtures and ``Overlap`` rely on that)."""
+    rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(HEAVY_FIRST)))
