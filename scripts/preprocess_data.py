@@ -63,7 +63,7 @@ def main(argv=None) -> int:
                                  batch_size=args.batch_size, progress=not args.no_progress,
                                  total_docs=known_rows(ds))
     except (FileNotFoundError, KeyError, ValueError, TypeError) as exc:
-        print(f"error: {exc.args[0] if isinstance(exc, KeyError) and exc.args else exc}", file=sys.stderr)
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(stats))

@@ -56,7 +56,7 @@ def main(argv=None) -> int:
                               byte_fallback=not args.no_byte_fallback, num_threads=args.threads,
                               text_field=args.text_field)
     except (FileNotFoundError, KeyError, ValueError, TypeError) as exc:
-        print(f"error: {exc.args[0] if isinstance(exc, KeyError) and exc.args else exc}", file=sys.stderr)
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     print(f"wrote {args.model_prefix}.model: vocab {tok.vocab_size}, eod id {tok.eod_id}, "
           f"{time.perf_counter() - t0:.1f} s")

@@ -136,3 +136,10 @@ def test_a_file_of_blank_lines_is_an_empty_corpus_streaming_or_not(tmp_path, cap
     assert "empty corpus" in capsys.readouterr().err
     assert preprocess_data.main([str(blank), "--tokenizer", tokenizer, "--output-prefix", str(tmp_path / "o")]) == 2
     assert "blank.jsonl holds no rows (empty, or only blank lines)" in capsys.readouterr().err
+
+
+def test_a_missing_text_field_prints_as_written(tmp_path, corpus, capsys):
+    src = _jsonl(tmp_path / "c.jsonl", corpus)
+    assert train_tokenizer.main([src, "--text-field", "body", "--model-prefix", str(tmp_path / "t"),
+                                 "--vocab-size", "400"]) == 2
+    assert capsys.readouterr().err.startswith("error: text field 'body' not found")  # not a KeyError's repr

@@ -31,6 +31,14 @@ class SourceError(ValueError):
     """An input that cannot be read, named with the fix; never rewritten by the readers' wrappers."""
 
 
+class MissingFieldError(KeyError):
+    """The text field is not a column: a ``KeyError`` that prints its message as written (a plain
+    ``KeyError`` prints the repr of its argument, quotes and all)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
 def _json_error(e: json.JSONDecodeError) -> str:
     return f"not valid JSON ({e.msg.removesuffix(' at')} at column {e.colno})"
 
@@ -219,17 +227,15 @@ def load_source(inputs: str | Sequence[str], text_field: str = "text", streaming
 
 
 def check_text_field(ds, text_field: str, names: Sequence[str] = ()) -> None:
-    """Raise KeyError naming the columns that exist when ``text_field`` is not one of them."""
+    """Raise ``MissingFieldError`` naming the columns that exist when ``text_field`` is not one of them."""
     columns = ds.column_names
-    if columns is None:  # streaming source without declared features: peek at one row
+    if not columns:  # streaming source without declared features (or none, from blank lines): peek at one row
         row = next(iter(ds), None)
         if row is None:
             raise SourceError(f"empty corpus: {', '.join(names) or 'the input'} has no rows")
         columns = list(row)
-    if columns == [] and next(iter(ds), None) is None:  # streaming JSON of blank lines declares no columns
-        raise SourceError(f"empty corpus: {', '.join(names) or 'the input'} has no rows")
     if text_field not in columns:
-        raise KeyError(f"text field {text_field!r} not found in {', '.join(names) or 'the input'}; "
+        raise MissingFieldError(f"text field {text_field!r} not found in {', '.join(names) or 'the input'}; "
                        f"its columns are {columns}; pass --text-field with one of them")
 
 
