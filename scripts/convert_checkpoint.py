@@ -14,6 +14,7 @@ import os
 import sys
 from pathlib import Path
 
+from zerotron.data.atomic import nearest_existing, write_probe
 from zerotron.training.checkpoint_io import (LOAD_EARLIER, STEP_DIR, CheckpointError, complete_checkpoints,
                                              resolve_load_path)
 from zerotron.training.config import ConfigError
@@ -31,12 +32,10 @@ def check_output(flag: str, out: str, directory: bool) -> None:
     for above in [path, *path.parents] if directory else path.parents:
         if (above / "metadata.json").is_file() or STEP_DIR.match(above.name.removesuffix(".tmp")):
             raise ConfigError(f"{flag} {out} is inside the checkpoint {above}; write the export elsewhere")
-    where = path if directory else path.parent
-    while not where.exists():
-        where = where.parent
-    if not where.is_dir():
+    where = nearest_existing(path if directory else path.parent)
+    if not os.path.isdir(where):
         raise ConfigError(f"{flag} {out}: {where} is a file, not a directory; write the export elsewhere")
-    if not os.access(where, os.W_OK | os.X_OK):
+    if write_probe(where) is not None:
         raise ConfigError(f"{flag} {out}: cannot write in {where}; choose a writable directory")
 
 

@@ -86,6 +86,28 @@ def atomic_dir(final: str) -> Iterator[str]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def nearest_existing(path: str | os.PathLike) -> str:
+    """``path`` itself, or the nearest of its parents that exists: where writing ``path`` (and any
+    directories missing above it) would begin."""
+    where = os.path.abspath(path)
+    while not os.path.exists(where) and where != os.path.dirname(where):
+        where = os.path.dirname(where)
+    return where
+
+
+def write_probe(directory: str | os.PathLike) -> str | None:
+    """None if this process can create a file in ``directory`` (tried, not inferred from
+    permission bits: a read-only mount or a root-squashed NFS share says no only when written);
+    otherwise why not, the OS's words."""
+    try:
+        fd, probe = tempfile.mkstemp(dir=directory, prefix=".zerotron-write-probe-")
+    except OSError as e:
+        return e.strerror or str(e)
+    os.close(fd)
+    os.unlink(probe)
+    return None
+
+
 def check_output_prefix(flag: str, prefix: str, suffixes: str) -> None:
     """``prefix`` names files (``PREFIX.bin``, ``PREFIX.model``...) in a directory that exists or
     can be made, and that this process can write in: checked before hours of work, not at the
@@ -94,10 +116,8 @@ def check_output_prefix(flag: str, prefix: str, suffixes: str) -> None:
     if not base or os.path.isdir(prefix):
         raise ValueError(f"{flag} {prefix}: names a directory; give a file prefix inside it, e.g. "
                          f"{os.path.join(prefix, 'corpus' if '.bin' in suffixes else 'tokenizer')} (writes {suffixes})")
-    where = os.path.dirname(os.path.abspath(prefix))
-    while not os.path.exists(where):
-        where = os.path.dirname(where)
+    where = nearest_existing(os.path.dirname(os.path.abspath(prefix)))
     if not os.path.isdir(where):
         raise ValueError(f"{flag} {prefix}: {where} is a file, not a directory; put the output elsewhere")
-    if not os.access(where, os.W_OK | os.X_OK):
+    if write_probe(where) is not None:
         raise ValueError(f"{flag} {prefix}: cannot write in {where}; choose a writable directory")

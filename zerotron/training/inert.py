@@ -21,8 +21,6 @@ _STAGE3 = ("stage3_prefetch_bucket_size", "stage3_param_persistence_threshold", 
            "stage3_max_reuse_distance")
 _LOSS_SCALING = ("initial_loss_scale", "loss_scale_window", "hysteresis", "min_loss_scale", "loss_scale",
                  "consecutive_hysteresis")
-
-
 _NO_HELD_OUT = "there is no held-out data: data.data_path is set without data.eval_path"
 
 

@@ -238,23 +238,17 @@ def writable_dir(field: str, path: str, holds: str, alternative: str = "") -> Pa
     """``path`` is a directory this rank can write in, or can be created: a directory not yet there
     is judged by its nearest existing parent, where it will be made. Returns that directory;
     raises ``ConfigError`` naming ``field``."""
-    import os
-    import tempfile
+    from zerotron.data.atomic import nearest_existing, write_probe
 
-    where = Path(path).absolute()
-    while not where.exists() and where != where.parent:
-        where = where.parent
+    where = Path(nearest_existing(path))
     also = f", {alternative}" if alternative else ""
     if not where.is_dir():
         raise ConfigError(f"{field}={path}: {where} is a file, not a directory; point {field} at a directory "
                           f"(or a path to create) for {holds}{also}")
-    try:
-        fd, probe = tempfile.mkstemp(dir=where, prefix=".zerotron-write-probe-")
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as e:
-        raise ConfigError(f"{field}={path}: cannot write in {where} ({e.strerror}); {field} holds {holds}: "
-                          f"choose a writable directory or fix its permissions{also}") from None
+    problem = write_probe(where)
+    if problem is not None:
+        raise ConfigError(f"{field}={path}: cannot write in {where} ({problem}); {field} holds {holds}: "
+                          f"choose a writable directory or fix its permissions{also}")
     return where
 
 
