@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 
 from zerotron.data.atomic import nearest_existing, write_probe
-from zerotron.training.checkpoint_io import (LOAD_EARLIER, STEP_DIR, CheckpointError, complete_checkpoints,
-                                             resolve_load_path)
+from zerotron.training.checkpoint_io import (LOAD_EARLIER, PARTIAL_STEP_DIR, STEP_DIR, CheckpointError,
+                                             complete_checkpoints, resolve_load_path)
 from zerotron.training.config import ConfigError
 from zerotron.training.export import export_hf_gpt2, export_safetensors
 
@@ -30,7 +30,7 @@ def check_output(flag: str, out: str, directory: bool) -> None:
     if not directory and path.is_dir():
         raise ConfigError(f"{flag} {out} is a directory; give the path of the .safetensors file to write")
     for above in [path, *path.parents] if directory else path.parents:
-        if (above / "metadata.json").is_file() or STEP_DIR.match(above.name.removesuffix(".tmp")):
+        if (above / "metadata.json").is_file() or STEP_DIR.match(above.name) or PARTIAL_STEP_DIR.match(above.name):
             raise ConfigError(f"{flag} {out} is inside the checkpoint {above}; write the export elsewhere")
     where = nearest_existing(path if directory else path.parent)
     if not os.path.isdir(where):

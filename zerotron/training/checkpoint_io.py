@@ -24,6 +24,7 @@ from zerotron.data.atomic import publish
 
 FORMAT_VERSION = 1
 STEP_DIR = re.compile(r"^step_(\d{8})$")
+PARTIAL_STEP_DIR = re.compile(r"^step_(\d{8})\.tmp$")  # a save that has not committed (renamed) yet
 LOAD_EARLIER = "; load an earlier checkpoint"  # the fix a damaged checkpoint's message ends with
 
 
@@ -123,7 +124,7 @@ def check_checkpoint_path(load: str | Path, field: str = "checkpoint.load") -> P
         hint = (f"give the checkpoint's directory, {path.parent}" if (path.parent / "metadata.json").is_file()
                 else "give a step_XXXXXXXX directory or the save directory holding them")
         raise CheckpointError(f"{field}={load} is a file; {hint}")
-    if path.name.endswith(".tmp") and STEP_DIR.match(path.name.removesuffix(".tmp")):
+    if PARTIAL_STEP_DIR.match(path.name):
         raise CheckpointError(f"{field}={load} is a partial checkpoint (a save that did not finish; a complete "
                               f"one is renamed to {path.name.removesuffix('.tmp')}); give its save directory, "
                               f"{path.parent}, to load the newest complete one")
