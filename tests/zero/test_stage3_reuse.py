@@ -72,6 +72,13 @@ def _run(stage: int, checkpoint: bool = False, **zero_kw) -> dict:
             out["losses"].append(loss.item())
             if step == 2:
                 out.update(gathered=gathered["elements"] - before, alive_after_forward=alive)
+        outputs.clear()
+        with torch.no_grad():  # an evaluation: no backward will come for what it gathers
+            model.eval()
+            model(ids[:, :-1], labels=ids[:, 1:])
+            model.train()
+        gc.collect()
+        out["alive_after_eval"] = sum(n for ref, n in outputs if ref() is not None)
         out.update(full=opt.layout.full_numel, units=units, root=root,
                    element_size=torch.empty(0, dtype=opt.dtype).element_size(),
                    params={n: p.clone() for n, p in opt.full_params()})
@@ -104,6 +111,13 @@ def test_forward_leaves_no_gathered_unit_behind(runs):
     assert r["alive_after_forward"] <= (r["root"] + max(r["units"])) * r["element_size"], \
         (r["alive_after_forward"], r["root"], r["units"])
     assert runs["s3_reuse"]["alive_after_forward"] >= sum(r["units"]) * r["element_size"]
+
+
+def test_evaluation_leaves_nothing_gathered(runs):
+    """A no-grad forward releases every unit it gathered, the root included (the model's post-hook
+    runs after the root unit's, which would keep it for a backward that never comes)."""
+    for name in ("s3", "s3_ckpt", "s3_reuse"):
+        assert runs[name]["alive_after_eval"] == 0, (name, runs[name]["alive_after_eval"], runs[name]["root"])
 
 
 def test_step_gathers_twice_with_or_without_checkpointing(runs):

@@ -1,6 +1,9 @@
 """Learning-rate schedule: warm-up, then cosine, linear or no decay -- Megatron's or DeepSpeed's.
 
-A pure function of the step, so a resumed run needs to store nothing but the step.
+A pure function of the number of optimizer updates applied (``ZeroOptimizer.updates``, saved
+with the optimizer's state), so a resumed run needs to store nothing more. An fp16 step skipped
+for overflow is not an update and does not advance the schedule -- DeepSpeed and Megatron step
+their schedulers only after an update.
 
 Two families (``optimizer.schedule``), because a DeepSpeed JSON must train at the learning rates
 DeepSpeed would use, step for step:
@@ -8,7 +11,9 @@ DeepSpeed would use, step for step:
 * ``megatron``: step ``s`` (0-based) warms up linearly from ``warmup_min_lr`` to ``lr`` over
   ``warmup_steps`` (``lr * (s + 1) / warmup_steps`` when ``warmup_min_lr`` is 0), then decays to
   ``min_lr`` at ``schedule_steps`` (default ``training.train_steps``, Megatron's
-  ``--lr-decay-iters``).
+  ``--lr-decay-iters``). The decay is Megatron's step for step; the warm-up is one step ahead of
+  it: Megatron's ``OptimizerParamScheduler`` runs step ``s`` at ``s / warmup_steps``, so its first
+  update is at ``warmup_min_lr`` (0 by default) and teaches the model nothing.
 * ``deepspeed``: DeepSpeed's ``lr_schedules`` (``WarmupLR`` = decay ``constant``,
   ``WarmupDecayLR`` = ``linear``, ``WarmupCosineLR`` = ``cosine``). DeepSpeed sets the rate at
   construction and advances the scheduler *after* each optimizer step, so step ``s`` runs at the

@@ -189,29 +189,37 @@ class Trainer:
                               f"rerun from the last checkpoint with the same data position to reproduce")
 
     def _check_overflow_storm(self, info: dict, loss: torch.Tensor) -> None:
-        """An overflow at the minimum loss scale cannot be cured by scaling: after a few in a row the
-        run only burns compute skipping steps, so stop with the step, the scale and the fixes.
-        ``skipped`` is fp16's host-side decision (a constant scale never skips): nothing is read."""
-        floor = self.cfg.optimizer.min_loss_scale
+        """Overflows at the scale's floor (``min_loss_scale``, or a static ``loss_scale``) cannot be
+        cured by scaling: after a few in a row the run only burns compute skipping steps, so stop
+        with the step, the scale and the fixes. ``skipped`` is fp16's host-side decision: no read."""
+        scaler, o = self.opt.scaler, self.cfg.optimizer
         scale = info.get("loss_scale")
+        floor = scaler.min_scale if scaler.dynamic else scale
         at_floor = bool(info.get("skipped")) and scale is not None and scale <= floor
         self._skips_at_floor = getattr(self, "_skips_at_floor", 0) + 1 if at_floor else 0
         if self._skips_at_floor >= self.MAX_SKIPS_AT_MIN_SCALE:
             self._check_finite()  # a NaN loss explains the overflows: report it first
             loss = host_sync.read(loss, "log", placeholder=0.0)
+            where, cure = ((f"the minimum loss scale {scale:g} (optimizer.min_loss_scale={o.min_loss_scale:g}",
+                            "lower optimizer.min_loss_scale") if scaler.dynamic else
+                           (f"the static loss scale {scale:g} (optimizer.loss_scale={o.loss_scale:g}",
+                            "lower optimizer.loss_scale, or set it to 0 for dynamic scaling"))
             raise TrainingStopped(
                 f"gradient overflow storm: {self._skips_at_floor} consecutive steps up to step {self.step + 1} "
-                f"overflowed (inf/NaN gradients; loss {loss:.4g}) and were skipped at the minimum loss scale "
-                f"{scale:g} (optimizer.min_loss_scale={floor:g}, training.precision={self.cfg.training.precision}); "
-                f"consumed samples {self.consumed}. Fix: lower optimizer.lr or optimizer.clip_grad, use "
-                f"training.precision=bf16, or lower optimizer.min_loss_scale; then resume from the last checkpoint")
+                f"overflowed (inf/NaN gradients; loss {loss:.4g}) and were skipped at {where}, "
+                f"training.precision={self.cfg.training.precision}); consumed samples {self.consumed}. Fix: lower "
+                f"optimizer.lr or optimizer.clip_grad, use training.precision=bf16, or {cure}; then resume from "
+                f"the last checkpoint")
 
     # the loop --------------------------------------------------------------------------------
     def train_step(self) -> dict:
         """One global batch: ``loss`` (the DP mean) and ``grad_norm`` are 0-dim device tensors.
         Raises ``TrainingStopped`` at a log step (or the last) if a loss so far was non-finite."""
         cfg, t = self.cfg, self.cfg.training
-        lr, betas = lr_at(self.step, cfg.optimizer, t.train_steps), betas_at(self.step, cfg.optimizer)
+        # the schedule is at the number of updates applied: an fp16 step skipped for overflow does
+        # not advance it, as DeepSpeed and Megatron step their schedulers only after an update
+        updates = self.opt.updates
+        lr, betas = lr_at(updates, cfg.optimizer, t.train_steps), betas_at(updates, cfg.optimizer)
         self.opt.set_lr(lr, betas)
         self._inject_faults(self.step + 1)  # test hook: no-op unless ZEROTRON_FAULT is set
         data = self.batches.get(self.consumed)  # read ahead in the background (training/batches.py)

@@ -255,6 +255,12 @@ class ZeroOptimizer(PartitionStateIO):
         chunks = [self.layout.chunks[ci] for ci in self.layout.groups[0].chunks]
         return self.reducer.grad_range(chunks[0].part_offset, chunks[-1].part_offset + chunks[-1].shard)
 
+    @property
+    def updates(self) -> int:
+        """Optimizer steps applied so far -- fp16 steps skipped for overflow do not count (Adam's
+        bias correction and the learning-rate schedule run on this); saved with the checkpoint."""
+        return self.state.step
+
     def set_lr(self, lr: float, betas=None) -> None:
         """The schedule's rate (and, for a cycled momentum, Adam's betas) for the next step."""
         betas = self.betas if betas is None else tuple(betas)

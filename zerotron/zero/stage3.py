@@ -100,11 +100,13 @@ class ParamGatherer:
                                for gs in unit_groups])
         self.empty = torch.empty(0, dtype=dtype, device=device)
         self.index = {id(p): i for i, p in enumerate(params)}
-        self.hooks = [model.register_forward_pre_hook(self._model_pre, prepend=True),
-                      model.register_forward_hook(self._model_post, always_call=True)]
+        # the model's hooks wrap the units' -- the root unit (the model itself) included -- so an
+        # inference forward's release_all comes after the root's post-hook has dropped its reference
+        self.hooks = [model.register_forward_pre_hook(self._model_pre, prepend=True)]
         for ui, u in enumerate(units):
             self.hooks.append(u.register_forward_pre_hook(lambda m, a, ui=ui: self._unit_pre(ui)))
             self.hooks.append(u.register_forward_hook(lambda m, a, out, ui=ui: self._unit_post(ui, out)))
+        self.hooks.append(model.register_forward_hook(self._model_post, always_call=True))
         for p in params:
             if p.requires_grad:
                 self.hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))

@@ -163,7 +163,7 @@ def _loss_scaling(plan: Plan, fp16: dict) -> None:
     static = number(f"{p}.loss_scale", fp16.get("loss_scale", 0))
     if "loss_scale" in fp16:
         plan.set(f"{p}.loss_scale", "optimizer.loss_scale", static)
-    if static > 0:  # a static scale is its own floor: the overflow-storm stop then fires at it
+    if static > 0:  # a static scale is its own floor (min <= initial must hold)
         plan.set(f"{p}.loss_scale", "optimizer.initial_loss_scale", static)
         plan.set(f"{p}.loss_scale", "optimizer.min_loss_scale", static)
         for key in ("initial_scale_power", "loss_scale_window", "hysteresis", "consecutive_hysteresis",
