@@ -2,7 +2,7 @@
 
 Each file is loaded with ``parse_config(["--config", path])``, validated at the paper's GPU count
 (read from its ``# GPUs: N`` header) and its model built from the preset with the file's
-overrides and validated at its MP degree. Totals must equal batch x GPUs / MP (the paper's rule).
+overrides and validated at its MP degree, with GPT-2's vocabulary. Totals must equal batch x GPUs / MP (the paper's rule).
 The C1–C5 fragments (Table 3) must apply on top of a run config and set the paper's stages.
 """
 
@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 
 from zerotron.model import PRESETS, get_preset
+from zerotron.model.presets import GPT2_VOCAB
 from zerotron.training.cli import apply_mapping, parse_config, read_yaml
+from zerotron.training.setup_run import validate_model
 
 ROOT = Path(__file__).resolve().parents[2] / "configs" / "zero100b"
 RUNS = sorted(p for p in ROOT.glob("table*/*.yaml"))
@@ -44,6 +46,9 @@ def test_run_config_parses_and_validates(path):
     overrides = {k: v for k, v in dataclasses.asdict(cfg.model).items()
                  if k != "preset" and v is not None}
     get_preset(cfg.model.preset, **overrides).validate(cfg.parallel.tp)
+    # the paper's GPT-2 vocabulary, not the built-in corpus's 1024 tokens: what the estimate, the
+    # dry run and a run on the built-in corpus all size the embedding and the logits by
+    assert validate_model(cfg).vocab_size == GPT2_VOCAB
     if path.stem.startswith("zero"):
         assert cfg.zero.stage == 2 and cfg.activation_checkpointing.checkpoint_activations
         assert cfg.activation_checkpointing.partition_activations == (cfg.parallel.tp > 1)
