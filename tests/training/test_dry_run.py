@@ -79,8 +79,20 @@ def test_tp2_pp2_dp2(tmp_path, precision, stage):
         assert e["fits"] and 0 < e["peak_bytes"] < 32e9
         for category in ("parameters", "gradients", "optimizer_states"):
             assert e["by_category"][category] > 0
-    meta = json.loads((tmp_path / "tiny" / "checkpoint" / "rank_00007.json").read_text())
+    meta = json.loads((tmp_path / "tiny-8gpus" / "checkpoint" / "rank_00007.json").read_text())
     assert meta["rank"] == 7 and meta["index"] and "master" in meta["tensors"]
+
+
+def test_fp32_model_states_are_16_psi(tmp_path):
+    """fp32 parameters are their own masters: parameters, gradients and Adam's two moments, 16Ψ,
+    as the live storages of a stage-0 step show -- not the mixed-precision 4Ψ + 12Ψ."""
+    from zerotron.estimate.memory_model import model_state_bytes
+
+    e = run_script(tmp_path, "--gpus", "2", "--ranks", "0", "--parallel.tp", "1", "--training.precision", "fp32",
+                   "--zero.stage", "0")["ranks"]["0"]
+    measured = sum(e["by_category"][c] for c in ("parameters", "gradients", "optimizer_states"))
+    assert measured == 16 * e["num_params"], (e["by_category"], e["num_params"])
+    assert model_state_bytes(e["num_params"], 2, 0, param_bytes=4, grad_bytes=4) == measured
 
 
 def test_bad_rank_exits_2(tmp_path):

@@ -198,8 +198,10 @@ def gathered_param_bytes(setup: "Setup", param_bytes: int) -> int:
 
 def model_state_bytes(psi: float, nd: int, stage: int, param_bytes: int = 2, grad_bytes: int | None = None) -> float:
     """(2 + 2 + K)Ψ split by the stage (§5.4); ``param_bytes`` 2 for fp16/bf16 runs; ``grad_bytes``
-    the accumulated gradient's (default ``param_bytes``, the paper's; 4 with fp32 accumulation)."""
-    return expected_model_state_bytes(psi, nd, stage, param_bytes, ADAM_K, grad_bytes)
+    the accumulated gradient's (default ``param_bytes``, the paper's; 4 with fp32 accumulation).
+    An fp32 run's parameters are its masters, so its K is the two moments' 8: (4 + 4 + 8)Ψ."""
+    k = ADAM_K if param_bytes < 4 else ADAM_K - 4
+    return expected_model_state_bytes(psi, nd, stage, param_bytes, k, grad_bytes)
 
 
 def checkpoint_bytes(b: int, s: int, h: int, layers: int, tp: int = 1, every: int = 1, pa: bool = False,
