@@ -70,6 +70,9 @@ def test_invalid_values_name_the_field(argv, world, needle):
     (["--tp", "two"], "parallel.tp='two' is not a valid int"),
     (["--config", "/nonexistent.yaml"], "file not found"),
     (["--bogus"], "unknown argument '--bogus'"),
+    (["--tp", "4", "--parallel.tp", "2"], "--tp and --parallel.tp both set parallel.tp; give one of them"),
+    (["--parallel.tp=2", "--tp", "4"], "--tp and --parallel.tp both set parallel.tp"),
+    (["--train-steps", "5", "--training.train-steps", "6"], "--train-steps and --training.train-steps both set"),
 ])
 def test_bad_keys_and_types(argv, needle):
     with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace(")", r"\)")):

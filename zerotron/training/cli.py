@@ -250,8 +250,12 @@ def parse_config(argv: list[str] | None = None, exit_codes: str = "", world_size
                 raise ConfigError(f"{token} needs a value")
             value, i = rest[i + 1], i + 1
         section, name = key.split(".", 1)
+        field = f"{section.replace('-', '_')}.{name.replace('-', '_')}"
+        if getattr(args, field, None) is not None:  # e.g. --tp 4 --parallel.tp 2: neither may win in silence
+            short = next(f for f, sn in SHORT_FLAGS.items() if ".".join(sn) == field)
+            raise ConfigError(f"--{short} and --{key} both set {field}; give one of them")
         set_field(cfg, section.replace("-", "_"), name.replace("-", "_"), value)
-        flagged.add(f"{section.replace('-', '_')}.{name.replace('-', '_')}")
+        flagged.add(field)
         i += 1
     if args.deepspeed_config:
         world = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", 1))
