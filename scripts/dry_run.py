@@ -26,7 +26,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
 from zerotron.estimate import memory_model, step_time  # noqa: E402
 from zerotron.model.flops import flops_per_iteration  # noqa: E402
@@ -38,6 +39,7 @@ from zerotron.training.dry_run import simulate_rank  # noqa: E402
 from zerotron.training.setup_run import validate_model  # noqa: E402
 
 GB = 1e9
+V100_TENSOR_TFLOPS, V100_FP32_TFLOPS = 125.0, 15.7  # V100 SXM3 (DGX-2): fp16 tensor cores, fp32 CUDA cores
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,9 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="fake device kind (default cuda)")
     p.add_argument("--device-gb", type=float, default=32.0, help="device memory a rank must fit (V100: 32)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
-    p.add_argument("--out", default="runs/dry_run", help="where each rank's checkpoint metadata goes")
+    p.add_argument("--out", default=str(ROOT / "runs" / "dry_run"),
+                   help="where each rank's checkpoint metadata goes (default: runs/dry_run of the repository)")
     g = p.add_argument_group("predicted step time (defaults: V100 DGX-2 nodes, ZeRO paper §10.1)")
-    g.add_argument("--peak-tflops", type=float, default=125.0, help="per-GPU 16-bit peak (V100: 125)")
+    g.add_argument("--peak-tflops", type=float, help="per-GPU peak of the run's precision (default: a V100's, "
+                   "125 for fp16/bf16 tensor cores, 15.7 for fp32)")
     g.add_argument("--efficiency", type=float, default=0.5, help="fraction of peak the GEMMs reach")
     g.add_argument("--gpus-per-node", type=int, default=16)
     g.add_argument("--intra-node-gbps", type=float, default=150.0, help="NVSwitch GB/s per GPU per direction")
@@ -74,6 +78,8 @@ def load(a, overrides: list[str]):
         raise ConfigError(f"--ranks {bad}: a rank of a {a.gpus}-GPU world is in [0, {a.gpus - 1}]")
     if a.steps < 1:
         raise ConfigError(f"--steps {a.steps}: simulate at least 1 step")
+    if a.peak_tflops is None:
+        a.peak_tflops = V100_FP32_TFLOPS if cfg.training.precision == "fp32" else V100_TENSOR_TFLOPS
     for flag, value in (("--peak-tflops", a.peak_tflops), ("--device-gb", a.device_gb)):
         if not value > 0:
             raise ConfigError(f"{flag} {value}: must be > 0")
@@ -135,7 +141,7 @@ def rank_entry(a, rep, model: dict, pred: dict) -> dict:
 def print_rank(r: int, e: dict, a) -> None:
     print(f"\nrank {r} {e['coords']}: {e['seconds']} s simulated")
     print(f"  peak live device memory   {e['peak_bytes'] / GB:8.2f} GB (step)   "
-          f"{e['construction_peak_bytes'] / GB:8.2f} GB (construction)   fits {a.device_gb:g} GB: {e['fits']}")
+          f"{e['construction_peak_bytes'] / GB:8.2f} GB (construction)   fits {a.device_gb:g} GB (peak, no margin): {e['fits']}")
     print("  " + "  ".join(f"{k} {v / GB:.2f}" for k, v in e["by_category"].items()) + "  (GB at the peak)")
     print("  by phase: " + "  ".join(f"{k} {v / GB:.2f}" for k, v in e["by_phase"].items()) + " GB")
     if e["model_bytes"] is not None:
@@ -178,6 +184,21 @@ def _interpreter_flags() -> list[str]:
     return subprocess._args_from_interpreter_flags()
 
 
+def metadata_dir(a) -> Path:
+    """``<out>/<config>-<gpus>gpus/checkpoint``, emptied of an earlier dry run's shards: the config
+    named by its path under configs/ (table5's and table10's zero-1.5b are different runs), and
+    one directory holding one simulated world's metadata, not a mix of layouts."""
+    path = Path(a.config).resolve()
+    try:
+        name = "-".join(path.relative_to(ROOT / "configs").with_suffix("").parts)
+    except ValueError:
+        name = path.stem
+    out = Path(a.out) / f"{name}-{a.gpus}gpus" / "checkpoint"
+    for old in out.glob("rank_*.json"):
+        old.unlink()
+    return out
+
+
 def main(argv=None) -> dict:
     argv = sys.argv[1:] if argv is None else list(argv)
     a, overrides = build_parser().parse_known_args(argv)
@@ -192,7 +213,7 @@ def main(argv=None) -> dict:
         print(f"[config] {line}", file=sys.stderr)
     model = model_figures(cfg, mcfg, a.gpus)
     out = {"world": a.gpus, "config": a.config, "model": model, "ranks": {}}
-    meta_dir = Path(a.out) / Path(a.config).stem / "checkpoint"
+    meta_dir = metadata_dir(a)
     for r in ranks:
         print(f"[dry-run] rank {r} of {a.gpus}: building and running {a.steps} step(s) ...", file=sys.stderr,
               flush=True)

@@ -81,11 +81,18 @@ def check_args(a) -> list[int]:
     if custom and len(custom) < 3:
         raise UsageError(f"a custom GPT needs --layers, --hidden and --heads; {', '.join(custom)} given")
     shaping = [f"--{f.replace('_', '-')}" for f in ("config_name", "gpus", "tp", "batch", "stage", "seq", "pa", "cpu")
-               if getattr(a, f) not in (None, False)]
+               if getattr(a, f) is not None and getattr(a, f) is not False]
     if shaping and not named:
         verb = "shapes" if len(shaping) == 1 else "shape"
         raise UsageError(f"{' '.join(shaping)} {verb} a breakdown, which needs a model: give --config, --preset "
                          f"or --layers/--hidden/--heads (with --gpus)")
+    if a.config_name:  # C1-C5 are a stage, Pa and Pa+cpu: a flag setting one of them would be dropped
+        clash = [f"--{f}" for f in ("stage", "pa", "cpu") if getattr(a, f) is not None and getattr(a, f) is not False]
+        if clash:
+            c = C_CONFIGS[a.config_name]
+            raise UsageError(f"--config-name {a.config_name} sets the ZeRO stage ({c['stage']}), Pa "
+                             f"({c['partition_activations']}) and Pa+cpu ({c['cpu_checkpointing']}); "
+                             f"drop {' and '.join(clash)} or --config-name")
     try:
         batches = [int(b) for b in a.c_batches.split(",") if b.strip()]
     except ValueError:
@@ -122,7 +129,11 @@ def build_setup(a) -> Setup | None:
         setup = Setup(model, tp=tp, dp=a.gpus // tp, micro_batch=a.batch if a.batch is not None else 4,
                       stage=2 if a.stage is None else a.stage, checkpoint_activations=True,
                       partition_activations=a.pa, cpu_checkpointing=a.cpu)
-    return setup.with_config(a.config_name) if a.config_name else setup
+    setup = setup.with_config(a.config_name) if a.config_name else setup
+    if setup.tp == 1 and a.pa:  # asked for by name; C2/C4/C5 at MP 1 are the paper's, Pa a no-op there
+        raise UsageError("--pa partitions activation checkpoints over the MP ranks, and this setup has MP 1 "
+                         "(nothing to partition over); give --tp > 1 or drop --pa")
+    return setup
 
 
 def count(n: float) -> str:
@@ -200,14 +211,19 @@ def main(argv=None) -> dict:
             print(f"  {key:22s} {count(b[key]):>10s}")
         for key in ("model_states", "checkpoints_device", "checkpoints_host", "working", "fixed_buffers", "total"):
             print(f"  {key:22s} {size(b[key]):>10s}")
-        print(f"  fragmentation margin   {b['fragmentation_margin']:10.0%}   fits {a.device_gb:g} GB: {b['fits']}")
+        print(f"  fragmentation margin   {b['fragmentation_margin']:10.0%}   fits {a.device_gb:g} GB with the "
+              f"margin: {b['fits']}")
         m = b["max_model"]
-        print(f"  largest GPT that fits: {m['layers']} layers x {m['hidden']} hidden = {m['params'] / 1e9:.1f}B")
+        print(f"  largest GPT that fits: {m['layers']} layers x {m['hidden']} hidden = {m['params'] / 1e9:.1f}B"
+              if m["layers"] else f"  largest GPT that fits: none (not one layer of the paper's widths at this "
+                                  f"batch, MP and stage)")
     print(f"\nMax model size per ZeRO configuration (Table 3), {a.c_gpus} GPUs x {a.device_gb:g} GB, MP {a.c_mp}, "
-          f"seq 1024 (batch and seq of the paper's runs are not stated; assumed):")
+          f"seq 1024, fp16 gradients as the paper's (2 + 2 + K)Ψ (batch and seq of the paper's runs are not "
+          f"stated; assumed):")
     names = list(next(iter(out["c_configs"].values())))
     rows = [["batch", *names]] + [[str(bt), *(f"{r[n]['params'] / 1e9:.1f}B ({r[n]['layers']}x{r[n]['hidden']})"
-                                               for n in names)] for bt, r in out["c_configs"].items()]
+                                               if r[n]["layers"] else "none fits" for n in names)]
+                                  for bt, r in out["c_configs"].items()]
     print(fmt_table(rows))
     return out
 

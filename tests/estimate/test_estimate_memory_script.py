@@ -72,6 +72,13 @@ def test_a_config_that_fixes_dp_gives_its_own_world(capsys, tmp_path):
     (["--c-batches", "a,b"], "--c-batches 'a,b': give positive micro-batch sizes"),
     (["--c-mp", "0"], "--c-mp 0: must be a positive integer"),
     (["--c-gpus", "100", "--c-mp", "16"], "--c-gpus 100 is not a multiple of --c-mp 16"),
+    (["--preset", "zero-100b", "--tp", "16", "--gpus", "400", "--stage", "0", "--config-name", "C4"],
+     "--config-name C4 sets the ZeRO stage (2), Pa (True) and Pa+cpu (False); drop --stage or --config-name"),
+    (["--preset", "zero-100b", "--tp", "16", "--gpus", "400", "--pa", "--config-name", "C1"], "drop --pa or"),
+    (["--stage", "0"], "--stage shapes a breakdown, which needs a model"),
+    (["--preset", "zero-1.5b", "--gpus", "8", "--pa"], "--pa partitions activation checkpoints over the MP ranks"),
+    (["--config", TINY.replace("tiny.yaml", "zero100b/table10/zero-1.5b.yaml"), "--gpus", "128", "--pa"],
+     "this setup has MP 1 (nothing to partition over)"),
 ])
 def test_a_request_it_cannot_answer_as_given_exits_2(capsys, argv, needle):
     """Never a traceback, a breakdown of a layout that cannot exist, or a flag quietly dropped."""
