@@ -1,7 +1,10 @@
-"""Every flag of the data scripts and the ZeRO++ / ZeRO-Infinity benchmarks says what it does.
+"""The scripts' flags: each says what it does, and a bad one stops the script before it starts work.
 
-The parser each script builds is caught at ``parse_args`` (nothing runs), so the check covers
-the flags as they are, not a list kept beside them.
+The parser each script builds is caught at ``parse_args`` (nothing runs), so the help check covers
+the flags as they are, not a list kept beside them. The bad-flag cases call ``main(argv)`` with
+everything that would start work (forking ranks, a process group, a child process, a disk probe)
+replaced by a function that fails the test: a flag the ranks would have refused must exit 2 in
+the parent, naming the flag, before any of it.
 """
 
 from __future__ import annotations
@@ -15,6 +18,28 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ["scripts/train_tokenizer.py", "scripts/preprocess_data.py", "scripts/bench/zeropp.py",
            "scripts/bench/infinity.py", "scripts/convert_checkpoint.py", "scripts/estimate_memory.py"]
+STARTS_WORK = ("spawn", "init_distributed", "run_measured", "make_corpus", "measure_bandwidth", "ThreadPoolExecutor")
+BAD_FLAGS = [  # script under scripts/, argv, what the message must name
+    ("bench/activation_memory.py", ["--heads", "3"], "--hidden=256 is not divisible by --heads=3"),
+    ("bench/activation_memory.py", ["--hidden", "0"], "argument --hidden: 0 is not a positive integer"),
+    ("bench/activation_memory.py", ["--heads", "5", "--hidden", "320"], "--heads=5 is not divisible by parallel.tp=2"),
+    ("bench/infinity.py", ["--steps", "1"], "--steps 1: give at least 2"),
+    ("bench/infinity.py", ["--buffer-count", "1"], "--buffer-count=1: need >= 2"),
+    ("bench/infinity.py", ["--nvme-path", "no/such/dir"], "--nvme-path no/such/dir: not a directory"),
+    ("bench/memory_grid.py", ["--hidden", "200"], "--hidden=200 is not divisible by --heads=3"),
+    ("bench/memory_grid.py", ["--tolerance", "0"], "argument --tolerance: 0 is not a finite number > 0"),
+    ("bench/overhead.py", ["--steps", "0"], "argument --steps: 0 is not a positive integer"),
+    ("bench/overhead.py", ["--hidden", "200"], "--hidden=200 is not divisible by --heads=3"),
+    ("bench/pipeline.py", ["--steps", "0"], "argument --steps: 0 is not a positive integer"),
+    ("bench/pipeline.py", ["--forward-ms", "-5"], "argument --forward-ms: -5 is not a finite number > 0"),
+    ("bench/pipeline.py", ["--virtual", "3"], "--layers-per-stage 4 does not split into --virtual [3]"),
+    ("bench/pipeline.py", ["--micro", "5", "6"], "needs a --micro that is a multiple of --pp 4"),
+    ("bench/zeropp.py", ["--node", "3"], "--node=3: must divide the data-parallel size 4"),
+    ("checks/smoke_grid.py", ["--tp", "0"], "argument --tp: 0 is not a positive integer"),
+    ("checks/smoke_grid.py", ["--tp", "3"], "--tp*--pp=3*1=3 does not divide the 1 processes"),
+    ("checks/gpu_check.py", ["--heads", "5"], "--hidden=2048 is not divisible by --heads=5"),
+    ("checks/gpu_check.py", ["--tiny", "--only", "s9"], "argument --only: invalid choice: 's9'"),
+]
 
 
 class _Parsed(Exception):
@@ -22,10 +47,15 @@ class _Parsed(Exception):
         self.parser = parser
 
 
-def _parser_of(script: str) -> argparse.ArgumentParser:
+def _load(script: str):
     spec = importlib.util.spec_from_file_location(Path(script).stem + "_flags", ROOT / script)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    return module
+
+
+def _parser_of(script: str) -> argparse.ArgumentParser:
+    module = _load(script)
 
     def catch(self, *args, **kwargs):
         raise _Parsed(self)
@@ -41,6 +71,19 @@ def _parser_of(script: str) -> argparse.ArgumentParser:
     raise AssertionError(f"{script}: main() never parsed its arguments")
 
 
+def without_work(monkeypatch, script: str):
+    """The script's module, every entry point in ``STARTS_WORK`` it holds failing the test."""
+    module = _load(script)
+
+    def started(*args, **kwargs):
+        raise AssertionError(f"{script} started work before refusing its flags")
+
+    for name in STARTS_WORK:
+        if hasattr(module, name):
+            monkeypatch.setattr(module, name, started)
+    return module
+
+
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_every_flag_has_help_text(script):
     parser = _parser_of(script)
@@ -49,3 +92,17 @@ def test_every_flag_has_help_text(script):
     silent = [a.option_strings[0] if a.option_strings else a.dest for a in flags
               if not a.help or a.help == argparse.SUPPRESS]
     assert not silent, f"{script}: flags without help text: {silent}"
+
+
+@pytest.mark.parametrize("script,argv,needle", BAD_FLAGS, ids=[f"{s} {' '.join(a)}" for s, a, _ in BAD_FLAGS])
+def test_a_bad_flag_exits_2_naming_it_before_any_work(script, argv, needle, monkeypatch, capsys, tmp_path):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    module = without_work(monkeypatch, f"scripts/{script}")
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exit_:
+        module.main([str(out) if a == "{tmp}" else a for a in argv])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2, err
+    assert needle in err, err
+    assert not out.exists(), f"{script} wrote {out} before refusing its flags"
+
