@@ -35,6 +35,14 @@ BAD_FLAGS = [  # script under scripts/, argv, what the message must name
     ("bench/pipeline.py", ["--virtual", "3"], "--layers-per-stage 4 does not split into --virtual [3]"),
     ("bench/pipeline.py", ["--micro", "5", "6"], "needs a --micro that is a multiple of --pp 4"),
     ("bench/zeropp.py", ["--node", "3"], "--node=3: must divide the data-parallel size 4"),
+    ("bench/memory.py", ["--ranks", "0"], "argument --ranks: 0 is not a positive integer"),
+    ("bench/memory.py", ["--stages", "5"], "argument --stages: invalid choice: 5"),
+    ("bench/zero.py", ["--only", "nosuch"], "--only nosuch: unknown; choose from ['ddp', 'fsdp2',"),
+    ("bench/zero.py", ["--hidden", "200"], "--hidden=200 is not divisible by --heads=3"),
+    ("bench/dry_run_sweep.py", ["--jobs", "0"], "argument --jobs: 0 is not a positive integer"),
+    ("bench/dry_run_sweep.py", ["--only", "nosuch", "--out", "{tmp}"], "--only 'nosuch' matches no setup; give table"),
+    ("bench/preprocess.py", ["--size-mb", "0", "--out", "{tmp}"], "argument --size-mb: 0 is not a finite number > 0"),
+    ("bench/preprocess.py", ["--workers", "0", "--out", "{tmp}"], "argument --workers: 0 is not a positive integer"),
     ("checks/smoke_grid.py", ["--tp", "0"], "argument --tp: 0 is not a positive integer"),
     ("checks/smoke_grid.py", ["--tp", "3"], "--tp*--pp=3*1=3 does not divide the 1 processes"),
     ("checks/gpu_check.py", ["--heads", "5"], "--hidden=2048 is not divisible by --heads=5"),
@@ -106,3 +114,47 @@ def test_a_bad_flag_exits_2_naming_it_before_any_work(script, argv, needle, monk
     assert needle in err, err
     assert not out.exists(), f"{script} wrote {out} before refusing its flags"
 
+
+def test_a_failed_stage3_check_exits_1_naming_it(monkeypatch, capsys):
+    module = _load("scripts/bench/memory.py")
+    mib = 1 << 20
+
+    def ranks(worker, world, args, stage, **kwargs):  # stage 3's forward peak far above its bound
+        peak = (1000 if stage == 3 else 10) * mib
+        row = {f"mem_{p}_peak_bytes": peak for p in ("construction", "forward", "backward", "step")}
+        return [{**row, "mem_peak_bytes": peak, "rss_bytes": 300 * mib, "model_states": mib, "psi": 1000}] * world
+
+    monkeypatch.setattr(module, "spawn", ranks)
+    code = module.main(["--ranks", "2", "--layers", "1", "--hidden", "64", "--vocab", "256", "--seq", "16",
+                        "--stages", "2", "3"])
+    captured = capsys.readouterr()
+    assert code == 1 and ": NO" in captured.out
+    assert "FAILED check(s): stage 3 forward peak" in captured.err
+
+
+def test_a_failed_dry_run_fails_the_sweep(monkeypatch, capsys, tmp_path):
+    module = _load("scripts/bench/dry_run_sweep.py")
+    monkeypatch.setattr(module, "dry_run_env", lambda: None)
+    monkeypatch.setattr(module, "run", lambda job, out_dir, env: {**job, "seconds": 0.0, "error": "boom"})
+    with pytest.raises(SystemExit) as exit_:
+        module.main(["--only", "C5 40B", "--out", str(tmp_path)])
+    assert exit_.value.code == 1
+    assert "1 of 1 dry runs failed: C5 40B" in capsys.readouterr().err
+
+
+def test_preprocess_shows_the_refusal_of_the_script_it_measures(monkeypatch, capsys, tmp_path):
+    module = _load("scripts/bench/preprocess.py")
+    def no_documents(path, size_mb):
+        Path(path).write_text("")
+        return 0
+
+    monkeypatch.setattr(module, "make_corpus", no_documents)
+    monkeypatch.setattr(module, "build_default_corpus", lambda directory: (None, "tokenizer.model", None))
+
+    def refused(name, cmd, log):
+        raise module.ChildFailed(name, 2, "preprocess_data.py: error: the input holds no documents")
+
+    monkeypatch.setattr(module, "run_measured", refused)
+    assert module.main(["--out", str(tmp_path)]) == 2
+    assert "exited 2:\npreprocess_data.py: error: the input holds no documents" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir()), "the work directory is left behind"
