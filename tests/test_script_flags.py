@@ -4,7 +4,9 @@ The parser each script builds is caught at ``parse_args`` (nothing runs), so the
 the flags as they are, not a list kept beside them. The bad-flag cases call ``main(argv)`` with
 everything that would start work (forking ranks, a process group, a child process, a disk probe)
 replaced by a function that fails the test: a flag the ranks would have refused must exit 2 in
-the parent, naming the flag, before any of it.
+the parent, naming the flag, before any of it. What the benchmarks write (the ranks' rendezvous
+files, ZeRO-Infinity's offload directory) lies under the checkout's runs/, never the system temp
+dir or the caller's cwd, and what a script made for itself is removed when it is done.
 """
 
 from __future__ import annotations
@@ -158,3 +160,45 @@ def test_preprocess_shows_the_refusal_of_the_script_it_measures(monkeypatch, cap
     assert module.main(["--out", str(tmp_path)]) == 2
     assert "exited 2:\npreprocess_data.py: error: the input holds no documents" in capsys.readouterr().err
     assert not list(tmp_path.iterdir()), "the work directory is left behind"
+
+
+class _Spawned(Exception):
+    pass
+
+
+@pytest.mark.parametrize("script", ["activation_memory.py", "infinity.py", "memory.py", "overhead.py", "pipeline.py",
+                                    "zero.py", "zeropp.py"])
+def test_the_ranks_rendezvous_under_the_checkouts_runs_from_any_cwd(script, monkeypatch, tmp_path):
+    """Not the system temp dir (spawn's default), not a runs/ of whatever directory it is run from."""
+    module = _load(f"scripts/bench/{script}")
+    seen = {}
+
+    def spawn(*args, store_dir=None, **kwargs):
+        seen["store_dir"] = store_dir
+        raise _Spawned
+
+    monkeypatch.setattr(module, "spawn", spawn)
+    monkeypatch.setattr(module, "measure_bandwidth", lambda path, mb: {"write_GBps": 1.0, "read_GBps": 1.0},
+                        raising=False)
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # zero.py sets it for its ranks; restored after the test
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(_Spawned):
+        module.main(["--nvme-path", str(tmp_path)] if script == "infinity.py" else [])
+    assert seen["store_dir"] is not None and Path(seen["store_dir"]) == ROOT / "runs" / "bench"
+
+
+def test_infinity_removes_the_offload_directory_it_made(monkeypatch, tmp_path):
+    module = _load("scripts/bench/infinity.py")
+    monkeypatch.setattr(module, "ROOT", tmp_path)
+    made = []
+
+    def measure(a, path, shape):
+        made.append(Path(path))
+        (Path(path) / "optimizer.bin").write_bytes(b"x")  # what a run leaves there when it stops early
+        raise _Spawned
+
+    monkeypatch.setattr(module, "measure", measure)
+    with pytest.raises(_Spawned):
+        module.main([])
+    assert made and made[0].parent == tmp_path / "runs" / "bench" / "infinity"
+    assert not (tmp_path / "runs" / "bench" / "infinity").exists()

@@ -19,9 +19,13 @@ fp32 because the CPU's SDPA math kernel upcasts 16-bit inputs to fp32 internally
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from zerotron.testing.bench_args import flag_errors, positive_int
 from zerotron.testing.launch import spawn
+
+ROOT = Path(__file__).resolve().parents[2]
+STORE = str(ROOT / "runs" / "bench")  # the ranks' rendezvous files: under the checkout, whatever the cwd
 
 
 def worker(args) -> dict:
@@ -69,7 +73,7 @@ def main(argv=None) -> None:
     with flag_errors(parser, {"hidden_size": "--hidden", "num_heads": "--heads", "seq_length": "--seq"},
                      note="this benchmark runs at TP 2"):
         model_cfg(args).validate(2)
-    got = spawn(worker, 2, args, timeout=600, store_dir="runs/bench")[0]
+    got = spawn(worker, 2, args, timeout=600, store_dir=STORE)[0]
     print(f"TP 2, per layer, rank 0: s={args.seq} b={args.batch} h={args.hidden} a={args.heads}, fp32, "
           f"dropout 0.1 + attention dropout 0.1, {args.layers} layers measured")
     print(f"| {'row':12} | {'saved (autograd)':>16} | {'freed (allocator)':>17} | {'formula':>10} | "

@@ -14,6 +14,8 @@ the disk). The parameter configuration's extra cost is printed against the optim
 from __future__ import annotations
 
 import argparse
+import contextlib
+import shutil
 import statistics
 import tempfile
 from pathlib import Path
@@ -26,6 +28,7 @@ from zerotron.zero import ZeroConfig
 from zerotron.zero.infinity.disk_store import measure_bandwidth
 
 ROOT = Path(__file__).resolve().parents[2]
+STORE = str(ROOT / "runs" / "bench")  # the ranks' rendezvous files: under the checkout, whatever the cwd
 
 
 def _run(kw, steps, shape):
@@ -51,7 +54,8 @@ def main(argv=None) -> None:
     ap.add_argument("--vocab", type=positive_int, default=4096, help="GPT vocabulary size (default: %(default)s)")
     ap.add_argument("--seq", type=positive_int, default=64, help="sequence length (default: %(default)s)")
     ap.add_argument("--nvme-path", default=None,
-                    help="directory for the offloaded files (default: a fresh one under runs/bench/infinity)")
+                    help="directory for the offloaded files (default: a fresh one under the checkout's "
+                         "runs/bench/infinity, removed when done)")
     ap.add_argument("--sub-group-size", type=positive_int, default=1_000_000,
                     help="zero.sub_group_size: elements of one optimizer-step tile (default: %(default)s)")
     ap.add_argument("--buffer-count", type=positive_int, default=4,
@@ -72,9 +76,24 @@ def main(argv=None) -> None:
                           "offload_param_buffer_count": "--param-buffer-count"}):
         GPTConfig(**shape).validate()
         ZeroConfig(**offload_configs(a, a.nvme_path or "the default")[1]).validate(dp_size=a.ranks)
-    if a.nvme_path is None:  # under the checkout's runs/, never the system temp dir (often RAM-backed tmpfs)
-        (ROOT / "runs" / "bench" / "infinity").mkdir(parents=True, exist_ok=True)
-    path = a.nvme_path or tempfile.mkdtemp(prefix="nvme_", dir=ROOT / "runs" / "bench" / "infinity")
+    if a.nvme_path is not None:
+        measure(a, a.nvme_path, shape)
+        return
+    # under the checkout's runs/, never the system temp dir (often RAM-backed tmpfs); removed when
+    # done, as the offload files inside it are: nothing of this run is left behind
+    parent = ROOT / "runs" / "bench" / "infinity"
+    parent.mkdir(parents=True, exist_ok=True)
+    path = tempfile.mkdtemp(prefix="nvme_", dir=parent)
+    try:
+        measure(a, path, shape)
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+        with contextlib.suppress(OSError):  # another run's directory may still be in it
+            parent.rmdir()
+
+
+def measure(a, path: str, shape: dict) -> None:
+    """The disk's bandwidth under ``path``, then the four configurations and what they cost."""
     bw = measure_bandwidth(path, a.probe_mb)
     print(f"disk {path}: write {bw['write_GBps']:.2f} GB/s, read {bw['read_GBps']:.2f} GB/s "
           f"({a.probe_mb} MiB probe, fsync'd write; read may hit the page cache)")
@@ -82,7 +101,7 @@ def main(argv=None) -> None:
     rows = {}
     for name, kw in (("stage3", dict(stage=3)), ("stage3+cpu", dict(stage=3, offload_optimizer=True)),
                      ("stage3+nvme", nvme), ("+nvme params", params)):
-        res = spawn(_run, a.ranks, kw, a.steps, shape, timeout=120 + 30 * a.steps, store_dir="runs/bench")
+        res = spawn(_run, a.ranks, kw, a.steps, shape, timeout=120 + 30 * a.steps, store_dir=STORE)
         step = statistics.median(max(r["times"][i] for r in res) for i in range(1, a.steps))
         rows[name] = (step, res[0])
         mem = res[0]["memory"]

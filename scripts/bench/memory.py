@@ -21,9 +21,13 @@ import argparse
 import ctypes
 import resource
 import sys
+from pathlib import Path
 
 from zerotron.testing.bench_args import flag_errors, nonnegative_int, positive_int
 from zerotron.testing.launch import spawn
+
+ROOT = Path(__file__).resolve().parents[2]
+STORE = str(ROOT / "runs" / "bench")  # the ranks' rendezvous files: under the checkout, whatever the cwd
 
 MiB = 1 << 20
 
@@ -127,7 +131,7 @@ def main(argv=None) -> int:
           + f" {'peak':>7} {'model':>7} {'ratio':>6} {'RSS':>7} {'states':>7}")
     rows: dict = {}
     for stage in args.stages:
-        results = spawn(worker, args.ranks, args, stage, timeout=1800, store_dir="runs/bench")
+        results = spawn(worker, args.ranks, args, stage, timeout=1800, store_dir=STORE)
 
         def top(key):
             return max(r.get(key, 0) for r in results) / MiB

@@ -27,11 +27,15 @@ import argparse
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
 from zerotron.testing.bench_args import flag_errors, nonnegative_float, nonnegative_int, positive_int
 from zerotron.testing.launch import spawn
+
+ROOT = Path(__file__).resolve().parents[2]
+STORE = str(ROOT / "runs" / "bench")  # the ranks' rendezvous files: under the checkout, whatever the cwd
 
 HYPER = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
@@ -118,7 +122,8 @@ def worker(args, kind: str) -> tuple[float, float]:
 
 
 def measure(kind: str, ranks: int, args) -> tuple[float, float]:
-    out = spawn(worker, ranks, args, kind, threads=args.threads, collective_timeout=600.0, timeout=1800.0)
+    out = spawn(worker, ranks, args, kind, threads=args.threads, collective_timeout=600.0, timeout=1800.0,
+                store_dir=STORE)
     return max(w for w, _ in out), max(c for _, c in out)
 
 

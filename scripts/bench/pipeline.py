@@ -26,9 +26,13 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 from zerotron.testing.bench_args import positive_float, positive_int
 from zerotron.testing.launch import spawn
+
+ROOT = Path(__file__).resolve().parents[2]
+STORE = str(ROOT / "runs" / "bench")  # the ranks' rendezvous files: under the checkout, whatever the cwd
 
 HIDDEN, SEQ, BATCH, VOCAB = 64, 16, 4, 64
 A_BYTES = BATCH * SEQ * HIDDEN * 4  # one layer's saved input (fp32)
@@ -133,7 +137,7 @@ def main(argv=None) -> None:
     from zerotron.parallel.pipeline_schedules import bubble_fraction, microbatches_in_flight
 
     p, layers = args.pp, args.layers_per_stage
-    results = spawn(worker, p, args, timeout=1200, store_dir="runs/bench")
+    results = spawn(worker, p, args, timeout=1200, store_dir=STORE)
     print(f"pp={p}, {layers} layers/stage, {args.forward_ms} ms fwd + {2 * args.forward_ms} ms bwd per layer "
           f"(artificial cost), {args.steps} timed steps; memory in A = b*s*h*4 = {A_BYTES} B")
     stages = " ".join(f"{'s' + str(r):>6}" for r in range(p))

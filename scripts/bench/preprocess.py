@@ -109,6 +109,7 @@ def main(argv=None) -> int:
                     help="where the work directory is made (not the system temp dir: ~100 MB)")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
     args = ap.parse_args(argv)
+    made_out = not os.path.isdir(args.out)
     os.makedirs(args.out, exist_ok=True)
     work = tempfile.mkdtemp(prefix="work_", dir=args.out)
     try:
@@ -141,6 +142,8 @@ def main(argv=None) -> int:
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
+            if made_out and not os.listdir(args.out):
+                os.rmdir(args.out)
     if not agree:
         print(f"preprocess.py: FAILED: the two methods' token counts differ ({ours_tok:,} vs {rows[1][1]:,})",
               file=sys.stderr)

@@ -31,11 +31,15 @@ import resource
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
 from zerotron.testing.bench_args import flag_errors, nonnegative_int, positive_int
 from zerotron.testing.launch import spawn
+
+ROOT = Path(__file__).resolve().parents[2]
+STORE = str(ROOT / "runs" / "bench")  # the ranks' rendezvous files: under the checkout, whatever the cwd
 
 KINDS = ["ddp", "fsdp2", "deepspeed-1", "deepspeed-2", "deepspeed-3", "zerotron-0", "zerotron-1", "zerotron-2",
          "zerotron-3"]
@@ -243,7 +247,7 @@ def worker(args, kind):
 def run(kind, args, ranks):
     """``kind`` in freshly spawned ranks, so the peak RSS is that configuration's own."""
     out = spawn(worker, ranks, args, kind, start_method="spawn", threads=max(1, args.threads),
-                collective_timeout=600.0, timeout=1800.0, store_dir="runs/bench")
+                collective_timeout=600.0, timeout=1800.0, store_dir=STORE)
     return {"time": max(o[0] for o in out), "rss": max(o[1] for o in out), "states": out[0][2], "loss": out[0][3]}
 
 

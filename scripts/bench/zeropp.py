@@ -10,11 +10,15 @@ the relative gap of the mean loss over the last 5 steps. The tests run shorter (
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from zerotron.testing.bench_args import flag_errors, positive_int
 from zerotron.testing.launch import spawn
 from zerotron.testing.zero_runs import comm_bytes, tail_loss, train_gpt
 from zerotron.zero import ZeroConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+STORE = str(ROOT / "runs" / "bench")  # the ranks' rendezvous files: under the checkout, whatever the cwd
 
 
 def _run(configs, steps):
@@ -44,7 +48,7 @@ def main(argv=None) -> None:
             ZeroConfig(**base_kw).validate(dp_size=a.ranks)
             ZeroConfig(**kw).validate(dp_size=a.ranks)
     for name, base_kw, kw, op, groups in pairs:
-        base, new = spawn(_run, a.ranks, [base_kw, kw], a.steps, timeout=60 + 2 * a.steps, store_dir="runs/bench")[0]
+        base, new = spawn(_run, a.ranks, [base_kw, kw], a.steps, timeout=60 + 2 * a.steps, store_dir=STORE)[0]
         if op is None:  # qgZ: the reduce-scatter becomes all-to-alls
             ratio = comm_bytes(new["comm"], "all_to_all") / comm_bytes(base["comm"], "reduce_scatter")
         else:
