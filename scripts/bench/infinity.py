@@ -95,7 +95,7 @@ def main(argv=None) -> None:
 def measure(a, path: str, shape: dict) -> None:
     """The disk's bandwidth under ``path``, then the four configurations and what they cost."""
     bw = measure_bandwidth(path, a.probe_mb)
-    print(f"disk {path}: write {bw['write_GBps']:.2f} GB/s, read {bw['read_GBps']:.2f} GB/s "
+    print(f"disk {path}: write {bw['write_GBps']:.2f} GiB/s, read {bw['read_GBps']:.2f} GiB/s "
           f"({a.probe_mb} MiB probe, fsync'd write; read may hit the page cache)")
     nvme, params = offload_configs(a, path)
     rows = {}

@@ -132,8 +132,8 @@ def main(argv=None) -> int:
                 print(f"preprocess.py: {e}", file=sys.stderr)
                 return 2 if e.code == 2 else 1
             rows.append((name, res["tokens"], wall, res["tokens"] / wall, tree, main_rss))
-        print(f"\n{'method':<38}{'tokens':>13}{'wall s':>9}{'tokens/s':>13}{'peak tree RSS MB':>18}"
-              f"{'peak main RSS MB':>18}")
+        print(f"\n{'method':<38}{'tokens':>13}{'wall s':>9}{'tokens/s':>13}{'peak tree RSS MiB':>18}"
+              f"{'peak main RSS MiB':>18}")
         for name, tokens, wall, tps, tree, main_rss in rows:
             print(f"{name:<38}{tokens:>13,}{wall:>9.1f}{tps:>13,.0f}{tree:>18,.0f}{main_rss:>18,.0f}")
         ours_tok = rows[0][1] - docs  # minus one end-of-document id per document

@@ -315,8 +315,8 @@ def table(kinds, args, ranks):
     print(f"ranks={ranks} layers={args.layers} hidden={args.hidden} vocab={args.vocab} seq={args.seq} "
           f"micro_batch={args.micro_batch}x{args.micro} steps={args.steps} rounds={args.rounds} "
           f"precision={args.precision} bucket={args.bucket} overlap={args.overlap} persist={args.persist}/{args.ds_persist}")
-    print(f"{'config':12s} {'step s':>8s} {'peer':>12s} {'x time':>7s} {'peak RSS MB':>12s} {'x RSS':>6s} "
-          f"{'states MB':>10s} {'x states':>8s} {'loss':>8s}")
+    print(f"{'config':12s} {'step s':>8s} {'peer':>12s} {'x time':>7s} {'peak RSS MiB':>13s} {'x RSS':>6s} "
+          f"{'states MiB':>11s} {'x states':>8s} {'loss':>8s}")
     for k, r in results.items():
         peers = [p for p in PEERS.get(k, []) if p in results] or [None]
         for j, pk in enumerate(peers):
@@ -325,8 +325,8 @@ def table(kinds, args, ranks):
             rr = f"{r['rss'] / peer['rss']:.2f}" if peer else "-"
             rs = f"{r['states'] / peer['states']:.3f}" if peer else "-"
             head = (f"{k:12s} {r['time']:8.3f}" if j == 0 else f"{'':12s} {'':8s}")
-            tail = (f"{r['rss'] / 2**20:12.1f}" if j == 0 else f"{'':12s}")
-            tail2 = (f"{r['states'] / 2**20:10.2f}" if j == 0 else f"{'':10s}")
+            tail = (f"{r['rss'] / 2**20:13.1f}" if j == 0 else f"{'':13s}")
+            tail2 = (f"{r['states'] / 2**20:11.2f}" if j == 0 else f"{'':11s}")
             loss = f"{r['loss']:8.4f}" if j == 0 else ""
             print(f"{head} {pk or '-':>12s} {rt:>7s} {tail} {rr:>6s} {tail2} {rs:>8s} {loss}", flush=True)
 

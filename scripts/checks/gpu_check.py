@@ -20,7 +20,7 @@ and plan (``parallelize_gpt``):
    memory model's prediction (``estimate.memory_model``; it must lie between half the prediction
    and the prediction with its fragmentation margin), and the attention kernel SDPA really ran,
    recorded from the dispatched aten ops (flash or cuDNN expected in bf16 on sm80+).
-3. **pinned host<->device bandwidth** (what Pa+cpu and offload move): at least 5 GB/s each way.
+3. **pinned host<->device bandwidth** (what Pa+cpu and offload move): at least 5 GiB/s each way.
 
 With one GPU the DP degree is 1, so every collective returns before reaching NCCL; the stages
 show their overheads, not their savings, and NCCL is not exercised (that needs two GPUs).
@@ -173,8 +173,8 @@ def check_row(name: str, r: dict, ref_loss: float | None, device: torch.device, 
     if e is not None:
         low, high = 0.5 * e["before_margin"] / 2**30, e["total"] / 2**30
         if not low <= r["peak_GB"] <= high:
-            failures.append(f"{name}: peak allocated {r['peak_GB']:.2f} GB is outside the memory model's "
-                            f"[{low:.2f}, {high:.2f}] GB")
+            failures.append(f"{name}: peak allocated {r['peak_GB']:.2f} GiB is outside the memory model's "
+                            f"[{low:.2f}, {high:.2f}] GiB")
 
 
 def fmt(x, width: int, spec: str) -> str:
@@ -233,11 +233,11 @@ def main(argv=None) -> int:
     worst = max(abs(a - b) / abs(b) for a, b in zip(here, cpu))
     if worst > PARITY_RTOL:
         failures.append(f"fp32 parity: {device} losses {here} vs CPU {cpu} (worst relative {worst:.1e})")
-    head = (f"{'run':<16}{'step s':>8}{'TFLOP/s':>9}{'MFU':>7}{'HFU':>7}{'peak GB':>9}{'model GB':>9}"
+    head = (f"{'run':<16}{'step s':>8}{'TFLOP/s':>9}{'MFU':>7}{'HFU':>7}{'peak GiB':>10}{'model GiB':>10}"
             f"{'SDPA':>11}{'loss':>9}")
     print(head + "\n" + "-" * len(head))
     itself = "" if device.type == "cuda" else " (cpu against itself: --tiny runs the code, it checks no parity)"
-    print(f"{'fp32 parity':<16}{'':>8}{'':>9}{'':>7}{'':>7}{'':>9}{'':>9}{'':>11}{here[-1]:>9.4f}"
+    print(f"{'fp32 parity':<16}{'':>8}{'':>9}{'':>7}{'':>7}{'':>10}{'':>10}{'':>11}{here[-1]:>9.4f}"
           f"  worst rel. diff to CPU {worst:.1e}{itself}", flush=True)
     ref = None
     for row_name, stage, ckpt, pa_cpu, offload in ROWS:
@@ -248,11 +248,11 @@ def main(argv=None) -> int:
         check_row(row_name, r, ref, device, failures)
         model_gb = r["predicted"]["before_margin"] / 2**30 if r["predicted"] else None
         print(f"{row_name:<16}{r['step_s']:>8.3f}{r['tflops']:>9.2f}{fmt(r['mfu'], 7, '.1%')}{fmt(r['hfu'], 7, '.1%')}"
-              f"{fmt(r['peak_GB'], 9, '.2f')}{fmt(model_gb, 9, '.2f')}{r['sdpa']:>11}{r['losses'][-1]:>9.4f}", flush=True)
+              f"{fmt(r['peak_GB'], 10, '.2f')}{fmt(model_gb, 10, '.2f')}{r['sdpa']:>11}{r['losses'][-1]:>9.4f}", flush=True)
     if device.type == "cuda":
         bw = bandwidth(device, 1024)
-        print(f"[gpu_check] pinned copies: host->device {bw['h2d']:.1f} GB/s, device->host {bw['d2h']:.1f} GB/s")
-        failures += [f"pinned {k} {v:.1f} GB/s < {MIN_GBPS} GB/s" for k, v in bw.items() if v < MIN_GBPS]
+        print(f"[gpu_check] pinned copies: host->device {bw['h2d']:.1f} GiB/s, device->host {bw['d2h']:.1f} GiB/s")
+        failures += [f"pinned {k} {v:.1f} GiB/s < {MIN_GBPS} GiB/s" for k, v in bw.items() if v < MIN_GBPS]
     if owned:
         shutdown()
     for f in failures:
