@@ -109,7 +109,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ranks", type=positive_int, default=4)
     ap.add_argument("--layers", type=positive_int, default=12)
     ap.add_argument("--hidden", type=positive_int, default=768)
-    ap.add_argument("--heads", type=positive_int, default=None, help="attention heads (default: hidden / 64, at least 1)")
+    ap.add_argument("--heads", type=positive_int, default=None,
+                    help="attention heads (default: hidden / 64, at least 1)")
     ap.add_argument("--vocab", type=positive_int, default=8192)
     ap.add_argument("--seq", type=positive_int, default=128)
     ap.add_argument("--steps", type=positive_int, default=2)

@@ -104,7 +104,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=positive_int, default=4)
     ap.add_argument("--hidden", type=positive_int, default=256)
-    ap.add_argument("--heads", type=positive_int, default=None, help="attention heads (default: hidden / 64, at least 2)")
+    ap.add_argument("--heads", type=positive_int, default=None,
+                    help="attention heads (default: hidden / 64, at least 2)")
     ap.add_argument("--vocab", type=positive_int, default=2048)
     ap.add_argument("--seq", type=positive_int, default=128)
     ap.add_argument("--batch", type=positive_int, default=2, help="micro-batch per rank")

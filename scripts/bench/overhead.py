@@ -131,7 +131,8 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=positive_int, default=4)
     ap.add_argument("--hidden", type=positive_int, default=256)
-    ap.add_argument("--heads", type=positive_int, default=None, help="attention heads (default: hidden / 64, at least 1)")
+    ap.add_argument("--heads", type=positive_int, default=None,
+                    help="attention heads (default: hidden / 64, at least 1)")
     ap.add_argument("--vocab", type=positive_int, default=8192)
     ap.add_argument("--seq", type=positive_int, default=128)
     ap.add_argument("--micro-batch", type=positive_int, default=4)

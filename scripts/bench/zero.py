@@ -264,7 +264,8 @@ def main(argv=None) -> None:
     ap.add_argument("--micro-batch", type=positive_int, default=4)
     ap.add_argument("--layers", type=positive_int, default=4)
     ap.add_argument("--hidden", type=positive_int, default=256)
-    ap.add_argument("--heads", type=positive_int, default=None, help="attention heads (default: hidden / 64, at least 1)")
+    ap.add_argument("--heads", type=positive_int, default=None,
+                    help="attention heads (default: hidden / 64, at least 1)")
     ap.add_argument("--vocab", type=positive_int, default=8192)
     ap.add_argument("--seq", type=positive_int, default=64)
     ap.add_argument("--bucket", type=positive_int, default=int(5e6), help="reduce/all-gather bucket, elements")

@@ -248,7 +248,8 @@ def main(argv=None) -> int:
         check_row(row_name, r, ref, device, failures)
         model_gb = r["predicted"]["before_margin"] / 2**30 if r["predicted"] else None
         print(f"{row_name:<16}{r['step_s']:>8.3f}{r['tflops']:>9.2f}{fmt(r['mfu'], 7, '.1%')}{fmt(r['hfu'], 7, '.1%')}"
-              f"{fmt(r['peak_GB'], 10, '.2f')}{fmt(model_gb, 10, '.2f')}{r['sdpa']:>11}{r['losses'][-1]:>9.4f}", flush=True)
+              f"{fmt(r['peak_GB'], 10, '.2f')}{fmt(model_gb, 10, '.2f')}{r['sdpa']:>11}{r['losses'][-1]:>9.4f}",
+              flush=True)
     if device.type == "cuda":
         bw = bandwidth(device, 1024)
         print(f"[gpu_check] pinned copies: host->device {bw['h2d']:.1f} GiB/s, device->host {bw['d2h']:.1f} GiB/s")

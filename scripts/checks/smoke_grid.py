@@ -23,7 +23,8 @@ def main(argv=None) -> None:
     parser.add_argument("--pp", type=positive_int, default=1, help="pipeline-parallel size")
     args = parser.parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", 1))
-    with flag_errors(parser, {"tp": "--tp", "pp": "--pp"}, note=f"WORLD_SIZE={world}: the processes the launcher started"):
+    note = f"WORLD_SIZE={world}: the processes the launcher started"
+    with flag_errors(parser, {"tp": "--tp", "pp": "--pp"}, note=note):
         ParallelDims(args.tp, args.pp).resolve(world)
     env = init_distributed(timeout_s=60)
     grid = Grid(ParallelDims(args.tp, args.pp))
