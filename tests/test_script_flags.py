@@ -41,7 +41,7 @@ BAD_FLAGS = [  # script under scripts/, argv, what the message must name
     ("bench/memory.py", ["--stages", "5"], "argument --stages: invalid choice: 5"),
     ("bench/zero.py", ["--only", "nosuch"], "--only nosuch: unknown; choose from ['ddp', 'fsdp2',"),
     ("bench/zero.py", ["--hidden", "200"], "--hidden=200 is not divisible by --heads=3"),
-    ("bench/dry_run_sweep.py", ["--jobs", "0"], "argument --jobs: 0 is not a positive integer"),
+    ("bench/dry_run_sweep.py", ["--jobs", "0", "--out", "{tmp}"], "argument --jobs: 0 is not a positive integer"),
     ("bench/dry_run_sweep.py", ["--only", "nosuch", "--out", "{tmp}"], "--only 'nosuch' matches no setup; give table"),
     ("bench/preprocess.py", ["--size-mb", "0", "--out", "{tmp}"], "argument --size-mb: 0 is not a finite number > 0"),
     ("bench/preprocess.py", ["--workers", "0", "--out", "{tmp}"], "argument --workers: 0 is not a positive integer"),
