@@ -38,6 +38,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 from zerotron.data.progress import Progress
 from zerotron.model import GPTConfig, flops_per_iteration
+from zerotron.testing.bench_args import flag_errors
 from zerotron.testing.launch import spawn
 from zerotron.training.cli import apply_mapping, read_yaml
 from zerotron.training.config import RunConfig
@@ -74,7 +75,7 @@ def ablation_settings(name: str) -> dict:
 
 
 def model_cfg(a, layers: int) -> GPTConfig:
-    return GPTConfig(num_layers=layers, hidden_size=a.hidden, num_heads=4, vocab_size=256, seq_length=a.seq,
+    return GPTConfig(num_layers=layers, hidden_size=a.hidden, num_heads=a.heads, vocab_size=256, seq_length=a.seq,
                      make_vocab_size_divisible_by=64)
 
 
@@ -218,6 +219,7 @@ def parse_args(argv=None):
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--dp", type=int, default=2)
     p.add_argument("--hidden", type=int, default=32)
+    p.add_argument("--heads", type=int, default=4, help="attention heads; --tp must divide them")
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--batch", type=int, default=8, help="micro-batch per rank")
     p.add_argument("--layers", type=int, default=8, help="layers of the measured (fixed) model")
@@ -239,7 +241,7 @@ def parse_args(argv=None):
     bad = sorted(set(a.configs) - set(NAMES))
     if bad or not a.configs:
         p.error(f"--configs: unknown {bad}; choose from {NAMES}" if bad else f"--configs: name at least one of {NAMES}")
-    for flag in ("tp", "dp", "hidden", "seq", "batch", "layers", "steps", "bucket", "max_search_layers"):
+    for flag in ("tp", "dp", "hidden", "heads", "seq", "batch", "layers", "steps", "bucket", "max_search_layers"):
         if getattr(a, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} {getattr(a, flag)}: must be at least 1")
     if not 0 < a.cap_kib < float("inf"):
@@ -250,6 +252,9 @@ def parse_args(argv=None):
         p.error(f"--dp-sweep {a.dp_sweep}: give DP sizes as a comma list of whole numbers, e.g. 2,4,8")
     if not a.dp_sweep or min(a.dp_sweep) < 1:
         p.error(f"--dp-sweep {a.dp_sweep}: give at least one DP size, each at least 1")
+    for tp in {a.tp, 1}:  # the ablation ranks at --tp, the DP sweep at TP 1
+        with flag_errors(p, {"hidden_size": "--hidden", "num_heads": "--heads", "seq_length": "--seq", "tp": "--tp"}):
+            model_cfg(a, a.layers).validate(tp)
     a.cap_bytes = int(a.cap_kib * 1024)
     return a
 

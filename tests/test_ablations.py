@@ -68,7 +68,9 @@ def test_bad_arguments_exit_2_naming_the_flag(capsys):
     mod = _script()
     for argv, needle in ((["--tp", "0"], "--tp 0"), (["--steps", "0"], "--steps 0"),
                          (["--dp-sweep", "2,x"], "--dp-sweep 2,x"), (["--configs", ","], "--configs"),
-                         (["--cap-kib", "nan"], "--cap-kib nan"), (["--configs", "C9"], "unknown ['C9']")):
+                         (["--cap-kib", "nan"], "--cap-kib nan"), (["--configs", "C9"], "unknown ['C9']"),
+                         (["--quick", "--tp", "3", "--dp", "1"], "--hidden=32 is not divisible by --tp=3"),
+                         (["--tp", "8"], "--heads=4 is not divisible by --tp=8")):
         with pytest.raises(SystemExit) as e:
             mod.parse_args(argv)
         assert e.value.code == 2 and needle in capsys.readouterr().err, argv

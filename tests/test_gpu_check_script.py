@@ -8,6 +8,9 @@ exercised, so a broken check is found before the one device run it gets.
 import contextlib
 import io
 
+import pytest
+import torch
+
 from tests.harness import spawn
 
 
@@ -33,3 +36,21 @@ def test_tiny_check_passes_on_cpu_and_fails_on_an_impossible_mfu():
                     "s2+offload"]
     assert "worst rel. diff to CPU 0.0e+00" in out and "all checks passed" in out
     assert bad_rc == 1 and "MFU" in bad_err and "impossible" in bad_err and "FAILED" in bad_out
+
+
+def test_without_a_gpu_only_tiny_runs(monkeypatch, capsys):
+    """No CUDA device: exit 2 naming --tiny, before any process group (not a CPU-vs-CPU "parity")."""
+    import scripts.checks.gpu_check as check
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is visible: the refusal is for machines without one")
+
+    def no_group(*args, **kwargs):
+        raise AssertionError("gpu_check started a process group before refusing")
+
+    monkeypatch.setattr(check, "init_distributed", no_group)
+    with pytest.raises(SystemExit) as exit_:
+        check.main([])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "no CUDA device is visible" in err and "--tiny" in err

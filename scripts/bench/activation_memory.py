@@ -19,19 +19,28 @@ fp32 because the CPU's SDPA math kernel upcasts 16-bit inputs to fp32 internally
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
+from zerotron.testing.bench_args import flag_errors, positive_int
 from zerotron.testing.launch import spawn
+
+ROOT = Path(__file__).resolve().parents[2]
+STORE = str(ROOT / "runs" / "bench")  # the ranks' rendezvous files: under the checkout, whatever the cwd
 
 
 def worker(args) -> dict:
-    from zerotron.model import GPTConfig
     from zerotron.parallel import Grid, ParallelDims
     from zerotron.testing.activation_bytes import ROWS, measure_row
 
     grid = Grid(ParallelDims(tp=2))
-    cfg = GPTConfig(num_layers=args.layers, hidden_size=args.hidden, num_heads=args.heads, vocab_size=256,
-                    seq_length=args.seq, make_vocab_size_divisible_by=8, dropout=0.1, attention_dropout=0.1)
-    return {name: measure_row(name, cfg, grid, args.batch) for name in ROWS}
+    return {name: measure_row(name, model_cfg(args), grid, args.batch) for name in ROWS}
+
+
+def model_cfg(args):
+    from zerotron.model import GPTConfig
+
+    return GPTConfig(num_layers=args.layers, hidden_size=args.hidden, num_heads=args.heads, vocab_size=256,
+                     seq_length=args.seq, make_vocab_size_divisible_by=8, dropout=0.1, attention_dropout=0.1)
 
 
 def formula(name: str, args, t: int = 2) -> tuple[float, float]:
@@ -53,15 +62,18 @@ def formula(name: str, args, t: int = 2) -> tuple[float, float]:
     return ours, printed
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--layers", type=int, default=2)
-    args = parser.parse_args()
-    got = spawn(worker, 2, args, timeout=600, store_dir="runs/bench")[0]
+    parser.add_argument("--hidden", type=positive_int, default=256)
+    parser.add_argument("--heads", type=positive_int, default=8, help="attention heads; TP 2 needs an even count")
+    parser.add_argument("--seq", type=positive_int, default=128)
+    parser.add_argument("--batch", type=positive_int, default=2)
+    parser.add_argument("--layers", type=positive_int, default=2)
+    args = parser.parse_args(argv)
+    with flag_errors(parser, {"hidden_size": "--hidden", "num_heads": "--heads", "seq_length": "--seq"},
+                     note="this benchmark runs at TP 2"):
+        model_cfg(args).validate(2)
+    got = spawn(worker, 2, args, timeout=600, store_dir=STORE)[0]
     print(f"TP 2, per layer, rank 0: s={args.seq} b={args.batch} h={args.hidden} a={args.heads}, fp32, "
           f"dropout 0.1 + attention dropout 0.1, {args.layers} layers measured")
     print(f"| {'row':12} | {'saved (autograd)':>16} | {'freed (allocator)':>17} | {'formula':>10} | "

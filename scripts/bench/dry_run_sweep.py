@@ -10,6 +10,8 @@ the ZeRO configurations C1-C5 (``configs/zero100b/ablations``) applied to the 40
 batch 16) and 100B (125 x 8192, batch 32) models on 400 GPUs at MP 16 (ZeRO Table 3). Writes
 ``sweep.json`` and ``sweep.md`` (the table ``docs/dry_run.md`` shows) under ``--out`` and prints
 the table. The paper's TFLOPs/GPU come from each config's header (its Figure 2-4 reading).
+Exits 2 on a bad flag or an ``--only`` that matches no setup, before writing anything (an empty
+table must not replace the one the docs show), and 1 when any dry run failed.
 """
 
 from __future__ import annotations
@@ -27,12 +29,17 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from zerotron.parallel import fake_cuda, simulation  # noqa: E402
+from zerotron.testing.bench_args import positive_int  # noqa: E402
 CONFIGS = ROOT / "configs" / "zero100b"
 ABLATION_MODELS = {  # Table 3's models: (base config, overrides)
     "40B": ("table5/zero-100b.yaml", ["--model.num_layers", "50", "--training.micro_batch_size", "16",
                                       "--training.global_batch_size", "400"]),
     "100B": ("table5/zero-100b.yaml", []),
 }
+
+
+ONLY_CHOICES = ("table (the 33 setups), table5, table6, table10, ablations, a C1-C5 name (C5, C4 100B) or a "
+                "config's name (table5/zero-100b)")
 
 
 def header(path: Path, pattern: str) -> str | None:
@@ -111,19 +118,22 @@ def table(results: list[dict]) -> str:
 
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--only", help="a prefix: table (the 33 setups), table5, table6, table10, ablations, or a name (C5, C4 100B)")
-    p.add_argument("--jobs", type=int, default=2, help="dry runs at once (one CPU core each)")
-    p.add_argument("--out", default="runs/dry_run/sweep", help="where sweep.json and sweep.md go")
+    p.add_argument("--only", help=f"a prefix: {ONLY_CHOICES}")
+    p.add_argument("--jobs", type=positive_int, default=2, help="dry runs at once (one CPU core each)")
+    p.add_argument("--out", default="runs/dry_run/sweep",
+                   help="where sweep.json and sweep.md go, under the repository root unless absolute")
     a = p.parse_args(argv)
-    out_dir = ROOT / a.out
-    out_dir.mkdir(parents=True, exist_ok=True)
     todo = jobs(a.only)
-    start, results = time.perf_counter(), []
+    if not todo:
+        p.error(f"--only {a.only!r} matches no setup; give {ONLY_CHOICES}")
     try:
         env = dry_run_env()
     except fake_cuda.FakeCudaUnavailable as e:
         print(f"dry_run_sweep: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    out_dir = ROOT / a.out
+    out_dir.mkdir(parents=True, exist_ok=True)
+    start, results = time.perf_counter(), []
     with ThreadPoolExecutor(a.jobs) as pool:
         for i, r in enumerate(pool.map(lambda j: run(j, out_dir, env), todo), 1):
             results.append(r)
@@ -133,7 +143,11 @@ def main(argv=None) -> list[dict]:
     md = table(results)
     (out_dir / "sweep.md").write_text(md + "\n")
     print(md)
+    failed = [r["name"] for r in results if "error" in r]
     print(f"\n{len(results)} setups in {time.perf_counter() - start:.0f} s; {out_dir / 'sweep.md'}")
+    if failed:
+        print(f"dry_run_sweep: {len(failed)} of {len(results)} dry runs failed: {', '.join(failed)}", file=sys.stderr)
+        raise SystemExit(1)
     return results
 
 

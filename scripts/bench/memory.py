@@ -11,7 +11,8 @@ fragmentation margin) and measured/predicted; the OS peak RSS of the rank (``ru_
 includes the interpreter and torch, ~the same for every stage; glibc is told to return freed
 large blocks, see ``return_freed_memory``) and ``memory_report``'s model states for comparison.
 Figures are the maximum over ranks. With stages 2 and 3 it then checks stage 3's forward peak,
-construction peak and RSS against stage 2 (``stage3_checks``).
+construction peak and RSS against stage 2 (``stage3_checks``); a check that says NO makes the
+script exit 1, naming it, so a failed bound cannot pass unread. Bad flags exit 2 before any rank.
 """
 
 from __future__ import annotations
@@ -19,8 +20,14 @@ from __future__ import annotations
 import argparse
 import ctypes
 import resource
+import sys
+from pathlib import Path
 
+from zerotron.testing.bench_args import flag_errors, nonnegative_int, positive_int
 from zerotron.testing.launch import spawn
+
+ROOT = Path(__file__).resolve().parents[2]
+STORE = str(ROOT / "runs" / "bench")  # the ranks' rendezvous files: under the checkout, whatever the cwd
 
 MiB = 1 << 20
 
@@ -72,7 +79,7 @@ def worker(args, stage: int) -> dict:
 def model_cfg(args):
     from zerotron.model.config import GPTConfig
 
-    return GPTConfig(num_layers=args.layers, hidden_size=args.hidden, num_heads=max(1, args.hidden // 64),
+    return GPTConfig(num_layers=args.layers, hidden_size=args.hidden, num_heads=args.heads or max(1, args.hidden // 64),
                      vocab_size=args.vocab, seq_length=args.seq)
 
 
@@ -97,21 +104,26 @@ def predicted(args, stage: int) -> float:
     return e["total"] * (1 - e["fragmentation_margin"])
 
 
-def main() -> None:
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--ranks", type=int, default=4)
-    ap.add_argument("--layers", type=int, default=12)
-    ap.add_argument("--hidden", type=int, default=768)
-    ap.add_argument("--vocab", type=int, default=8192)
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--steps", type=int, default=2)
-    ap.add_argument("--bucket", type=int, default=5_000_000)
+    ap.add_argument("--ranks", type=positive_int, default=4)
+    ap.add_argument("--layers", type=positive_int, default=12)
+    ap.add_argument("--hidden", type=positive_int, default=768)
+    ap.add_argument("--heads", type=positive_int, default=None,
+                    help="attention heads (default: hidden / 64, at least 1)")
+    ap.add_argument("--vocab", type=positive_int, default=8192)
+    ap.add_argument("--seq", type=positive_int, default=128)
+    ap.add_argument("--steps", type=positive_int, default=2)
+    ap.add_argument("--bucket", type=positive_int, default=5_000_000)
     ap.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
-    ap.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3])
-    ap.add_argument("--prefetch", type=int, default=1, help="stage 3: blocks all-gathered ahead of use")
+    ap.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3], choices=(0, 1, 2, 3))
+    ap.add_argument("--prefetch", type=nonnegative_int, default=1, help="stage 3: blocks all-gathered ahead of use")
     ap.add_argument("--malloc-as-is", action="store_true",
                     help="leave glibc's dynamic mmap threshold on (RSS then keeps freed blocks)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    with flag_errors(ap, {"hidden_size": "--hidden", "num_heads": "--heads", "seq_length": "--seq",
+                          "vocab_size": "--vocab"}, note="" if args.heads else "--heads defaults to --hidden // 64"):
+        model_cfg(args).validate()
     phases = ("construction", "forward", "backward", "step")
     cats = ("parameters", "gradients", "optimizer_states", "activations", "temporaries", "other")
     print(f"GPT {args.layers} x h{args.hidden}, vocab {args.vocab}, seq {args.seq}, micro-batch 1, {args.precision}, "
@@ -120,7 +132,7 @@ def main() -> None:
           + f" {'peak':>7} {'model':>7} {'ratio':>6} {'RSS':>7} {'states':>7}")
     rows: dict = {}
     for stage in args.stages:
-        results = spawn(worker, args.ranks, args, stage, timeout=1800, store_dir="runs/bench")
+        results = spawn(worker, args.ranks, args, stage, timeout=1800, store_dir=STORE)
 
         def top(key):
             return max(r.get(key, 0) for r in results) / MiB
@@ -135,38 +147,43 @@ def main() -> None:
                        "states": top("model_states"), "construction": top("mem_construction_peak_bytes"),
                        "step_peak": max(top(f"mem_{p}_peak_bytes") for p in phases[1:]),
                        "activations": top("mem_peak_activations"), "psi": results[0]["psi"]}
-    stage3_checks(args, rows)
+    failed = stage3_checks(args, rows)
+    if failed:
+        print(f"memory.py: FAILED check(s): {', '.join(failed)} (the NO lines above)", file=sys.stderr)
+    return 1 if failed else 0
 
 
-def stage3_checks(args, rows: dict) -> None:
+def stage3_checks(args, rows: dict) -> list[str]:
     """Issue-15 bounds: stage 3's forward peak against its model states + the two largest units +
-    activations, and its whole-run RSS against stage 2's."""
+    activations, and its whole-run RSS against stage 2's. Returns the checks that failed."""
     if 3 not in rows:
-        return
+        return []
     r = rows[3]
     from zerotron.estimate.memory_model import root_params_per_rank
 
-    units = sorted([block_elements(args), root_params_per_rank(model_cfg(args))])[-2:]
-    unit_mib = sum(units) * (4 if args.precision == "fp32" else 2) / MiB
     pb = 4 if args.precision == "fp32" else 2
-    states = (pb + 4 + 12) * r["psi"] / args.ranks / MiB  # 16-bit params, fp32 gradients, K = 12, all / Nd
+    units = sorted([block_elements(args), root_params_per_rank(model_cfg(args))])[-2:]
+    unit_mib = sum(units) * pb / MiB
+    states = (pb + 4 + 12) * r["psi"] / args.ranks / MiB  # parameters, fp32 gradients, K = 12, all / Nd
     # stage 3's gathered buffers are created in forward, so its own "activations" count them; what
     # forward holds besides model states (activations, logits, loss) is measured at stage 2 (same
     # model, same tokens): its forward peak above its resting level (the optimizer step's peak)
     act = rows[2]["forward"] - rows[2]["step"] if 2 in rows else r["activations"]
     bound = (states + unit_mib + act) * 1.05
-    print(f"stage 3 forward peak {r['forward']:.1f} MiB <= ((2 + 4 + 12) Psi/Nd {states:.1f} + two largest units "
-          f"{unit_mib:.1f} + forward's working set {act:.1f}) x 1.05 = {bound:.1f}: "
-          f"{'yes' if r['forward'] <= bound else 'NO'}")
-    print(f"stage 3 construction peak {r['construction']:.1f} <= step peak {r['step_peak']:.1f}: "
-          f"{'yes' if r['construction'] <= r['step_peak'] else 'NO'}")
+    checks = [("forward peak", r["forward"] <= bound,
+               f"stage 3 forward peak {r['forward']:.1f} MiB <= (({pb} + 4 + 12) Psi/Nd {states:.1f} + two largest "
+               f"units {unit_mib:.1f} + forward's working set {act:.1f}) x 1.05 = {bound:.1f}"),
+              ("construction peak", r["construction"] <= r["step_peak"],
+               f"stage 3 construction peak {r['construction']:.1f} <= step peak {r['step_peak']:.1f}")]
     if 2 in rows:
-        nd, pb = args.ranks, (4 if args.precision == "fp32" else 2)
-        want = 0.6 * (1 - 1 / nd) * pb * r["psi"] / MiB
+        want = 0.6 * (1 - 1 / args.ranks) * pb * r["psi"] / MiB
         saved = rows[2]["rss"] - r["rss"]
-        print(f"stage 3 peak RSS {r['rss']:.0f} MiB, {saved:.0f} below stage 2's {rows[2]['rss']:.0f} "
-              f"(at least 60% of (1 - 1/Nd) x 2 Psi = {want:.0f}): {'yes' if saved >= want else 'NO'}")
-
+        checks.append(("peak RSS", saved >= want,
+                       f"stage 3 peak RSS {r['rss']:.0f} MiB, {saved:.0f} below stage 2's {rows[2]['rss']:.0f} "
+                       f"(at least 60% of (1 - 1/Nd) x {pb} Psi = {want:.0f})"))
+    for _, ok, line in checks:
+        print(f"{line}: {'yes' if ok else 'NO'}")
+    return [f"stage 3 {name}" for name, ok, _ in checks if not ok]
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -24,6 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from zerotron.testing.bench_args import flag_errors, positive_float, positive_int  # noqa: E402
 from zerotron.testing.launch import spawn  # noqa: E402
 
 MiB = 1 << 20
@@ -101,19 +102,25 @@ def predicted(a, tp: int, stage: int, ckpt: str) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--heads", type=int, default=None, help="attention heads (default: hidden / 64, at least 2)")
-    ap.add_argument("--vocab", type=int, default=2048)
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--batch", type=int, default=2, help="micro-batch per rank")
-    ap.add_argument("--steps", type=int, default=2)
-    ap.add_argument("--bucket", type=int, default=200_000)
+    ap.add_argument("--layers", type=positive_int, default=4)
+    ap.add_argument("--hidden", type=positive_int, default=256)
+    ap.add_argument("--heads", type=positive_int, default=None,
+                    help="attention heads (default: hidden / 64, at least 2)")
+    ap.add_argument("--vocab", type=positive_int, default=2048)
+    ap.add_argument("--seq", type=positive_int, default=128)
+    ap.add_argument("--batch", type=positive_int, default=2, help="micro-batch per rank")
+    ap.add_argument("--steps", type=positive_int, default=2)
+    ap.add_argument("--bucket", type=positive_int, default=200_000)
     ap.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
-    ap.add_argument("--tolerance", type=float, default=0.05)
+    ap.add_argument("--tolerance", type=positive_float, default=0.05, help="largest |measured / model - 1| passed")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", default=str(ROOT / "runs" / "bench"), help="where the ranks' rendezvous file goes")
     a = ap.parse_args(argv)
+    for tp, _ in LAYOUTS:
+        with flag_errors(ap, {"hidden_size": "--hidden", "num_heads": "--heads", "seq_length": "--seq",
+                              "vocab_size": "--vocab"},
+                         note=f"the grid runs TP {tp}" + ("" if a.heads else "; --heads defaults to hidden / 64")):
+            model_cfg(a).validate(tp)
     print(f"GPT {a.layers} x h{a.hidden}, vocab {a.vocab}, seq {a.seq}, micro-batch {a.batch}, {a.precision}, "
           f"4 ranks; MiB, max over ranks, the last step's peak", flush=True)
     print(f"{'layout':>9} {'stage':>5} {'ckpt':>7} {'fwd':>7} {'bwd':>7} {'step':>7} {'peak':>7} {'model':>7} "

@@ -27,10 +27,15 @@ import argparse
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
+from zerotron.testing.bench_args import flag_errors, nonnegative_float, nonnegative_int, positive_int
 from zerotron.testing.launch import spawn
+
+ROOT = Path(__file__).resolve().parents[2]
+STORE = str(ROOT / "runs" / "bench")  # the ranks' rendezvous files: under the checkout, whatever the cwd
 
 HYPER = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
@@ -38,7 +43,7 @@ HYPER = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 def model_config(args):
     from zerotron.model.config import GPTConfig
 
-    return GPTConfig(num_layers=args.layers, hidden_size=args.hidden, num_heads=max(1, args.hidden // 64),
+    return GPTConfig(num_layers=args.layers, hidden_size=args.hidden, num_heads=args.heads or max(1, args.hidden // 64),
                      vocab_size=args.vocab, seq_length=args.seq)
 
 
@@ -117,26 +122,32 @@ def worker(args, kind: str) -> tuple[float, float]:
 
 
 def measure(kind: str, ranks: int, args) -> tuple[float, float]:
-    out = spawn(worker, ranks, args, kind, threads=args.threads, collective_timeout=600.0, timeout=1800.0)
+    out = spawn(worker, ranks, args, kind, threads=args.threads, collective_timeout=600.0, timeout=1800.0,
+                store_dir=STORE)
     return max(w for w, _ in out), max(c for _, c in out)
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--vocab", type=int, default=8192)
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--micro-batch", type=int, default=4)
-    ap.add_argument("--micro", type=int, default=2, help="micro-batches per step")
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--ranks", type=int, default=4)
-    ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    ap.add_argument("--clip", type=float, default=0.0, help="gradient clipping on both sides (0: off)")
+    ap.add_argument("--layers", type=positive_int, default=4)
+    ap.add_argument("--hidden", type=positive_int, default=256)
+    ap.add_argument("--heads", type=positive_int, default=None,
+                    help="attention heads (default: hidden / 64, at least 1)")
+    ap.add_argument("--vocab", type=positive_int, default=8192)
+    ap.add_argument("--seq", type=positive_int, default=128)
+    ap.add_argument("--micro-batch", type=positive_int, default=4)
+    ap.add_argument("--micro", type=positive_int, default=2, help="micro-batches per step")
+    ap.add_argument("--steps", type=positive_int, default=10)
+    ap.add_argument("--warmup", type=nonnegative_int, default=2)
+    ap.add_argument("--rounds", type=positive_int, default=3)
+    ap.add_argument("--ranks", type=positive_int, default=4)
+    ap.add_argument("--threads", type=positive_int, default=1, help="torch threads per rank")
+    ap.add_argument("--clip", type=nonnegative_float, default=0.0, help="gradient clipping on both sides (0: off)")
     ap.add_argument("--only", choices=("single", "dp"), help="one of the two comparisons")
     args = ap.parse_args(argv)
+    with flag_errors(ap, {"hidden_size": "--hidden", "num_heads": "--heads", "seq_length": "--seq",
+                          "vocab_size": "--vocab"}, note="" if args.heads else "--heads defaults to --hidden // 64"):
+        model_config(args).validate()
     runs = {"single": [("plain", 1), ("zerotron", 1)], "dp": [("ddp", args.ranks), ("zerotron", args.ranks)]}
     runs = {k: v for k, v in runs.items() if args.only in (None, k)}
     got: dict[tuple[str, int], list[tuple[float, float]]] = {}

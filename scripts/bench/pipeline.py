@@ -26,8 +26,13 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
+from zerotron.testing.bench_args import positive_float, positive_int
 from zerotron.testing.launch import spawn
+
+ROOT = Path(__file__).resolve().parents[2]
+STORE = str(ROOT / "runs" / "bench")  # the ranks' rendezvous files: under the checkout, whatever the cwd
 
 HIDDEN, SEQ, BATCH, VOCAB = 64, 16, 4, 64
 A_BYTES = BATCH * SEQ * HIDDEN * 4  # one layer's saved input (fp32)
@@ -110,21 +115,29 @@ def worker(args) -> list:
     return rows
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--pp", type=int, default=4)
-    parser.add_argument("--micro", type=int, nargs="+", default=[4, 8, 16])
-    parser.add_argument("--virtual", type=int, nargs="+", default=[1, 2, 4], help="model chunks per rank (v)")
-    parser.add_argument("--layers-per-stage", type=int, default=4)
-    parser.add_argument("--forward-ms", type=float, default=25.0, help="artificial forward cost per layer")
-    parser.add_argument("--steps", type=int, default=3)
-    args = parser.parse_args()
-    if args.pp < 2 or min(args.micro) < 1 or any(args.layers_per_stage % v for v in args.virtual):
-        parser.error("--pp must be >= 2, every --micro >= 1 and --layers-per-stage a multiple of every --virtual")
+    parser.add_argument("--pp", type=positive_int, default=4, help="pipeline stages (gloo ranks), at least 2")
+    parser.add_argument("--micro", type=positive_int, nargs="+", default=[4, 8, 16], help="micro-batches per step (m)")
+    parser.add_argument("--virtual", type=positive_int, nargs="+", default=[1, 2, 4], help="model chunks per rank (v)")
+    parser.add_argument("--layers-per-stage", type=positive_int, default=4, help="a multiple of every --virtual")
+    parser.add_argument("--forward-ms", type=positive_float, default=25.0, help="artificial forward cost per layer")
+    parser.add_argument("--steps", type=positive_int, default=3, help="timed steps after the warm-up one")
+    args = parser.parse_args(argv)
+    if args.pp < 2:
+        parser.error(f"--pp {args.pp}: a pipeline needs at least 2 stages")
+    uneven = [v for v in args.virtual if args.layers_per_stage % v]
+    if uneven:
+        parser.error(f"--layers-per-stage {args.layers_per_stage} does not split into --virtual {uneven} chunks; "
+                     f"use a multiple of every --virtual")
+    interleaved = [m for m in args.micro if m % args.pp == 0]
+    if any(v > 1 for v in args.virtual) and not interleaved:
+        parser.error(f"--virtual above 1 (interleaved 1F1B) needs a --micro that is a multiple of --pp {args.pp}; "
+                     f"none of {args.micro} is")
     from zerotron.parallel.pipeline_schedules import bubble_fraction, microbatches_in_flight
 
     p, layers = args.pp, args.layers_per_stage
-    results = spawn(worker, p, args, timeout=1200, store_dir="runs/bench")
+    results = spawn(worker, p, args, timeout=1200, store_dir=STORE)
     print(f"pp={p}, {layers} layers/stage, {args.forward_ms} ms fwd + {2 * args.forward_ms} ms bwd per layer "
           f"(artificial cost), {args.steps} timed steps; memory in A = b*s*h*4 = {A_BYTES} B")
     stages = " ".join(f"{'s' + str(r):>6}" for r in range(p))

@@ -11,6 +11,9 @@ every 0.2 s, summed over processes -- an upper bound, since forked workers share
   2. peer:     ``load_dataset("json")`` + ``Dataset.map(batched encode, num_proc=N)``
 
     python scripts/bench/preprocess.py [--size-mb 100] [--workers 2] [--out DIR] [--keep]
+
+Exits 1 if the two token counts disagree or a method fails; 2 on a bad flag, before any work, or
+when a method refuses its input (its message is printed).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from zerotron.data import build_default_corpus
 from zerotron.data.default_corpus import harvest_stdlib_texts
+from zerotron.testing.bench_args import positive_float, positive_int
 
 PEER = r"""
 import json, sys, time
@@ -64,35 +68,48 @@ def make_corpus(path: str, size_mb: float, seed: int = 0) -> int:
     return docs
 
 
-def run_measured(cmd: list[str]) -> tuple[dict, float, float, float]:
-    """(last JSON line of stdout, wall s, peak tree RSS MB, peak main RSS MB)."""
+class ChildFailed(Exception):
+    """A measured command exited non-zero; ``code`` is its exit status, the message its stderr's tail."""
+
+    def __init__(self, name: str, code: int, stderr: str):
+        super().__init__(f"{name} exited {code}" + (f":\n{stderr}" if stderr else " and printed nothing on stderr"))
+        self.code = code
+
+
+def run_measured(name: str, cmd: list[str], log: str) -> tuple[dict, float, float, float]:
+    """(last JSON line of stdout, wall s, peak tree RSS MiB, peak main RSS MiB). stderr goes to
+    ``log`` (a file: a pipe left unread could fill and stall the child), read back on failure."""
     t = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT)
-    ps = psutil.Process(proc.pid)
-    peak_tree = peak_main = 0.0
-    while proc.poll() is None:
-        try:
-            main = ps.memory_info().rss
-            kids = sum(c.memory_info().rss for c in ps.children(recursive=True))
-            peak_main, peak_tree = max(peak_main, main), max(peak_tree, main + kids)
-        except psutil.Error:
-            pass
-        time.sleep(0.2)
-    out = proc.stdout.read()
+    with open(log, "w") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, cwd=ROOT)
+        ps = psutil.Process(proc.pid)
+        peak_tree = peak_main = 0.0
+        while proc.poll() is None:
+            try:
+                main = ps.memory_info().rss
+                kids = sum(c.memory_info().rss for c in ps.children(recursive=True))
+                peak_main, peak_tree = max(peak_main, main), max(peak_tree, main + kids)
+            except psutil.Error:
+                pass
+            time.sleep(0.2)
+        out = proc.stdout.read()
     if proc.returncode != 0:
-        raise RuntimeError(f"{cmd} failed with {proc.returncode}")
+        with open(log) as f:
+            tail = "".join(f.readlines()[-20:]).rstrip()
+        raise ChildFailed(name, proc.returncode, tail)
     result = json.loads(out.strip().splitlines()[-1])
     return result, time.perf_counter() - t, peak_tree / 2**20, peak_main / 2**20
 
 
-def main() -> int:
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--size-mb", type=float, default=100)
-    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--size-mb", type=positive_float, default=100, help="corpus size, MB (10^6 bytes)")
+    ap.add_argument("--workers", type=positive_int, default=2, help="tokenizer processes of both methods")
     ap.add_argument("--out", default=os.path.join(ROOT, "runs", "bench", "preprocess"),
                     help="where the work directory is made (not the system temp dir: ~100 MB)")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    made_out = not os.path.isdir(args.out)
     os.makedirs(args.out, exist_ok=True)
     work = tempfile.mkdtemp(prefix="work_", dir=args.out)
     try:
@@ -109,18 +126,28 @@ def main() -> int:
                 "--no-progress", "--json"]
         peer = [py, "-c", PEER, src, model, os.path.join(work, "hf_cache"), str(args.workers)]
         for name, cmd in (("zerotron preprocess_data --streaming", ours), ("datasets.map", peer)):
-            res, wall, tree, main_rss = run_measured(cmd)
+            try:
+                res, wall, tree, main_rss = run_measured(name, cmd, os.path.join(work, "stderr.log"))
+            except ChildFailed as e:
+                print(f"preprocess.py: {e}", file=sys.stderr)
+                return 2 if e.code == 2 else 1
             rows.append((name, res["tokens"], wall, res["tokens"] / wall, tree, main_rss))
-        print(f"\n{'method':<38}{'tokens':>13}{'wall s':>9}{'tokens/s':>13}{'peak tree RSS MB':>18}"
-              f"{'peak main RSS MB':>18}")
+        print(f"\n{'method':<38}{'tokens':>13}{'wall s':>9}{'tokens/s':>13}{'peak tree RSS MiB':>18}"
+              f"{'peak main RSS MiB':>18}")
         for name, tokens, wall, tps, tree, main_rss in rows:
             print(f"{name:<38}{tokens:>13,}{wall:>9.1f}{tps:>13,.0f}{tree:>18,.0f}{main_rss:>18,.0f}")
         ours_tok = rows[0][1] - docs  # minus one end-of-document id per document
-        print(f"\ntoken counts agree (ours minus EOD ids == peer): {ours_tok == rows[1][1]}")
+        agree = ours_tok == rows[1][1]
+        print(f"\ntoken counts agree (ours minus EOD ids == peer): {agree}")
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
-    return 0
+            if made_out and not os.listdir(args.out):
+                os.rmdir(args.out)
+    if not agree:
+        print(f"preprocess.py: FAILED: the two methods' token counts differ ({ours_tok:,} vs {rows[1][1]:,})",
+              file=sys.stderr)
+    return 0 if agree else 1
 
 
 if __name__ == "__main__":

@@ -12,7 +12,8 @@ Printed per configuration: median step time (first step excluded; max over ranks
 peer, peak RSS per rank (max over ranks), model-state bytes per rank (the most held after any
 backward of the last step: zerotron's ``memory_report``; for peers their parameters, gradients,
 fp32 master copies and optimizer state, DeepSpeed's reduce buckets excluded like zerotron's) and
-the loss after N steps.
+the loss after N steps. A bad flag, an unknown ``--only`` name or an ``--only`` asking for
+DeepSpeed where it is not installed exits 2 before any rank starts, so no run measures nothing.
 
 Fairness: same GPT, seed, data, micro-batch, accumulation, AdamW hyper-parameters, clipping at
 1.0, bucket sizes, overlap flag and stage-3 persistence threshold. Every peer uses zerotron's
@@ -30,17 +31,24 @@ import resource
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
+from zerotron.testing.bench_args import flag_errors, nonnegative_int, positive_int
 from zerotron.testing.launch import spawn
 
+ROOT = Path(__file__).resolve().parents[2]
+STORE = str(ROOT / "runs" / "bench")  # the ranks' rendezvous files: under the checkout, whatever the cwd
+
+KINDS = ["ddp", "fsdp2", "deepspeed-1", "deepspeed-2", "deepspeed-3", "zerotron-0", "zerotron-1", "zerotron-2",
+         "zerotron-3"]
 
 
 def model_config(args):
     from zerotron.model.config import GPTConfig
 
-    return GPTConfig(num_layers=args.layers, hidden_size=args.hidden, num_heads=max(1, args.hidden // 64),
+    return GPTConfig(num_layers=args.layers, hidden_size=args.hidden, num_heads=args.heads or max(1, args.hidden // 64),
                      vocab_size=args.vocab, seq_length=args.seq)
 
 
@@ -239,7 +247,7 @@ def worker(args, kind):
 def run(kind, args, ranks):
     """``kind`` in freshly spawned ranks, so the peak RSS is that configuration's own."""
     out = spawn(worker, ranks, args, kind, start_method="spawn", threads=max(1, args.threads),
-                collective_timeout=600.0, timeout=1800.0, store_dir="runs/bench")
+                collective_timeout=600.0, timeout=1800.0, store_dir=STORE)
     return {"time": max(o[0] for o in out), "rss": max(o[1] for o in out), "states": out[0][2], "loss": out[0][3]}
 
 
@@ -248,37 +256,50 @@ PEERS = {"zerotron-0": ["ddp"], "zerotron-1": ["deepspeed-1"], "zerotron-2": ["d
          "zerotron-3": ["fsdp2", "deepspeed-3"]}
 
 
-def main(argv=None):
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--ranks", type=int, nargs="+", default=[2], help="one table per DP size, e.g. 2 4")
-    ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--micro", type=int, default=2, help="micro-batches per step")
-    ap.add_argument("--micro-batch", type=int, default=4)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--vocab", type=int, default=8192)
-    ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--bucket", type=int, default=int(5e6), help="reduce/all-gather bucket, elements")
+    ap.add_argument("--ranks", type=positive_int, nargs="+", default=[2], help="one table per DP size, e.g. 2 4")
+    ap.add_argument("--steps", type=positive_int, default=6)
+    ap.add_argument("--micro", type=positive_int, default=2, help="micro-batches per step")
+    ap.add_argument("--micro-batch", type=positive_int, default=4)
+    ap.add_argument("--layers", type=positive_int, default=4)
+    ap.add_argument("--hidden", type=positive_int, default=256)
+    ap.add_argument("--heads", type=positive_int, default=None,
+                    help="attention heads (default: hidden / 64, at least 1)")
+    ap.add_argument("--vocab", type=positive_int, default=8192)
+    ap.add_argument("--seq", type=positive_int, default=64)
+    ap.add_argument("--bucket", type=positive_int, default=int(5e6), help="reduce/all-gather bucket, elements")
     ap.add_argument("--overlap", action="store_true")
-    ap.add_argument("--persist", type=int, default=0,
+    ap.add_argument("--persist", type=nonnegative_int, default=0,
                     help="zerotron stage-3 persistence threshold, elements (0: small params ride with their unit)")
-    ap.add_argument("--ds-persist", type=int, default=int(1e5),
+    ap.add_argument("--ds-persist", type=nonnegative_int, default=int(1e5),
                     help="DeepSpeed ZeRO-3 persistence threshold (its default; it fetches per parameter)")
     ap.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
-    ap.add_argument("--rounds", type=int, default=1, help="interleaved repeats of the whole list; medians")
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--only", nargs="*", help="subset of configurations to run")
+    ap.add_argument("--rounds", type=positive_int, default=1, help="interleaved repeats of the whole list; medians")
+    ap.add_argument("--threads", type=positive_int, default=1)
+    ap.add_argument("--only", nargs="+", metavar="CONFIG",
+                    help=f"subset of {KINDS}; zerotron-N+ov is stage N with overlap_comm")
     args = ap.parse_args(argv)
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # inherited by the spawned ranks
-    kinds = ["ddp", "fsdp2", "deepspeed-1", "deepspeed-2", "deepspeed-3",
-             "zerotron-0", "zerotron-1", "zerotron-2", "zerotron-3"]
+    with flag_errors(ap, {"hidden_size": "--hidden", "num_heads": "--heads", "seq_length": "--seq",
+                          "vocab_size": "--vocab"}, note="" if args.heads else "--heads defaults to --hidden // 64"):
+        model_config(args).validate()
     import importlib.util
 
+    kinds = list(KINDS)
     if importlib.util.find_spec("deepspeed") is None:
-        print("deepspeed not installed (pip install '.[bench]'): its configurations are skipped")
         kinds = [k for k in kinds if not k.startswith("deepspeed")]
     if args.only:
-        kinds = [k for k in kinds if k in args.only] + [k for k in args.only if k.endswith("+ov")]
+        overlap = [f"{k}+ov" for k in KINDS if k.startswith("zerotron")]
+        unknown = [k for k in args.only if k not in KINDS + overlap]
+        if unknown:
+            ap.error(f"--only {' '.join(unknown)}: unknown; choose from {KINDS + overlap}")
+        missing = [k for k in args.only if k in KINDS and k not in kinds]
+        if missing:
+            ap.error(f"--only {' '.join(missing)}: deepspeed is not installed (pip install '.[bench]')")
+        kinds = [k for k in kinds if k in args.only] + [k for k in args.only if k in overlap]
+    elif len(kinds) < len(KINDS):
+        print("deepspeed not installed (pip install '.[bench]'): its configurations are skipped")
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # inherited by the spawned ranks
     PEERS.update({f"{k}+ov": v for k, v in list(PEERS.items())})
     for ranks in args.ranks:
         table(kinds, args, ranks)
@@ -295,8 +316,8 @@ def table(kinds, args, ranks):
     print(f"ranks={ranks} layers={args.layers} hidden={args.hidden} vocab={args.vocab} seq={args.seq} "
           f"micro_batch={args.micro_batch}x{args.micro} steps={args.steps} rounds={args.rounds} "
           f"precision={args.precision} bucket={args.bucket} overlap={args.overlap} persist={args.persist}/{args.ds_persist}")
-    print(f"{'config':12s} {'step s':>8s} {'peer':>12s} {'x time':>7s} {'peak RSS MB':>12s} {'x RSS':>6s} "
-          f"{'states MB':>10s} {'x states':>8s} {'loss':>8s}")
+    print(f"{'config':12s} {'step s':>8s} {'peer':>12s} {'x time':>7s} {'peak RSS MiB':>13s} {'x RSS':>6s} "
+          f"{'states MiB':>11s} {'x states':>8s} {'loss':>8s}")
     for k, r in results.items():
         peers = [p for p in PEERS.get(k, []) if p in results] or [None]
         for j, pk in enumerate(peers):
@@ -305,8 +326,8 @@ def table(kinds, args, ranks):
             rr = f"{r['rss'] / peer['rss']:.2f}" if peer else "-"
             rs = f"{r['states'] / peer['states']:.3f}" if peer else "-"
             head = (f"{k:12s} {r['time']:8.3f}" if j == 0 else f"{'':12s} {'':8s}")
-            tail = (f"{r['rss'] / 2**20:12.1f}" if j == 0 else f"{'':12s}")
-            tail2 = (f"{r['states'] / 2**20:10.2f}" if j == 0 else f"{'':10s}")
+            tail = (f"{r['rss'] / 2**20:13.1f}" if j == 0 else f"{'':13s}")
+            tail2 = (f"{r['states'] / 2**20:11.2f}" if j == 0 else f"{'':11s}")
             loss = f"{r['loss']:8.4f}" if j == 0 else ""
             print(f"{head} {pk or '-':>12s} {rt:>7s} {tail} {rr:>6s} {tail2} {rs:>8s} {loss}", flush=True)
 

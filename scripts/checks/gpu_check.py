@@ -3,6 +3,10 @@
     bash scripts/gpu_check.sh                        # on a one-GPU machine; installs nothing, <= 8 min
     python scripts/checks/gpu_check.py --tiny        # the same code on CPU with a tiny model (CI smoke test)
 
+Without ``--tiny`` it needs a CUDA device and exits 2 where none is visible (or
+``ZEROTRON_DEVICE=cpu`` hides it), before building anything: on the CPU its parity would compare
+the CPU with itself and its ~1.3B model would not fit. A bad flag also exits 2, naming it.
+
 What it asserts, one table row per run, through the trainer's own step (``training.step.run_step``)
 and plan (``parallelize_gpt``):
 
@@ -16,7 +20,7 @@ and plan (``parallelize_gpt``):
    memory model's prediction (``estimate.memory_model``; it must lie between half the prediction
    and the prediction with its fragmentation margin), and the attention kernel SDPA really ran,
    recorded from the dispatched aten ops (flash or cuDNN expected in bf16 on sm80+).
-3. **pinned host<->device bandwidth** (what Pa+cpu and offload move): at least 5 GB/s each way.
+3. **pinned host<->device bandwidth** (what Pa+cpu and offload move): at least 5 GiB/s each way.
 
 With one GPU the DP degree is 1, so every collective returns before reaching NCCL; the stages
 show their overheads, not their savings, and NCCL is not exercised (that needs two GPUs).
@@ -27,6 +31,7 @@ from __future__ import annotations
 import argparse
 import gc
 import math
+import os
 import statistics
 import sys
 import time
@@ -40,6 +45,8 @@ from zerotron.estimate import memory_model
 from zerotron.model import GPTConfig
 from zerotron.model.flops import device_peak_tflops, flops_per_iteration
 from zerotron.parallel import Grid, ParallelDims, init_distributed, shutdown
+from zerotron.parallel.runtime import pick_device
+from zerotron.testing.bench_args import flag_errors, nonnegative_int, positive_float, positive_int
 from zerotron.training.config import RunConfig
 from zerotron.training.parallelize import parallelize_gpt
 from zerotron.training.step import run_step
@@ -166,8 +173,8 @@ def check_row(name: str, r: dict, ref_loss: float | None, device: torch.device, 
     if e is not None:
         low, high = 0.5 * e["before_margin"] / 2**30, e["total"] / 2**30
         if not low <= r["peak_GB"] <= high:
-            failures.append(f"{name}: peak allocated {r['peak_GB']:.2f} GB is outside the memory model's "
-                            f"[{low:.2f}, {high:.2f}] GB")
+            failures.append(f"{name}: peak allocated {r['peak_GB']:.2f} GiB is outside the memory model's "
+                            f"[{low:.2f}, {high:.2f}] GiB")
 
 
 def fmt(x, width: int, spec: str) -> str:
@@ -177,31 +184,45 @@ def fmt(x, width: int, spec: str) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="tiny models, a few steps (the CPU smoke test of this script)")
-    p.add_argument("--layers", type=int, default=24)
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--seq", type=int, default=1024)
-    p.add_argument("--vocab", type=int, default=50257)
-    p.add_argument("--micro-batch", type=int, default=4)
-    p.add_argument("--micro", type=int, default=2, help="micro-batches per step")
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--peak-tflops", type=float, default=None, help="override the device table (model.flops)")
-    p.add_argument("--only", nargs="*", help="run only these rows (parity always runs)")
+    p.add_argument("--layers", type=positive_int, default=24)
+    p.add_argument("--hidden", type=positive_int, default=2048)
+    p.add_argument("--heads", type=positive_int, default=16)
+    p.add_argument("--seq", type=positive_int, default=1024)
+    p.add_argument("--vocab", type=positive_int, default=50257)
+    p.add_argument("--micro-batch", type=positive_int, default=4)
+    p.add_argument("--micro", type=positive_int, default=2, help="micro-batches per step")
+    p.add_argument("--warmup", type=nonnegative_int, default=2)
+    p.add_argument("--steps", type=positive_int, default=3)
+    p.add_argument("--peak-tflops", type=positive_float, default=None, help="override the device table (model.flops)")
+    p.add_argument("--only", nargs="*", choices=[r[0] for r in ROWS], metavar="ROW",
+                   help=f"run only these of {[r[0] for r in ROWS]} (parity always runs)")
     args = p.parse_args(argv)
     if args.tiny:
         args.layers, args.hidden, args.heads, args.seq, args.vocab = 2, 64, 4, 32, 512
         args.micro_batch, args.warmup, args.steps = 2, 1, 1
+    with flag_errors(p, {"num_layers": "--layers", "hidden_size": "--hidden", "num_heads": "--heads",
+                         "seq_length": "--seq", "vocab_size": "--vocab"}):
+        big = GPTConfig(num_layers=args.layers, hidden_size=args.hidden, num_heads=args.heads,
+                        vocab_size=args.vocab, seq_length=args.seq).validate()
+    try:
+        small = GPTConfig(num_layers=2, hidden_size=min(args.hidden, 256), num_heads=4,
+                          vocab_size=min(args.vocab, 1024), seq_length=min(args.seq, 128)).validate()
+    except ValueError:
+        p.error(f"--hidden {args.hidden}: the fp32 parity model has min(--hidden, 256) hidden and 4 heads, so "
+                f"--hidden must be a multiple of 4")
+    try:
+        device = pick_device(int(os.environ.get("LOCAL_RANK", 0)))
+    except (ValueError, RuntimeError) as e:
+        p.error(str(e))
+    if device.type != "cuda" and not args.tiny:
+        p.error("no CUDA device is visible (torch.cuda.is_available() is False, or ZEROTRON_DEVICE=cpu), so there "
+                "is nothing to check against the CPU; run it on a GPU machine, or pass --tiny for the CPU smoke mode")
     owned = not dist.is_initialized()  # else a launcher's group (the CI smoke test): leave it to it
     env = init_distributed(timeout_s=600)
     # at TP 1 Pa has no ranks to partition over: Pa+cpu keeps whole checkpoints on the host, as intended here
     warnings.filterwarnings("ignore", message=".*Pa is a no-op.*")
     device, grid = env.device, Grid(ParallelDims())
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # strict fp32 parity
-    small = GPTConfig(num_layers=2, hidden_size=min(args.hidden, 256), num_heads=4, vocab_size=min(args.vocab, 1024),
-                      seq_length=min(args.seq, 128))
-    big = GPTConfig(num_layers=args.layers, hidden_size=args.hidden, num_heads=args.heads, vocab_size=args.vocab,
-                    seq_length=args.seq)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"[gpu_check] {name}, torch {torch.__version__} | bf16 runs: {big.exact_num_params() / 1e9:.2f}B params "
           f"({args.layers} layers, hidden {args.hidden}, seq {args.seq}, batch {args.micro_batch} x {args.micro})",
@@ -212,11 +233,12 @@ def main(argv=None) -> int:
     worst = max(abs(a - b) / abs(b) for a, b in zip(here, cpu))
     if worst > PARITY_RTOL:
         failures.append(f"fp32 parity: {device} losses {here} vs CPU {cpu} (worst relative {worst:.1e})")
-    head = (f"{'run':<16}{'step s':>8}{'TFLOP/s':>9}{'MFU':>7}{'HFU':>7}{'peak GB':>9}{'model GB':>9}"
+    head = (f"{'run':<16}{'step s':>8}{'TFLOP/s':>9}{'MFU':>7}{'HFU':>7}{'peak GiB':>10}{'model GiB':>10}"
             f"{'SDPA':>11}{'loss':>9}")
     print(head + "\n" + "-" * len(head))
-    print(f"{'fp32 parity':<16}{'':>8}{'':>9}{'':>7}{'':>7}{'':>9}{'':>9}{'':>11}{here[-1]:>9.4f}"
-          f"  worst rel. diff to CPU {worst:.1e}", flush=True)
+    itself = "" if device.type == "cuda" else " (cpu against itself: --tiny runs the code, it checks no parity)"
+    print(f"{'fp32 parity':<16}{'':>8}{'':>9}{'':>7}{'':>7}{'':>10}{'':>10}{'':>11}{here[-1]:>9.4f}"
+          f"  worst rel. diff to CPU {worst:.1e}{itself}", flush=True)
     ref = None
     for row_name, stage, ckpt, pa_cpu, offload in ROWS:
         if args.only and row_name not in args.only:
@@ -226,11 +248,12 @@ def main(argv=None) -> int:
         check_row(row_name, r, ref, device, failures)
         model_gb = r["predicted"]["before_margin"] / 2**30 if r["predicted"] else None
         print(f"{row_name:<16}{r['step_s']:>8.3f}{r['tflops']:>9.2f}{fmt(r['mfu'], 7, '.1%')}{fmt(r['hfu'], 7, '.1%')}"
-              f"{fmt(r['peak_GB'], 9, '.2f')}{fmt(model_gb, 9, '.2f')}{r['sdpa']:>11}{r['losses'][-1]:>9.4f}", flush=True)
+              f"{fmt(r['peak_GB'], 10, '.2f')}{fmt(model_gb, 10, '.2f')}{r['sdpa']:>11}{r['losses'][-1]:>9.4f}",
+              flush=True)
     if device.type == "cuda":
         bw = bandwidth(device, 1024)
-        print(f"[gpu_check] pinned copies: host->device {bw['h2d']:.1f} GB/s, device->host {bw['d2h']:.1f} GB/s")
-        failures += [f"pinned {k} {v:.1f} GB/s < {MIN_GBPS} GB/s" for k, v in bw.items() if v < MIN_GBPS]
+        print(f"[gpu_check] pinned copies: host->device {bw['h2d']:.1f} GiB/s, device->host {bw['d2h']:.1f} GiB/s")
+        failures += [f"pinned {k} {v:.1f} GiB/s < {MIN_GBPS} GiB/s" for k, v in bw.items() if v < MIN_GBPS]
     if owned:
         shutdown()
     for f in failures:

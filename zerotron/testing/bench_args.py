@@ -1,0 +1,66 @@
+"""Flag checks shared by the benchmarks and checks under ``scripts/bench`` and ``scripts/checks``.
+
+A bad size reaching the ranks fails there as a traceback from one of N forked processes -- or
+as a collective waiting on a rank that died of it. These checks run in the parent, at parse
+time, so the script exits 2 (argparse's usage error) with a message naming the flag and the fix
+before any process is started. ``flag_errors`` renames the library's config fields in its
+``ValueError`` (``model.hidden_size``, ``zero.sub_group_size``) to the flags that set them, so the
+constraint checked is the library's own (``GPTConfig.validate``, ``ZeroConfig.validate``), not a
+copy kept here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+from contextlib import contextmanager
+from typing import Iterator
+
+
+def _number(text: str, kind: type, low: float, strict: bool, what: str):
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+    if not math.isfinite(value) or value < low or (strict and value == low):
+        raise argparse.ArgumentTypeError(f"{text} is not {what}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """argparse ``type``: an integer >= 1 (a count or a size)."""
+    return _number(text, int, 1, False, "a positive integer (at least 1)")
+
+
+def nonnegative_int(text: str) -> int:
+    """argparse ``type``: an integer >= 0 (a count where 0 means none)."""
+    return _number(text, int, 0, False, "an integer >= 0")
+
+
+def positive_float(text: str) -> float:
+    """argparse ``type``: a finite number > 0 (a size or a duration)."""
+    return _number(text, float, 0.0, True, "a finite number > 0")
+
+
+def nonnegative_float(text: str) -> float:
+    """argparse ``type``: a finite number >= 0 (0 switches the feature off)."""
+    return _number(text, float, 0.0, False, "a finite number >= 0")
+
+
+def rename_fields(message: str, flags: dict[str, str]) -> str:
+    """``message`` with each config field (``model.hidden_size``, ``parallel.tp``, or bare
+    ``hidden_size`` in the fix it suggests) replaced by the flag that sets it."""
+    for field in sorted(flags, key=len, reverse=True):
+        message = re.sub(rf"\b(?:model\.|parallel\.|zero\.)?{re.escape(field)}\b", flags[field], message)
+    return message
+
+
+@contextmanager
+def flag_errors(parser: argparse.ArgumentParser, flags: dict[str, str], note: str = "") -> Iterator[None]:
+    """A ``ValueError`` raised inside becomes ``parser.error`` (exit 2), its fields named by
+    ``flags`` (field -> flag); ``note`` says what the script fixes that no flag sets."""
+    try:
+        yield
+    except ValueError as e:
+        parser.error(rename_fields(str(e), flags) + (f" ({note})" if note else ""))
