@@ -132,7 +132,8 @@ BF16 = {
                                  refused_when="when true"),
 }
 OPTIMIZER_PARAMS = {
-    "lr": Key(H, "optimizer.lr (the peak rate; the scheduler's warmup_max_lr wins)", auto=True),
+    "lr": Key(H, "optimizer.lr (the peak rate; under WarmupLR / WarmupDecayLR their warmup_max_lr wins, "
+                 "0.001 when not given, as in DeepSpeed)", auto=True),
     "betas": Key(H, "optimizer.beta1, optimizer.beta2", auto=True),
     "eps": Key(H, "optimizer.eps", auto=True),
     "weight_decay": Key(H, "optimizer.weight_decay (on matrices, not biases and norms: the grouping Megatron "
@@ -207,7 +208,8 @@ TOP = {
                         "optimizer.schedule=onecycle: OneCycle",
                      keys={"type": Key(M, "WarmupLR: decay constant; WarmupDecayLR: linear; WarmupCosineLR: cosine; "
                                           "OneCycle: onecycle (LRRangeTest refused)"),
-                           "params": Key(M, "warmup_max_lr: optimizer.lr, warmup_num_steps: optimizer.warmup_steps,"
+                           "params": Key(M, "warmup_max_lr: optimizer.lr (not given: 0.001, DeepSpeed's default), "
+                                            "warmup_num_steps: optimizer.warmup_steps,"
                                             " total_num_steps: optimizer.schedule_steps, warmup_min_lr: "
                                             "optimizer.warmup_min_lr (and min_lr)", keys=SCHEDULER_PARAMS)}),
     "fp16": Key(H, "training.precision=fp16 and its loss scaling", keys=FP16),
