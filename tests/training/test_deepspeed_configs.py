@@ -41,7 +41,7 @@ checkpoint: {{save: null}}
 # the Hugging Face configs print every 2000 steps (steps_per_print); a flag wins over it, and "auto" follows one
 FLAGS = {"hf_zero2_auto": ["--log-interval", "1"],
          "hf_zero3_auto": ["--log-interval", "1", "--precision", "bf16", "--save", "ck"],
-         "hf_tests_zero3": ["--log-interval", "1"]}
+         "hf_tests_zero3": ["--log-interval", "1", "--optimizer.min_lr", "0.0003"]}  # WarmupLR never reads it
 
 
 def run_all(tmp: str, cache: str, ports: list[int]) -> dict:
@@ -277,6 +277,7 @@ def test_start_up_lines(runs):
     assert "[deepspeed] bf16.enabled: auto -> true (training.precision='bf16') from the command line" \
         in text["hf_zero3_auto"]
     assert "accepted, no effect here: autotuning (" in text["autotuning_profiler"]
+    assert "[config] no effect here: optimizer.min_lr=0.0003 (the rate does not decay" in text["hf_tests_zero3"]
     assert "steps_per_print=2000 is overridden by the command line: logging.log_interval=1" in text["hf_zero2_auto"]
     assert "zero_optimization.stage3_max_reuse_distance not given: 1e+09, DeepSpeed's default" \
         in text["bf16_stage3_monitors"]

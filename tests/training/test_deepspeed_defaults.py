@@ -7,12 +7,16 @@ zerotron keeps where DeepSpeed's default differs, each said at start-up."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from zerotron.training.cli import parse_config
 from zerotron.training.deepspeed import from_deepspeed
 from zerotron.training.schedule import lr_at
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIGS = ROOT / "tests" / "training" / "deepspeed_configs"
 
 
 def test_warmup_lr_without_a_peak_warms_up_to_deepspeeds_default():
@@ -26,3 +30,29 @@ def test_warmup_lr_without_a_peak_warms_up_to_deepspeeds_default():
                in line for line in lines), lines
     cosine = {**ds, "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 100}}}
     assert from_deepspeed(cosine)[0].validate(1).optimizer.lr == 3e-4  # a ratio of the optimizer's rate
+
+
+def test_a_min_lr_the_schedule_never_reaches_is_not_refused():
+    """HF's tests' ZeRO-3 config (lr 3e-5, WarmupLR: constant after the warm-up) on configs/tiny.yaml
+    (min_lr 3e-4): DeepSpeed's WarmupLR has no floor, so the YAML's is only said to do nothing."""
+    from zerotron.training.inert import no_effect
+
+    argv = ["--config", str(ROOT / "configs" / "tiny.yaml"), "--deepspeed-config", str(CONFIGS / "hf_tests_zero3.json")]
+    cfg = parse_config(argv, world_size=4).validate(4)
+    assert (cfg.optimizer.lr, cfg.optimizer.decay) == (3e-5, "constant")
+    assert "no effect here: optimizer.min_lr=0.0003 (the rate does not decay: optimizer.decay=constant)" \
+        in no_effect(cfg)
+
+
+def test_a_min_lr_above_the_jsons_rate_names_the_flag_that_fixes_it():
+    """DeepSpeedExamples' Megatron ZeRO-2 config (lr 1.5e-4, no scheduler section) on configs/tiny.yaml:
+    the YAML's cosine schedule runs, as under Megatron-DeepSpeed, and would decay *up* to 3e-4."""
+    from zerotron.training.config import ConfigError
+
+    argv = ["--config", str(ROOT / "configs" / "tiny.yaml"), "--deepspeed-config",
+            str(CONFIGS / "dsexamples_megatron_zero2_static.json")]
+    with pytest.raises(ConfigError) as err:
+        parse_config(argv, world_size=4).validate(4)
+    assert "optimizer.params.lr (read as optimizer.lr): optimizer.min_lr=0.0003 must be between 0 and " \
+           "optimizer.lr=0.00015" in str(err.value) and "--optimizer.min_lr 1.5e-05" in str(err.value)
+    assert parse_config(argv + ["--optimizer.min_lr", "1.5e-05"], world_size=4).validate(4).optimizer.min_lr == 1.5e-5
