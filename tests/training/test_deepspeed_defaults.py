@@ -56,3 +56,23 @@ def test_a_min_lr_above_the_jsons_rate_names_the_flag_that_fixes_it():
     assert "optimizer.params.lr (read as optimizer.lr): optimizer.min_lr=0.0003 must be between 0 and " \
            "optimizer.lr=0.00015" in str(err.value) and "--optimizer.min_lr 1.5e-05" in str(err.value)
     assert parse_config(argv + ["--optimizer.min_lr", "1.5e-05"], world_size=4).validate(4).optimizer.min_lr == 1.5e-5
+
+
+def test_precision_and_stage_left_out_keep_the_run_configs_and_say_so(tmp_path, capsys):
+    """DeepSpeed's defaults are fp32 and stage 0; like a missing ``gradient_clipping``, a missing
+    precision section or stage keeps the YAML's value, with a line -- none where a flag decided."""
+    yml, ds = tmp_path / "run.yaml", tmp_path / "ds.json"
+    yml.write_text("training: {precision: bf16}\nzero: {stage: 2}\n")
+    ds.write_text(json.dumps({"zero_optimization": {"overlap_comm": True}, "fp16": {"enabled": False}}))
+    cfg = parse_config(["--config", str(yml), "--deepspeed-config", str(ds)], world_size=1)
+    assert (cfg.training.precision, cfg.zero.stage) == ("bf16", 2)
+    out = capsys.readouterr().out
+    assert "zero_optimization.stage not given: zero.stage stays the run config's 2 (DeepSpeed's default 0" in out
+    assert "bf16 not given: training.precision stays the run config's bf16 (DeepSpeed's default would train " \
+           "in fp32" in out
+    ds.write_text("{}")
+    parse_config(["--config", str(yml), "--deepspeed-config", str(ds)], world_size=1)
+    assert "zero_optimization not given: zero.stage stays the run config's 2" in capsys.readouterr().out
+    parse_config(["--config", str(yml), "--deepspeed-config", str(ds), "--precision", "bf16", "--zero-stage", "2"],
+                 world_size=1)
+    assert "not given" not in capsys.readouterr().out.replace("gradient_clipping not given", "")

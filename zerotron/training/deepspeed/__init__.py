@@ -57,8 +57,7 @@ def read(data: dict) -> plan.Plan:
         raise DeepSpeedKeyError(f"expected a JSON object of DeepSpeed sections, got {type(data).__name__}")
     p = plan.Plan()
     p.notes.extend(check(data, TOP))
-    if data.get("zero_optimization") is not None:
-        mapping.zero(p, data["zero_optimization"])
+    mapping.zero(p, data.get("zero_optimization"))
     mapping.precision(p, data)
     if data.get("activation_checkpointing") is not None:
         mapping.activation(p, data["activation_checkpointing"])

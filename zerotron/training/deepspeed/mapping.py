@@ -5,7 +5,9 @@ The keys' *status* is ``keys.py``'s; this module turns the honoured and mapped o
 fields, with DeepSpeed's reading of them: ``overlap_comm`` absent at stage 3 is true (DeepSpeed's
 stage-dependent default; so are the two ``stage3_max_*`` keys, 1e9), ``cpu_offload`` is the older spelling of ``offload_optimizer: cpu``, a
 present ``activation_checkpointing`` section turns checkpointing on, ``"enabled": "auto"`` follows
-``training.precision``, and ``fp16.loss_scale > 0`` is a static scale.
+``training.precision``, and ``fp16.loss_scale > 0`` is a static scale. A stage or precision the
+JSON leaves out stays the run config's, said at start-up where DeepSpeed's default (stage 0, fp32)
+differs -- the convention of a missing ``gradient_clipping``.
 """
 
 from __future__ import annotations
@@ -42,8 +44,14 @@ def one_of(z: dict, names: tuple, where: str) -> tuple[str, object] | None:
     return (given[0], z[given[0]]) if given else None
 
 
-def zero(plan: Plan, z: dict) -> None:
+def zero(plan: Plan, z: dict | None) -> None:
+    """``z`` None: no ``zero_optimization`` section, whose stage DeepSpeed would take as 0."""
     p = "zero_optimization"
+    if z is None or "stage" not in z:
+        what = f"{p}.stage" if z is not None else p
+        plan.note(lambda cfg: _kept_stage(cfg, what), unless_flagged="zero.stage")
+    if z is None:
+        return
     if "stage" in z:
         plan.set(f"{p}.stage", "zero.stage", whole(f"{p}.stage", z["stage"]))
     for key in _BOOLS:
@@ -77,6 +85,13 @@ def zero(plan: Plan, z: dict) -> None:
                        "stage3_gather_fp16_weights_on_model_save"), p)
     if found is not None:
         plan.set(f"{p}.{found[0]}", "checkpoint.consolidated_16bit", flag(f"{p}.{found[0]}", found[1]))
+
+
+def _kept_stage(cfg, what: str) -> str | None:
+    if cfg.zero.stage == 0:
+        return None
+    return (f"{what} not given: zero.stage stays the run config's {cfg.zero.stage} (DeepSpeed's default 0 would "
+            f"not partition; give \"stage\": 0 for that)")
 
 
 def _offload(plan: Plan, z: dict, p: str) -> None:
@@ -154,8 +169,22 @@ def precision(plan: Plan, ds: dict) -> None:
         if v == "auto":
             plan.set(f"{k}.enabled", "training.precision", lambda cfg: cfg.training.precision,
                      auto="training.precision={}", show=lambda cfg, k=k: str(cfg.training.precision == k).lower())
+    if on is None and "auto" not in enabled.values():
+        plan.note(_kept_precision, unless_flagged="training.precision")
     fp16 = sections["fp16"] or {}
     _loss_scaling(plan, fp16)
+
+
+def _kept_precision(cfg) -> str | None:
+    """With no section enabled, DeepSpeed trains in fp32; a run config's 16-bit (or fp64) precision
+    stays, said. (A present ``"enabled": false`` for it already made it fp32.)"""
+    p = cfg.training.precision
+    if p == "fp32":
+        return None
+    what, fix = (p, f'give "{p}": {{"enabled": false}}') if p in ("fp16", "bf16") else \
+        ("fp16 / bf16", "pass --precision fp32")
+    return (f"{what} not given: training.precision stays the run config's {p} (DeepSpeed's default would train in "
+            f"fp32; {fix} for that)")
 
 
 def _loss_scaling(plan: Plan, fp16: dict) -> None:
