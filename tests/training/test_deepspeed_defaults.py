@@ -76,3 +76,19 @@ def test_precision_and_stage_left_out_keep_the_run_configs_and_say_so(tmp_path, 
     parse_config(["--config", str(yml), "--deepspeed-config", str(ds), "--precision", "bf16", "--zero-stage", "2"],
                  world_size=1)
     assert "not given" not in capsys.readouterr().out.replace("gradient_clipping not given", "")
+
+
+def test_zeropp_keys_below_stage_3_have_no_effect(capsys):
+    """The ZeRO++ config run at ``--zero-stage 2``: DeepSpeed's stage 1-2 optimizer never reads qwZ,
+    hpZ or qgZ, so the gradients are not quantized and nothing is refused."""
+    argv = ["--deepspeed-config", str(CONFIGS / "zeropp_fp16.json"), "--zero-stage", "2"]
+    z = parse_config(argv, world_size=2).validate(2).zero
+    assert (z.stage, z.zero_quantized_weights, z.zero_hpz_partition_size, z.zero_quantized_gradients) == \
+        (2, False, 1, False)
+    out = capsys.readouterr().out
+    for key in ("zero_quantized_weights", "zero_hpz_partition_size", "zero_quantized_gradients"):
+        assert f"accepted, no effect here: zero_optimization.{key} (DeepSpeed runs ZeRO++ (qwZ, hpZ, qgZ) at " \
+               f"stage 3 only: zero.stage=2)" in out, out
+    three = parse_config(argv[:2], world_size=2).validate(2).zero
+    assert (three.zero_quantized_weights, three.zero_hpz_partition_size, three.zero_quantized_gradients) == \
+        (True, 2, True)

@@ -85,7 +85,7 @@ def apply_deepspeed(data: dict, cfg, set_field: Callable, flagged: set[str], wor
     ``DeepSpeedKeyError`` naming the DeepSpeed key."""
     origins = {} if origins is None else origins
     lines = [PRECEDENCE] + plan.apply(read(data), cfg, set_field, flagged, origins)
-    lines += mapping.param_offload_below_stage3(cfg, set_field, origins)
+    lines += mapping.stage3_only_below_stage3(cfg, set_field, origins)
     try:
         dp = cfg.parallel.resolve(world_size).dp
     except ValueError as e:

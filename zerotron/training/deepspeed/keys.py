@@ -51,7 +51,8 @@ ZERO = {
     "overlap_comm": Key(H, "zero.overlap_comm; absent at stage 3: true, DeepSpeed's stage-dependent default"),
     "load_from_fp32_weights": Key(N, "zerotron checkpoints always hold and load the fp32 master"),
     "elastic_checkpoint": Key(N, "zerotron checkpoints load into any layout anyway"),
-    "offload_param": Key(H, "stage-3 parameter partition on the host or NVMe", keys=OFFLOAD_PARAM),
+    "offload_param": Key(H, "stage-3 parameter partition on the host or NVMe; below stage 3, as in DeepSpeed, "
+                            "accepted with no effect", keys=OFFLOAD_PARAM),
     "offload_optimizer": Key(H, "optimizer state on the host or NVMe", keys=OFFLOAD_OPTIMIZER),
     "zenflow": Key(N, _OFF, refuse=lambda v: "ZenFlow is not implemented; remove it" if v else None,
                    refused_when="when set"),
@@ -89,10 +90,12 @@ ZERO = {
     "ignore_unused_parameters": Key(N, "the GPT has no unused parameters"),
     "legacy_stage1": Key(N, "zerotron has one stage-1 implementation"),
     "round_robin_gradients": Key(N, "an ordering of DeepSpeed's CPU-offload gradient copies"),
-    "zero_hpz_partition_size": Key(H, "zero.zero_hpz_partition_size (ZeRO++ hpZ; 0 or 1: off)"),
-    "zero_quantized_weights": Key(H, "zero.zero_quantized_weights (ZeRO++ qwZ)"),
+    "zero_hpz_partition_size": Key(H, "zero.zero_hpz_partition_size (ZeRO++ hpZ; 0 or 1: off); stage 3 only, as "
+                                      "in DeepSpeed: below it, accepted with no effect"),
+    "zero_quantized_weights": Key(H, "zero.zero_quantized_weights (ZeRO++ qwZ); stage 3 only, as in DeepSpeed"),
     "zero_quantized_nontrainable_weights": Key(N, "the GPT has no frozen weights"),
-    "zero_quantized_gradients": Key(H, "zero.zero_quantized_gradients (ZeRO++ qgZ)"),
+    "zero_quantized_gradients": Key(H, "zero.zero_quantized_gradients (ZeRO++ qgZ); stage 3 only, as in DeepSpeed "
+                                       "(zerotron's own zero.zero_quantized_gradients also runs at stages 1-2)"),
     "zero_quantization_block_size": Key(H, "zerotron's own key: zero.zero_quantization_block_size"),
     "zero_quantized_gradients_node_size": Key(H, "zerotron's own key: zero.zero_quantized_gradients_node_size"),
     "zeropp_loco_param": Key(N, _OFF, refuse=lambda v: "LoCo error feedback is not implemented; remove it"

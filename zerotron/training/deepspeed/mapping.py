@@ -125,25 +125,38 @@ def _device(plan: Plan, path: str, what: str, device) -> None:
     plan.set(path, f"zero.offload_{what}_device", device)
 
 
-def param_offload_below_stage3(cfg, set_field: Callable, origins: dict) -> list[str]:
-    """DeepSpeed reads ``offload_param`` only at stage 3 (below it parameters are not partitioned),
-    so a JSON's parameter offload at stage 0-2 is dropped with a note, not refused as zerotron's
-    own ``zero.offload_param_device`` would be."""
+_ZEROPP = "DeepSpeed runs ZeRO++ (qwZ, hpZ, qgZ) at stage 3 only"
+# field (prefix) -> (its main field, whether that asks anything of stage 3, why it does nothing below)
+_STAGE3_ONLY = {"zero.offload_param_": ("offload_param_device", lambda v: v != "none",
+                                        "DeepSpeed offloads parameters at stage 3 only"),
+                "zero.zero_quantized_weights": ("zero_quantized_weights", bool, _ZEROPP),
+                "zero.zero_hpz_partition_size": ("zero_hpz_partition_size", lambda v: v > 1, _ZEROPP),
+                "zero.zero_quantized_gradients": ("zero_quantized_gradients", bool, _ZEROPP)}
+
+
+def stage3_only_below_stage3(cfg, set_field: Callable, origins: dict) -> list[str]:
+    """DeepSpeed reads ``offload_param`` and the ZeRO++ keys only at stage 3 (``stage_1_and_2.py``
+    never looks at them), so a JSON's values for them at stage 0-2 go back to the run config's
+    defaults with an ``accepted, no effect here`` line, instead of being refused (qwZ, hpZ) or
+    quantizing stage-2 gradients (qgZ) as zerotron's own ``zero.*`` fields would."""
     from zerotron.zero.config import ZeroConfig
 
-    set_here = [t for t in origins if t.startswith("zero.offload_param_")]
-    if cfg.zero.stage == 3 or not set_here:
+    if cfg.zero.stage == 3:
         return []
-    key = origins.get("zero.offload_param_device", origins[set_here[0]])  # as the JSON spells it
-    offloaded = cfg.zero.offload_param_device != "none"
-    for target in set_here:
-        name = target.split(".")[1]
-        set_field(cfg, "zero", name, getattr(ZeroConfig(), name))
-        del origins[target]
-    if not offloaded:  # {"device": "none"}: nothing was asked of stage 3
-        return []
-    return [f"accepted, no effect here: {key} (DeepSpeed offloads parameters at stage 3 only: "
-            f"zero.stage={cfg.zero.stage})"]
+    lines = []
+    for prefix, (main, asks, why) in _STAGE3_ONLY.items():
+        set_here = [t for t in origins if t.startswith(prefix)]
+        if not set_here:
+            continue
+        key = origins.get(f"zero.{main}", origins[set_here[0]])  # as the JSON spells it
+        asked = asks(getattr(cfg.zero, main))  # {"device": "none"}, false, hpZ 0 or 1: nothing was asked
+        for target in set_here:
+            name = target.split(".")[1]
+            set_field(cfg, "zero", name, getattr(ZeroConfig(), name))
+            del origins[target]
+        if asked:
+            lines.append(f"accepted, no effect here: {key} ({why}: zero.stage={cfg.zero.stage})")
+    return lines
 
 
 def precision(plan: Plan, ds: dict) -> None:
