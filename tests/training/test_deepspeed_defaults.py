@@ -92,3 +92,15 @@ def test_zeropp_keys_below_stage_3_have_no_effect(capsys):
     three = parse_config(argv[:2], world_size=2).validate(2).zero
     assert (three.zero_quantized_weights, three.zero_hpz_partition_size, three.zero_quantized_gradients) == \
         (True, 2, True)
+
+
+def test_an_auto_train_batch_size_is_micro_x_accumulation_x_dp():
+    """The Hugging Face Trainer fills ``train_batch_size`` with ``world x micro x gas``: beside a given
+    micro batch and accumulation count, "auto" is their product, not the run config's global batch."""
+    ds = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4}
+    cfg, lines = from_deepspeed(ds, world_size=4)  # the run config's global batch is 16
+    assert (cfg.training.global_batch_size, cfg.validate(4).num_microbatches) == (32, 4)
+    assert "train_batch_size: auto -> 32 (train_micro_batch_size_per_gpu x gradient_accumulation_steps x dp = " \
+           "2 x 4 x 4, the Hugging Face Trainer's rule)" in lines
+    everything_auto = dict.fromkeys(ds, "auto")
+    assert from_deepspeed(everything_auto, world_size=2)[0].training.global_batch_size == 16  # the run config's

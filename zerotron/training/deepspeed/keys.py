@@ -201,7 +201,8 @@ TENSOR_PARALLEL.update({k: Key(N, "AutoTP's layer matching; zerotron's layers ar
 
 _NOT_HERE = "not implemented in zerotron"
 TOP = {
-    "train_batch_size": Key(H, "training.global_batch_size; with the other two: batch = micro x GA x dp",
+    "train_batch_size": Key(H, "training.global_batch_size; with the other two: batch = micro x GA x dp; \"auto\" "
+                               "beside a numeric micro batch or GA: micro x GA x dp (the HF Trainer's rule)",
                             auto=True),
     "train_micro_batch_size_per_gpu": Key(H, "training.micro_batch_size", auto=True),
     "gradient_accumulation_steps": Key(H, "training.global_batch_size / (micro batch x dp)", auto=True),
