@@ -7,6 +7,7 @@ zerotron keeps where DeepSpeed's default differs, each said at start-up."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -104,3 +105,32 @@ def test_an_auto_train_batch_size_is_micro_x_accumulation_x_dp():
            "2 x 4 x 4, the Hugging Face Trainer's rule)" in lines
     everything_auto = dict.fromkeys(ds, "auto")
     assert from_deepspeed(everything_auto, world_size=2)[0].training.global_batch_size == 16  # the run config's
+
+
+def test_null_optional_sections_are_left_out():
+    """``offload_param`` / ``offload_optimizer`` / ``overlap_comm`` are ``Optional`` in DeepSpeed's
+    ZeRO model: null is the default (no offload; overlap on at stage 3 only)."""
+    z = {"stage": 3, "offload_param": None, "offload_optimizer": None, "overlap_comm": None}
+    cfg, _ = from_deepspeed({"zero_optimization": z})
+    assert (cfg.zero.offload_param_device, cfg.zero.optimizer_offload, cfg.zero.overlap_comm) == ("none", "none", True)
+
+
+def test_pydantic_sections_coerce_as_deepspeed_does_and_only_those():
+    """DeepSpeed's ZeRO, offload and (newest) fp16/bf16 models are pydantic in lax mode: "2" is 2,
+    "false" is false. The scheduler's params and activation checkpointing it reads as given, so a
+    string there stays refused (``"false"`` would even be a true value in DeepSpeed)."""
+    ds = {"zero_optimization": {"stage": "2", "contiguous_gradients": "false", "reduce_bucket_size": "1000000",
+                                "offload_optimizer": {"device": "cpu", "pin_memory": "true"}},
+          "fp16": {"enabled": "true", "initial_scale_power": "12"}, "bf16": {"enabled": 0}}
+    cfg, _ = from_deepspeed(ds)
+    assert (cfg.zero.stage, cfg.zero.contiguous_gradients, cfg.zero.reduce_bucket_size) == (2, False, 1_000_000)
+    assert (cfg.zero.optimizer_offload, cfg.training.precision, cfg.optimizer.initial_loss_scale) == \
+        ("cpu", "fp16", 4096.0)
+    for bad, needle in [({"zero_optimization": {"stage": "two"}}, "zero_optimization.stage='two': DeepSpeed reads "
+                                                                   "it as int and refuses it"),
+                        ({"zero_optimization": {"overlap_comm": "maybe"}}, "overlap_comm='maybe'"),
+                        ({"activation_checkpointing": {"partition_activations": "false"}}, "must be true or false"),
+                        ({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": "10"}}}, "integer")]:
+        with pytest.raises(ValueError, match=re.escape(needle)):
+            from_deepspeed(bad)
+

@@ -13,6 +13,7 @@ command-line flags, so the JSON is applied after the flags and skips what they s
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 from typing import Callable
@@ -52,10 +53,11 @@ def _no_duplicates(pairs):
 
 
 def read(data: dict) -> plan.Plan:
-    """Check ``data`` against DeepSpeed's schema and turn it into assignments (not yet applied)."""
+    """Check ``data`` against DeepSpeed's schema and turn it into assignments (not yet applied).
+    A copy is normalized as DeepSpeed reads it (pydantic's coercions and nulls) first."""
     if not isinstance(data, dict):
         raise DeepSpeedKeyError(f"expected a JSON object of DeepSpeed sections, got {type(data).__name__}")
-    p = plan.Plan()
+    data, p = copy.deepcopy(data), plan.Plan()
     p.notes.extend(check(data, TOP))
     mapping.zero(p, data.get("zero_optimization"))
     mapping.precision(p, data)

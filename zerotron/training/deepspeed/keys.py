@@ -7,6 +7,7 @@ the README's key table are made from (``schema.py``). Where a value is mapped, `
 
 from __future__ import annotations
 
+from zerotron.training.deepspeed.pydantic_fields import declare_pydantic_fields
 from zerotron.training.deepspeed.schema import (HONOURED as H, MAPPED as M, NO_EFFECT as N, REFUSED as R, Key,
                                                 refuse_enabled, refuse_true, refuse_unless)
 
@@ -294,3 +295,6 @@ TOP = {
     "weight_quantization": Key(R, "inference weight quantization is " + _NOT_HERE, loose=True,
                                refuse=lambda v: "inference weight quantization is " + _NOT_HERE),
 }
+
+
+declare_pydantic_fields(TOP)

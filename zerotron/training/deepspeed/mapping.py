@@ -228,8 +228,14 @@ def _loss_scaling(plan: Plan, fp16: dict) -> None:
 
 
 def activation(plan: Plan, section: dict) -> None:
+    """DeepSpeed reads this section as given (``get_scalar_param``, no pydantic), so a string where a
+    switch belongs is refused: ``"false"`` would be a true value there."""
     p = "activation_checkpointing"
     plan.set(p, f"{p}.checkpoint_activations", True)
+    for key in ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
+                "synchronize_checkpoint_boundary"):
+        if key in section:
+            flag(f"{p}.{key}", section[key])
     md = section.get("contiguous_memory_optimization", False)
     for key, value in section.items():
         if key == "number_checkpoints" and not md:  # DeepSpeed reads the count only for that buffer
