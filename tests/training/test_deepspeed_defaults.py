@@ -115,6 +115,18 @@ def test_null_optional_sections_are_left_out():
     assert (cfg.zero.offload_param_device, cfg.zero.optimizer_offload, cfg.zero.overlap_comm) == ("none", "none", True)
 
 
+@pytest.mark.parametrize("legacy, stage", [(True, 1), (False, 0)])
+def test_a_boolean_zero_optimization_is_the_deprecated_stage_1_or_0(legacy, stage):
+    """``read_zero_config_deprecated``: true is stage 1 with the top-level ``allgather_size`` as its
+    all-gather bucket; false is stage 0."""
+    cfg, lines = from_deepspeed({"zero_optimization": legacy, "allgather_size": 2e8})
+    assert cfg.zero.stage == stage
+    assert cfg.zero.allgather_bucket_size == (200_000_000 if legacy else 500_000_000)
+    assert any(f"zero_optimization: {str(legacy).lower()} is DeepSpeed's deprecated spelling of {{\"stage\": {stage}}}"
+               in line for line in lines), lines
+    assert any("accepted, no effect here: allgather_size" in line for line in lines) is not legacy
+
+
 def test_pydantic_sections_coerce_as_deepspeed_does_and_only_those():
     """DeepSpeed's ZeRO, offload and (newest) fp16/bf16 models are pydantic in lax mode: "2" is 2,
     "false" is false. The scheduler's params and activation checkpointing it reads as given, so a

@@ -54,10 +54,11 @@ def _no_duplicates(pairs):
 
 def read(data: dict) -> plan.Plan:
     """Check ``data`` against DeepSpeed's schema and turn it into assignments (not yet applied).
-    A copy is normalized as DeepSpeed reads it (pydantic's coercions and nulls) first."""
+    A copy is normalized as DeepSpeed reads it (legacy spellings, pydantic's coercions) first."""
     if not isinstance(data, dict):
         raise DeepSpeedKeyError(f"expected a JSON object of DeepSpeed sections, got {type(data).__name__}")
     data, p = copy.deepcopy(data), plan.Plan()
+    _legacy_zero(data, p)
     p.notes.extend(check(data, TOP))
     mapping.zero(p, data.get("zero_optimization"))
     mapping.precision(p, data)
@@ -76,6 +77,23 @@ def read(data: dict) -> plan.Plan:
         p.note("no scheduler section: the run config's schedule runs (optimizer.schedule, warmup_steps, decay), "
                "as under Megatron-DeepSpeed or the Hugging Face Trainer; DeepSpeed alone keeps the rate constant")
     return p
+
+
+def _legacy_zero(data: dict, p: plan.Plan) -> None:
+    """``"zero_optimization": true / false`` is DeepSpeed's deprecated spelling of stage 1 / 0, whose
+    all-gather bucket is then the top-level ``allgather_size`` (``read_zero_config_deprecated``);
+    DeepSpeed reads ``allgather_size`` nowhere else."""
+    legacy = data.get("zero_optimization")
+    if isinstance(legacy, bool):
+        data["zero_optimization"] = {"stage": int(legacy)}
+        p.note(f"zero_optimization: {str(legacy).lower()} is DeepSpeed's deprecated spelling of {{\"stage\": "
+               f"{int(legacy)}}}; read as that (write the section out to set other keys)")
+        if legacy and "allgather_size" in data:
+            data["zero_optimization"]["allgather_bucket_size"] = data.pop("allgather_size")
+    if "allgather_size" in data:
+        data.pop("allgather_size")
+        p.note("accepted, no effect here: allgather_size (DeepSpeed reads it only with the deprecated "
+               "\"zero_optimization\": true; use zero_optimization.allgather_bucket_size)")
 
 
 def apply_deepspeed(data: dict, cfg, set_field: Callable, flagged: set[str], world_size: int,

@@ -222,7 +222,10 @@ TOP = {
     "fp16": Key(H, "training.precision=fp16 and its loss scaling", keys=FP16),
     "bf16": Key(H, "training.precision=bf16", keys=BF16),
     "bfloat16": Key(H, "the older name of bf16", keys=BF16),
-    "zero_optimization": Key(H, "the zero section (ZeroConfig)", keys=ZERO),
+    "zero_optimization": Key(H, "the zero section (ZeroConfig); true / false, DeepSpeed's deprecated spelling: "
+                                "stage 1 / 0", keys=ZERO),
+    "allgather_size": Key(M, "with \"zero_optimization\": true, zero.allgather_bucket_size (DeepSpeed reads it "
+                             "nowhere else)"),
     "activation_checkpointing": Key(H, "the section's presence turns checkpointing on (DeepSpeed's users "
                                        "checkpoint when they configure it)", keys=ACTIVATION),
     "data_types": Key(H, "see below", keys=DATA_TYPES),
