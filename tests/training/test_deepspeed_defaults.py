@@ -142,7 +142,17 @@ def test_pydantic_sections_coerce_as_deepspeed_does_and_only_those():
                                                                    "it as int and refuses it"),
                         ({"zero_optimization": {"overlap_comm": "maybe"}}, "overlap_comm='maybe'"),
                         ({"activation_checkpointing": {"partition_activations": "false"}}, "must be true or false"),
-                        ({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": "10"}}}, "integer")]:
+                        ({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": "10"}}}, "integer"),
+                        ({"bf16": {"enabled": True, "check_overflow": True}},
+                         "bf16.check_overflow: not a DeepSpeed key in bf16 (did you mean check_grad_overflow?)")]:
         with pytest.raises(ValueError, match=re.escape(needle)):
             from_deepspeed(bad)
 
+
+def test_check_grad_overflow_says_what_zerotron_does_instead():
+    """Newest DeepSpeed skips a bf16 step with a non-finite gradient when ``check_grad_overflow`` is
+    true (its default); zerotron never skips one -- its NaN check stops the run -- and says so."""
+    _, lines = from_deepspeed({"bf16": {"enabled": True, "check_grad_overflow": True}})
+    assert "bf16.check_grad_overflow=true: a non-finite bf16 gradient norm stops the run at zerotron's next check " \
+           "(each log interval and checkpoint), instead of skipping the step as DeepSpeed does" in lines
+    assert not any("no effect here: bf16.check_grad_overflow" in line for line in lines)

@@ -130,8 +130,9 @@ FP16 = {
 BF16 = {
     "enabled": Key(H, "training.precision=bf16; \"auto\": training.precision", auto=True),
     "immediate_grad_update": Key(N, _IMPL),
-    "check_grad_overflow": Key(N, "a non-finite bf16 loss or gradient norm stops the run at its next check"),
-    "check_overflow": Key(N, "a non-finite bf16 loss or gradient norm stops the run at its next check"),
+    "check_grad_overflow": Key(M, "whatever its value, a non-finite bf16 gradient norm stops the run at zerotron's "
+                                  "next check (each log interval, each checkpoint); DeepSpeed's true, its default, "
+                                  "skips the step instead, false applies it"),
     "bf16_master_weights_and_grads": Key(N, _OFF, refuse=refuse_true("zerotron keeps fp32 master weights"),
                                          refused_when="when true"),
     "bf16_optimizer_states": Key(N, _OFF, refuse=refuse_true("zerotron keeps fp32 Adam moments"),

@@ -184,8 +184,24 @@ def precision(plan: Plan, ds: dict) -> None:
                      auto="training.precision={}", show=lambda cfg, k=k: str(cfg.training.precision == k).lower())
     if on is None and "auto" not in enabled.values():
         plan.note(_kept_precision, unless_flagged="training.precision")
+    bf16 = sections["bf16"] or {}
+    if "check_grad_overflow" in bf16:
+        plan.note(lambda cfg, v=bf16["check_grad_overflow"]: _overflow_line(cfg, v))
     fp16 = sections["fp16"] or {}
     _loss_scaling(plan, fp16)
+
+
+def _overflow_line(cfg, check: bool) -> str:
+    """zerotron never skips a bf16 step: a non-finite gradient norm reaches the weights and the trainer
+    stops the run at its next finiteness check. DeepSpeed's ``true`` (its default) skips the step
+    and trains on; ``false`` applies it and trains on."""
+    key = f"bf16.check_grad_overflow={str(check).lower()}"
+    if cfg.training.precision != "bf16":
+        return f"accepted, no effect here: {key} (not a bf16 run: training.precision={cfg.training.precision})"
+    deepspeed = "instead of skipping the step as DeepSpeed does" if check else "where DeepSpeed would apply the step " \
+        "and train on"
+    return (f"{key}: a non-finite bf16 gradient norm stops the run at zerotron's next check (each log interval and "
+            f"checkpoint), {deepspeed}")
 
 
 def _kept_precision(cfg) -> str | None:
