@@ -1,5 +1,5 @@
 """DeepSpeed configs as people have them (tests/training/deepspeed_configs/: the key sets of the
-Hugging Face transformers ZeRO-2/3 configs, Megatron-DeepSpeed's GPT template, DeepSpeedExamples'
+Hugging Face transformers ZeRO-2/3 configs and of its own tests' ZeRO-3 config, Megatron-DeepSpeed's GPT template, DeepSpeedExamples'
 Megatron ZeRO-2, ZeRO-Offload, ZeRO-Infinity, ZeRO++, autotuning and AutoTP examples, plus
 schedulers (OneCycle too), static/dynamic fp16, "auto" and batch triples), each run for 3 steps on
 2 gloo ranks through ``scripts/pretrain_gpt.py --deepspeed-config``, and held to what DeepSpeed would do, read
@@ -8,7 +8,7 @@ the rate of every step is the DeepSpeed scheduler's own formula (written out her
 ``deepspeed/runtime/lr_schedules.py``, not from zerotron's schedule), the global batch follows the
 batch triple, clipping changes the update, checkpointing is on.
 
-All 14 runs share one launch of 2 ranks (the suite runs on 2 cores): each rank calls ``main`` 14
+All 15 runs share one launch of 2 ranks (the suite runs on 2 cores): each rank calls ``main`` 15
 times, each joining its own gloo group through an env rendezvous as under torchrun.
 """
 
@@ -40,7 +40,8 @@ checkpoint: {{save: null}}
 """
 # the Hugging Face configs print every 2000 steps (steps_per_print); a flag wins over it, and "auto" follows one
 FLAGS = {"hf_zero2_auto": ["--log-interval", "1"],
-         "hf_zero3_auto": ["--log-interval", "1", "--precision", "bf16", "--save", "ck"]}
+         "hf_zero3_auto": ["--log-interval", "1", "--precision", "bf16", "--save", "ck"],
+         "hf_tests_zero3": ["--log-interval", "1", "--optimizer.min_lr", "0.0003"]}  # WarmupLR never reads it
 
 
 def run_all(tmp: str, cache: str, ports: list[int]) -> dict:
@@ -165,6 +166,7 @@ def megatron_lr(s, lr, warmup=20):  # the run config's schedule (no scheduler se
 EXPECT = {
     "hf_zero2_auto": (8, lambda s: warmup_lr(s, 0.0, 0.003, 20), 1.0, False),
     "hf_zero3_auto": (8, lambda s: warmup_decay_lr(s, 0.0, 0.003, 20, 3), 1.0, False),
+    "hf_tests_zero3": (8, lambda s: warmup_lr(s, 0.0, 3e-5, 500), 2.0 ** 16, False),
     "megatron_ds_gpt_fp16": (16, lambda s: megatron_lr(s, 0.003), 2.0 ** 11, False),
     "dsexamples_megatron_zero2_static": (16, lambda s: megatron_lr(s, 0.00015), 1024.0, True),
     "zero_offload_decay": (8, lambda s: warmup_decay_lr(s, 1e-5, 1e-3, 2, 5, "linear"), 2.0 ** 16, False),
@@ -208,6 +210,8 @@ def test_precision_zero_and_checkpointing_as_the_json_says(runs):
     for name, (stage, precision) in want.items():
         cfg = run_config(tmp, name)
         assert (cfg["zero"]["stage"], cfg["training"]["precision"]) == (stage, precision), name
+    z0 = run_config(tmp, "hf_tests_zero3")["zero"]  # 0 is DeepSpeed's "no prefetch" (ge=0)
+    assert (z0["stage"], z0["stage3_prefetch_bucket_size"], z0["reduce_bucket_size"]) == (3, 0, 0)
     z3 = run_config(tmp, "hf_zero3_auto")["zero"]
     assert (z3["offload_param_device"], z3["offload_optimizer_device"], z3["reduce_bucket_size"]) == ("cpu", "cpu", 64 * 64)
     for name in ("hf_zero3_auto", "bf16_stage3_monitors"):  # given as 1e9 / absent: DeepSpeed's 1e9
@@ -273,6 +277,7 @@ def test_start_up_lines(runs):
     assert "[deepspeed] bf16.enabled: auto -> true (training.precision='bf16') from the command line" \
         in text["hf_zero3_auto"]
     assert "accepted, no effect here: autotuning (" in text["autotuning_profiler"]
+    assert "[config] no effect here: optimizer.min_lr=0.0003 (the rate does not decay" in text["hf_tests_zero3"]
     assert "steps_per_print=2000 is overridden by the command line: logging.log_interval=1" in text["hf_zero2_auto"]
     assert "zero_optimization.stage3_max_reuse_distance not given: 1e+09, DeepSpeed's default" \
         in text["bf16_stage3_monitors"]

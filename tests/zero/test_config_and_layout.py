@@ -12,12 +12,39 @@ from zerotron.zero.partition import Layout
 
 
 @pytest.mark.parametrize("key,value", [
-    ("stage", 4), ("reduce_bucket_size", -1), ("allgather_bucket_size", -5), ("stage3_prefetch_bucket_size", 0),
-    ("stage3_param_persistence_threshold", -1), ("overlap_comm", "yes"),
+    ("stage", 4), ("reduce_bucket_size", -1), ("allgather_bucket_size", -5), ("stage3_prefetch_bucket_size", -1),
+    ("stage3_param_persistence_threshold", -1), ("overlap_comm", "yes"), ("sub_group_size", -1),
+    ("zero_hpz_partition_size", -1),
 ])
 def test_validation_names_the_key(key, value):
     with pytest.raises(ValueError, match=f"zero.{key}="):
         ZeroConfig(**{key: value}).validate()
+
+
+def test_zero_sizes_deepspeed_bounds_at_0_take_0():
+    """DeepSpeed declares these ``ge=0``: 0 prefetches nothing, makes each sub-group one parameter,
+    and leaves hpZ off (its secondary group is made only for a size > 1)."""
+    cfg = ZeroConfig(stage=3, stage3_prefetch_bucket_size=0, sub_group_size=0, zero_hpz_partition_size=0).validate(4)
+    assert cfg.optimizer_tile(largest_param=4097, dp=4) == 1025  # the largest parameter's share
+    assert ZeroConfig(sub_group_size=1000).optimizer_tile(largest_param=4097, dp=4) == 1000
+
+
+def test_stage3_prefetch_0_gathers_and_reads_nothing_ahead():
+    from types import SimpleNamespace
+
+    from zerotron.zero.stage3 import ParamGatherer
+
+    calls = []
+    g = ParamGatherer.__new__(ParamGatherer)  # the prefetch walk alone, over three units of 10 elements
+    g.layout = SimpleNamespace(groups=[SimpleNamespace(numel=10, persistent=False) for _ in range(3)])
+    g.order, g.unit_groups, g.full, g.recording, g.max_live_numel = [0, 1, 2], [[0], [1], [2]], {}, False, 10**9
+    g.source = SimpleNamespace(read_ahead=lambda groups: calls.append(("read", groups)))
+    g._gather = lambda i, async_op: calls.append(("gather", i))
+    for budget, want in ((15, [("gather", 1), ("read", [2])]), (0, [])):
+        calls.clear()
+        g.prefetch_numel = budget
+        g._prefetch(0, +1)
+        assert calls == want, budget
 
 
 @pytest.mark.parametrize("key,value", [("hysteresis", 0), ("min_loss_scale", 0.0), ("loss_scale_window", 1.5)])

@@ -101,7 +101,7 @@ def test_checkpoint_round_trip_through_disk(tmp_path):
     ({"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/x", "buffer_count": 1}},
      "zero.offload_optimizer_buffer_count"),
     ({"stage": 3, "offload_optimizer": {"device": "disk"}}, "offload_optimizer.device='disk'"),
-    ({"stage": 3, "sub_group_size": 0}, "zero.sub_group_size"),
+    ({"stage": 3, "sub_group_size": -1}, "sub_group_size=-1: must be an integer >= 0"),
 ])
 def test_config_errors_name_the_key(zero, match):
     with pytest.raises(ValueError, match=match):

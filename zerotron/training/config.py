@@ -23,7 +23,7 @@ from zerotron.activation import ActivationCheckpointConfig
 from zerotron.model.config import GPTConfig
 from zerotron.parallel import ParallelDims
 from zerotron.parallel.pipeline import SCHEDULES
-from zerotron.training.schedule import betas_at, check_schedule
+from zerotron.training.schedule import betas_at, check_schedule, min_lr_used
 from zerotron.zero.config import PRECISIONS, ZeroConfig
 from zerotron.zero.loss_scaler import check_loss_scaling
 
@@ -202,8 +202,9 @@ class RunConfig:
         _positive("optimizer.lr", o.lr, allow_zero=True)
         _positive("optimizer.eps", o.eps, fix="Adam's denominator guard; 1e-8 is the usual value")
         _positive("optimizer.weight_decay", o.weight_decay, allow_zero=True, fix="use 0 to disable it")
-        if o.schedule != "onecycle" and not 0 <= o.min_lr <= o.lr:  # OneCycle's floor is warmup_min_lr
-            raise ConfigError(f"optimizer.min_lr={o.min_lr} must be between 0 and optimizer.lr={o.lr}")
+        if min_lr_used(o) and not 0 <= o.min_lr <= o.lr:
+            raise ConfigError(f"optimizer.min_lr={o.min_lr} must be between 0 and optimizer.lr={o.lr} (the rate the "
+                              f"{o.decay} decay ends at); lower it, e.g. --optimizer.min_lr {o.lr / 10:.3g}")
         _positive("optimizer.warmup_steps", o.warmup_steps, allow_zero=True)
         for name in ("beta1", "beta2"):
             if not 0 <= getattr(o, name) < 1:

@@ -50,6 +50,8 @@ def _rules() -> list[Rule]:
                          f"{c.zero.stage}")]
     rules += [(f"optimizer.{k}", lambda c: c.training.precision == "fp16",
                lambda c: f"loss scaling is fp16's: training.precision={c.training.precision}") for k in _LOSS_SCALING]
+    rules += [("optimizer.min_lr", lambda c: c.optimizer.decay != "constant",  # OneCycle refuses it instead
+               lambda c: "the rate does not decay: optimizer.decay=constant")]
     rules += [("parallel.pipeline_schedule", lambda c: c.parallel.pp > 1,
                lambda c: "there is no pipeline: parallel.pp=1"),
               ("activation_checkpointing.checkpoint_every", lambda c: c.activation_checkpointing.checkpoint_activations,

@@ -125,6 +125,13 @@ def lr_at(step: int, optimizer, train_steps: int) -> float:
                          decay=o.decay, warmup_min_lr=o.warmup_min_lr)
 
 
+def min_lr_used(optimizer) -> bool:
+    """Whether the schedule reads ``min_lr``: only a linear or cosine decay ends there. OneCycle's
+    floor is ``warmup_min_lr`` and a constant one (DeepSpeed's ``WarmupLR``) stays at ``lr``, so a
+    ``min_lr`` above ``lr`` contradicts nothing there."""
+    return optimizer.schedule != "onecycle" and optimizer.decay != "constant"
+
+
 def check_schedule(optimizer) -> None:
     """Raise ``ValueError`` naming ``optimizer.<field>``, the value and the fix (``RunConfig.validate``)."""
     o = optimizer

@@ -51,7 +51,7 @@ class ZeroConfig:
     contiguous_gradients: bool = True
     reduce_bucket_size: int = int(5e8)
     allgather_bucket_size: int = int(5e8)
-    stage3_prefetch_bucket_size: int = int(5e7)
+    stage3_prefetch_bucket_size: int = int(5e7)  # 0: no prefetch (nor NVMe read-ahead), as in DeepSpeed
     stage3_param_persistence_threshold: int = int(1e5)
     stage3_max_live_parameters: int = int(1e9)
     stage3_max_reuse_distance: int = 0  # 0: each unit released after use (DeepSpeed's default is 1e9)
@@ -59,14 +59,14 @@ class ZeroConfig:
     # ZeRO++
     zero_quantized_weights: bool = False
     zero_quantized_gradients: bool = False
-    zero_hpz_partition_size: int = 1
+    zero_hpz_partition_size: int = 1  # 0 or 1: no secondary partition (DeepSpeed's "> 1")
     zero_quantization_block_size: int = 256
     zero_quantized_gradients_node_size: int = 0  # 0: the hpZ size (flat all-to-all when that is 1)
     # ZeRO-Infinity: "none" follows offload_optimizer (True means "cpu")
     offload_optimizer_device: str = "none"
     offload_optimizer_nvme_path: str | None = None
     offload_optimizer_buffer_count: int = 4
-    sub_group_size: int = int(1e9)
+    sub_group_size: int = int(1e9)  # 0: one parameter's partition per tile (DeepSpeed: one parameter per sub-group)
     # ZeRO-Infinity parameter offload (stage 3): the parameter partition in a file (infinity.disk_params)
     offload_param_device: str = "none"  # "none" | "cpu" (host memory, zero.host_params) | "nvme"
     offload_param_nvme_path: str | None = None
@@ -92,6 +92,12 @@ class ZeroConfig:
         buckets, where 0 -- DeepSpeed's "one parameter at a time" -- is the largest parameter's size."""
         return min(self.reduce_bucket_size or largest_param, self.allgather_bucket_size or largest_param)
 
+    def optimizer_tile(self, largest_param: int, dp: int) -> int:
+        """Elements per NVMe optimizer tile: ``sub_group_size``, where 0 -- DeepSpeed's one parameter
+        per sub-group -- is the largest parameter's share of the partition, which bounds DeepSpeed's
+        sub-groups' buffers (zerotron's tiles cut the flat partition, not parameters)."""
+        return self.sub_group_size or -(-largest_param // dp)
+
     @property
     def qgz_node_size(self) -> int:
         return self.zero_quantized_gradients_node_size or self.zero_hpz_partition_size
@@ -114,8 +120,8 @@ class ZeroConfig:
         for key in ("reduce_bucket_size", "allgather_bucket_size"):
             if not _is_int(getattr(self, key), at_least=0):
                 bad(key, "must be a number of elements, e.g. 500000000 (0: one parameter at a time, as DeepSpeed)")
-        if not _is_int(self.stage3_prefetch_bucket_size, at_least=1):
-            bad("stage3_prefetch_bucket_size", "must be a positive number of elements, e.g. 50000000")
+        if not _is_int(self.stage3_prefetch_bucket_size, at_least=0):
+            bad("stage3_prefetch_bucket_size", "must be a number of elements >= 0, e.g. 50000000 (0: no prefetch)")
         for key in ("stage3_max_live_parameters", "stage3_max_reuse_distance"):
             if not _is_int(getattr(self, key), at_least=0):
                 bad(key, "must be a number of elements >= 0, e.g. 1000000000 (DeepSpeed's default)")
@@ -146,11 +152,13 @@ class ZeroConfig:
         for key in ("zero_quantized_weights", "zero_quantized_gradients"):
             if not isinstance(getattr(self, key), bool):
                 bad(key, "must be true or false")
-        for key in ("zero_hpz_partition_size", "zero_quantization_block_size", "offload_optimizer_buffer_count",
-                    "sub_group_size"):
-            value = getattr(self, key)
-            if not _is_int(value, at_least=1):
+        for key in ("zero_quantization_block_size", "offload_optimizer_buffer_count"):
+            if not _is_int(getattr(self, key), at_least=1):
                 bad(key, "must be a positive integer")
+        if not _is_int(self.zero_hpz_partition_size, at_least=0):
+            bad("zero_hpz_partition_size", "must be an integer >= 0 (0 or 1: no secondary partition)")
+        if not _is_int(self.sub_group_size, at_least=0):
+            bad("sub_group_size", "must be a number of elements >= 0 (0: one parameter per tile)")
         value = self.zero_quantized_gradients_node_size
         if not _is_int(value, at_least=0):
             bad("zero_quantized_gradients_node_size", "must be >= 0 (0: use zero_hpz_partition_size)")

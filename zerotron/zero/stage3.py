@@ -192,6 +192,11 @@ class ParamGatherer:
                 self._gather(g.index, async_op=False)
 
     def _prefetch(self, pos: int, step: int) -> None:
+        """Gather the next units ahead, up to ``prefetch_numel`` elements, reading the first that does
+        not fit ahead from its source; 0 prefetches nothing, not even that read (DeepSpeed's
+        coordinator skips its NVMe prefetch too when ``stage3_prefetch_bucket_size`` is 0)."""
+        if self.prefetch_numel <= 0:
+            return
         budget, k = min(self.prefetch_numel, self.max_live_numel - self.live_numel()), pos + step
         if step < 0 and pos == 0:
             k = len(self.order) - 1  # the root's output gradient comes first; the last block is next

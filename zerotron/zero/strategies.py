@@ -244,7 +244,8 @@ def build(cfg, grid, layout, dtype: torch.dtype, master_dtype: torch.dtype, devi
             gather = SecondaryGather(gather, SecondaryPartition(layout, hpz, grid.rank, dtype, device))
     if cfg.optimizer_offload == "nvme":
         state = DiskOptimizerState(layout.part_numel, cfg.offload_optimizer_nvme_path, grid.rank,
-                                   cfg.sub_group_size, cfg.offload_optimizer_buffer_count, params=shards)
+                                   cfg.optimizer_tile(max(layout.numels), dp.size), cfg.offload_optimizer_buffer_count,
+                                   params=shards)
     else:
         # fp32 on the device: the parameters are the master weights (no 4-byte copy; K = 8, not 12),
         # except with the parameters on disk, whose file is derived from an authoritative master

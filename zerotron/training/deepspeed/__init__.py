@@ -13,6 +13,7 @@ command-line flags, so the JSON is applied after the flags and skips what they s
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 from typing import Callable
@@ -52,13 +53,14 @@ def _no_duplicates(pairs):
 
 
 def read(data: dict) -> plan.Plan:
-    """Check ``data`` against DeepSpeed's schema and turn it into assignments (not yet applied)."""
+    """Check ``data`` against DeepSpeed's schema and turn it into assignments (not yet applied).
+    A copy is normalized as DeepSpeed reads it (legacy spellings, pydantic's coercions) first."""
     if not isinstance(data, dict):
         raise DeepSpeedKeyError(f"expected a JSON object of DeepSpeed sections, got {type(data).__name__}")
-    p = plan.Plan()
+    data, p = copy.deepcopy(data), plan.Plan()
+    _legacy_zero(data, p)
     p.notes.extend(check(data, TOP))
-    if data.get("zero_optimization") is not None:
-        mapping.zero(p, data["zero_optimization"])
+    mapping.zero(p, data.get("zero_optimization"))
     mapping.precision(p, data)
     if data.get("activation_checkpointing") is not None:
         mapping.activation(p, data["activation_checkpointing"])
@@ -77,6 +79,23 @@ def read(data: dict) -> plan.Plan:
     return p
 
 
+def _legacy_zero(data: dict, p: plan.Plan) -> None:
+    """``"zero_optimization": true / false`` is DeepSpeed's deprecated spelling of stage 1 / 0, whose
+    all-gather bucket is then the top-level ``allgather_size`` (``read_zero_config_deprecated``);
+    DeepSpeed reads ``allgather_size`` nowhere else."""
+    legacy = data.get("zero_optimization")
+    if isinstance(legacy, bool):
+        data["zero_optimization"] = {"stage": int(legacy)}
+        p.note(f"zero_optimization: {str(legacy).lower()} is DeepSpeed's deprecated spelling of {{\"stage\": "
+               f"{int(legacy)}}}; read as that (write the section out to set other keys)")
+        if legacy and "allgather_size" in data:
+            data["zero_optimization"]["allgather_bucket_size"] = data.pop("allgather_size")
+    if "allgather_size" in data:
+        data.pop("allgather_size")
+        p.note("accepted, no effect here: allgather_size (DeepSpeed reads it only with the deprecated "
+               "\"zero_optimization\": true; use zero_optimization.allgather_bucket_size)")
+
+
 def apply_deepspeed(data: dict, cfg, set_field: Callable, flagged: set[str], world_size: int,
                     origins: dict | None = None) -> list[str]:
     """Apply a whole DeepSpeed config to ``cfg`` (after the YAML and the flags; ``flagged`` holds the
@@ -86,7 +105,7 @@ def apply_deepspeed(data: dict, cfg, set_field: Callable, flagged: set[str], wor
     ``DeepSpeedKeyError`` naming the DeepSpeed key."""
     origins = {} if origins is None else origins
     lines = [PRECEDENCE] + plan.apply(read(data), cfg, set_field, flagged, origins)
-    lines += mapping.param_offload_below_stage3(cfg, set_field, origins)
+    lines += mapping.stage3_only_below_stage3(cfg, set_field, origins)
     try:
         dp = cfg.parallel.resolve(world_size).dp
     except ValueError as e:

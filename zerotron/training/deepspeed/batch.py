@@ -4,8 +4,11 @@ _set_batch_related_parameters``), a contradiction an error that shows the arithm
 
 ``dp`` is the data-parallel size (DeepSpeed's ``world_size`` with an ``mpu``): the world over
 ``parallel.tp x parallel.pp``, known only once the command line is read, which is why the triple
-is resolved last. ``"auto"`` is the run config's value (the Hugging Face Trainer's convention);
-a field a flag set wins over the triple, with a start-up line saying so.
+is resolved last. ``"auto"`` is the run config's value (the Hugging Face Trainer's convention),
+except ``train_batch_size: "auto"`` beside a micro batch and an accumulation count of which one at
+least is a number: that is their product with dp, the Trainer's own rule
+(``train_batch_size = world_size x micro x gas``), not a global batch that would contradict them.
+A field a flag set wins over the triple, with a start-up line saying so.
 """
 
 from __future__ import annotations
@@ -32,9 +35,14 @@ def resolve(ds: dict, cfg, dp: int, flagged: set[str]) -> tuple[dict, list[str]]
     for key, v in given.items():
         if v == "auto":
             value[key] = sources[key][1]
-            lines.append(f"{key}: auto -> {value[key]} ({sources[key][0]})")
         else:
             value[key] = whole(key, v, at_least=1)
+    hf_rule = given.get(BATCH) == "auto" and MICRO in given and GA in given and not given[MICRO] == given[GA] == "auto"
+    if hf_rule:
+        value[BATCH] = value[MICRO] * value[GA] * dp
+        sources[BATCH] = (f"{MICRO} x {GA} x dp = {value[MICRO]} x {value[GA]} x {dp}, the Hugging Face Trainer's "
+                          f"rule", value[BATCH])
+    lines += [f"{key}: auto -> {value[key]} ({sources[key][0]})" for key, v in given.items() if v == "auto"]
     batch, micro, ga = value.get(BATCH), value.get(MICRO), value.get(GA)
     if batch is not None and micro is not None and ga is not None:
         pass

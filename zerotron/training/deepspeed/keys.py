@@ -7,6 +7,7 @@ the README's key table are made from (``schema.py``). Where a value is mapped, `
 
 from __future__ import annotations
 
+from zerotron.training.deepspeed.pydantic_fields import declare_pydantic_fields
 from zerotron.training.deepspeed.schema import (HONOURED as H, MAPPED as M, NO_EFFECT as N, REFUSED as R, Key,
                                                 refuse_enabled, refuse_true, refuse_unless)
 
@@ -51,17 +52,20 @@ ZERO = {
     "overlap_comm": Key(H, "zero.overlap_comm; absent at stage 3: true, DeepSpeed's stage-dependent default"),
     "load_from_fp32_weights": Key(N, "zerotron checkpoints always hold and load the fp32 master"),
     "elastic_checkpoint": Key(N, "zerotron checkpoints load into any layout anyway"),
-    "offload_param": Key(H, "stage-3 parameter partition on the host or NVMe", keys=OFFLOAD_PARAM),
+    "offload_param": Key(H, "stage-3 parameter partition on the host or NVMe; below stage 3, as in DeepSpeed, "
+                            "accepted with no effect", keys=OFFLOAD_PARAM),
     "offload_optimizer": Key(H, "optimizer state on the host or NVMe", keys=OFFLOAD_OPTIMIZER),
     "zenflow": Key(N, _OFF, refuse=lambda v: "ZenFlow is not implemented; remove it" if v else None,
                    refused_when="when set"),
     "sub_group_size": Key(H, "zero.sub_group_size: the tile of the NVMe optimizer step (no effect unless the "
-                             "optimizer is on NVMe)"),
+                             "optimizer is on NVMe); 0: the largest parameter's partition, as DeepSpeed's one "
+                             "parameter per sub-group"),
     "cpu_offload": Key(M, "true: zero.offload_optimizer_device=cpu (DeepSpeed's older spelling)"),
     "cpu_offload_param": Key(M, "true: zero.offload_param_device=cpu (DeepSpeed's older spelling)"),
     "cpu_offload_use_pin_memory": Key(N, _ALWAYS_PIN),
-    "prefetch_bucket_size": Key(H, "zero.stage3_prefetch_bucket_size", auto=True),
-    "stage3_prefetch_bucket_size": Key(H, "zero.stage3_prefetch_bucket_size", auto=True),
+    "prefetch_bucket_size": Key(H, "zero.stage3_prefetch_bucket_size (0: no prefetch)", auto=True),
+    "stage3_prefetch_bucket_size": Key(H, "zero.stage3_prefetch_bucket_size (0: no prefetch, nor NVMe read-ahead)",
+                                       auto=True),
     "param_persistence_threshold": Key(H, "zero.stage3_param_persistence_threshold", auto=True),
     "stage3_param_persistence_threshold": Key(H, "zero.stage3_param_persistence_threshold", auto=True),
     "model_persistence_threshold": Key(N, "zerotron puts no total cap on persistent parameters"),
@@ -87,10 +91,12 @@ ZERO = {
     "ignore_unused_parameters": Key(N, "the GPT has no unused parameters"),
     "legacy_stage1": Key(N, "zerotron has one stage-1 implementation"),
     "round_robin_gradients": Key(N, "an ordering of DeepSpeed's CPU-offload gradient copies"),
-    "zero_hpz_partition_size": Key(H, "zero.zero_hpz_partition_size (ZeRO++ hpZ)"),
-    "zero_quantized_weights": Key(H, "zero.zero_quantized_weights (ZeRO++ qwZ)"),
+    "zero_hpz_partition_size": Key(H, "zero.zero_hpz_partition_size (ZeRO++ hpZ; 0 or 1: off); stage 3 only, as "
+                                      "in DeepSpeed: below it, accepted with no effect"),
+    "zero_quantized_weights": Key(H, "zero.zero_quantized_weights (ZeRO++ qwZ); stage 3 only, as in DeepSpeed"),
     "zero_quantized_nontrainable_weights": Key(N, "the GPT has no frozen weights"),
-    "zero_quantized_gradients": Key(H, "zero.zero_quantized_gradients (ZeRO++ qgZ)"),
+    "zero_quantized_gradients": Key(H, "zero.zero_quantized_gradients (ZeRO++ qgZ); stage 3 only, as in DeepSpeed "
+                                       "(zerotron's own zero.zero_quantized_gradients also runs at stages 1-2)"),
     "zero_quantization_block_size": Key(H, "zerotron's own key: zero.zero_quantization_block_size"),
     "zero_quantized_gradients_node_size": Key(H, "zerotron's own key: zero.zero_quantized_gradients_node_size"),
     "zeropp_loco_param": Key(N, _OFF, refuse=lambda v: "LoCo error feedback is not implemented; remove it"
@@ -124,15 +130,17 @@ FP16 = {
 BF16 = {
     "enabled": Key(H, "training.precision=bf16; \"auto\": training.precision", auto=True),
     "immediate_grad_update": Key(N, _IMPL),
-    "check_grad_overflow": Key(N, "a non-finite bf16 loss or gradient norm stops the run at its next check"),
-    "check_overflow": Key(N, "a non-finite bf16 loss or gradient norm stops the run at its next check"),
+    "check_grad_overflow": Key(M, "whatever its value, a non-finite bf16 gradient norm stops the run at zerotron's "
+                                  "next check (each log interval, each checkpoint); DeepSpeed's true, its default, "
+                                  "skips the step instead, false applies it"),
     "bf16_master_weights_and_grads": Key(N, _OFF, refuse=refuse_true("zerotron keeps fp32 master weights"),
                                          refused_when="when true"),
     "bf16_optimizer_states": Key(N, _OFF, refuse=refuse_true("zerotron keeps fp32 Adam moments"),
                                  refused_when="when true"),
 }
 OPTIMIZER_PARAMS = {
-    "lr": Key(H, "optimizer.lr (the peak rate; the scheduler's warmup_max_lr wins)", auto=True),
+    "lr": Key(H, "optimizer.lr (the peak rate; under WarmupLR / WarmupDecayLR their warmup_max_lr wins, "
+                 "0.001 when not given, as in DeepSpeed)", auto=True),
     "betas": Key(H, "optimizer.beta1, optimizer.beta2", auto=True),
     "eps": Key(H, "optimizer.eps", auto=True),
     "weight_decay": Key(H, "optimizer.weight_decay (on matrices, not biases and norms: the grouping Megatron "
@@ -195,7 +203,8 @@ TENSOR_PARALLEL.update({k: Key(N, "AutoTP's layer matching; zerotron's layers ar
 
 _NOT_HERE = "not implemented in zerotron"
 TOP = {
-    "train_batch_size": Key(H, "training.global_batch_size; with the other two: batch = micro x GA x dp",
+    "train_batch_size": Key(H, "training.global_batch_size; with the other two: batch = micro x GA x dp; \"auto\" "
+                               "beside a numeric micro batch or GA: micro x GA x dp (the HF Trainer's rule)",
                             auto=True),
     "train_micro_batch_size_per_gpu": Key(H, "training.micro_batch_size", auto=True),
     "gradient_accumulation_steps": Key(H, "training.global_batch_size / (micro batch x dp)", auto=True),
@@ -207,13 +216,17 @@ TOP = {
                         "optimizer.schedule=onecycle: OneCycle",
                      keys={"type": Key(M, "WarmupLR: decay constant; WarmupDecayLR: linear; WarmupCosineLR: cosine; "
                                           "OneCycle: onecycle (LRRangeTest refused)"),
-                           "params": Key(M, "warmup_max_lr: optimizer.lr, warmup_num_steps: optimizer.warmup_steps,"
+                           "params": Key(M, "warmup_max_lr: optimizer.lr (not given: 0.001, DeepSpeed's default), "
+                                            "warmup_num_steps: optimizer.warmup_steps,"
                                             " total_num_steps: optimizer.schedule_steps, warmup_min_lr: "
                                             "optimizer.warmup_min_lr (and min_lr)", keys=SCHEDULER_PARAMS)}),
     "fp16": Key(H, "training.precision=fp16 and its loss scaling", keys=FP16),
     "bf16": Key(H, "training.precision=bf16", keys=BF16),
     "bfloat16": Key(H, "the older name of bf16", keys=BF16),
-    "zero_optimization": Key(H, "the zero section (ZeroConfig)", keys=ZERO),
+    "zero_optimization": Key(H, "the zero section (ZeroConfig); true / false, DeepSpeed's deprecated spelling: "
+                                "stage 1 / 0", keys=ZERO),
+    "allgather_size": Key(M, "with \"zero_optimization\": true, zero.allgather_bucket_size (DeepSpeed reads it "
+                             "nowhere else)"),
     "activation_checkpointing": Key(H, "the section's presence turns checkpointing on (DeepSpeed's users "
                                        "checkpoint when they configure it)", keys=ACTIVATION),
     "data_types": Key(H, "see below", keys=DATA_TYPES),
@@ -286,3 +299,6 @@ TOP = {
     "weight_quantization": Key(R, "inference weight quantization is " + _NOT_HERE, loose=True,
                                refuse=lambda v: "inference weight quantization is " + _NOT_HERE),
 }
+
+
+declare_pydantic_fields(TOP)

@@ -5,7 +5,9 @@ The keys' *status* is ``keys.py``'s; this module turns the honoured and mapped o
 fields, with DeepSpeed's reading of them: ``overlap_comm`` absent at stage 3 is true (DeepSpeed's
 stage-dependent default; so are the two ``stage3_max_*`` keys, 1e9), ``cpu_offload`` is the older spelling of ``offload_optimizer: cpu``, a
 present ``activation_checkpointing`` section turns checkpointing on, ``"enabled": "auto"`` follows
-``training.precision``, and ``fp16.loss_scale > 0`` is a static scale.
+``training.precision``, and ``fp16.loss_scale > 0`` is a static scale. A stage or precision the
+JSON leaves out stays the run config's, said at start-up where DeepSpeed's default (stage 0, fp32)
+differs -- the convention of a missing ``gradient_clipping``.
 """
 
 from __future__ import annotations
@@ -42,8 +44,14 @@ def one_of(z: dict, names: tuple, where: str) -> tuple[str, object] | None:
     return (given[0], z[given[0]]) if given else None
 
 
-def zero(plan: Plan, z: dict) -> None:
+def zero(plan: Plan, z: dict | None) -> None:
+    """``z`` None: no ``zero_optimization`` section, whose stage DeepSpeed would take as 0."""
     p = "zero_optimization"
+    if z is None or "stage" not in z:
+        what = f"{p}.stage" if z is not None else p
+        plan.note(lambda cfg: _kept_stage(cfg, what), unless_flagged="zero.stage")
+    if z is None:
+        return
     if "stage" in z:
         plan.set(f"{p}.stage", "zero.stage", whole(f"{p}.stage", z["stage"]))
     for key in _BOOLS:
@@ -79,6 +87,13 @@ def zero(plan: Plan, z: dict) -> None:
         plan.set(f"{p}.{found[0]}", "checkpoint.consolidated_16bit", flag(f"{p}.{found[0]}", found[1]))
 
 
+def _kept_stage(cfg, what: str) -> str | None:
+    if cfg.zero.stage == 0:
+        return None
+    return (f"{what} not given: zero.stage stays the run config's {cfg.zero.stage} (DeepSpeed's default 0 would "
+            f"not partition; give \"stage\": 0 for that)")
+
+
 def _offload(plan: Plan, z: dict, p: str) -> None:
     for old, new, target in (("cpu_offload", "offload_optimizer", "optimizer"),
                              ("cpu_offload_param", "offload_param", "param")):
@@ -110,25 +125,38 @@ def _device(plan: Plan, path: str, what: str, device) -> None:
     plan.set(path, f"zero.offload_{what}_device", device)
 
 
-def param_offload_below_stage3(cfg, set_field: Callable, origins: dict) -> list[str]:
-    """DeepSpeed reads ``offload_param`` only at stage 3 (below it parameters are not partitioned),
-    so a JSON's parameter offload at stage 0-2 is dropped with a note, not refused as zerotron's
-    own ``zero.offload_param_device`` would be."""
+_ZEROPP = "DeepSpeed runs ZeRO++ (qwZ, hpZ, qgZ) at stage 3 only"
+# field (prefix) -> (its main field, whether that asks anything of stage 3, why it does nothing below)
+_STAGE3_ONLY = {"zero.offload_param_": ("offload_param_device", lambda v: v != "none",
+                                        "DeepSpeed offloads parameters at stage 3 only"),
+                "zero.zero_quantized_weights": ("zero_quantized_weights", bool, _ZEROPP),
+                "zero.zero_hpz_partition_size": ("zero_hpz_partition_size", lambda v: v > 1, _ZEROPP),
+                "zero.zero_quantized_gradients": ("zero_quantized_gradients", bool, _ZEROPP)}
+
+
+def stage3_only_below_stage3(cfg, set_field: Callable, origins: dict) -> list[str]:
+    """DeepSpeed reads ``offload_param`` and the ZeRO++ keys only at stage 3 (``stage_1_and_2.py``
+    never looks at them), so a JSON's values for them at stage 0-2 go back to the run config's
+    defaults with an ``accepted, no effect here`` line, instead of being refused (qwZ, hpZ) or
+    quantizing stage-2 gradients (qgZ) as zerotron's own ``zero.*`` fields would."""
     from zerotron.zero.config import ZeroConfig
 
-    set_here = [t for t in origins if t.startswith("zero.offload_param_")]
-    if cfg.zero.stage == 3 or not set_here:
+    if cfg.zero.stage == 3:
         return []
-    key = origins.get("zero.offload_param_device", origins[set_here[0]])  # as the JSON spells it
-    offloaded = cfg.zero.offload_param_device != "none"
-    for target in set_here:
-        name = target.split(".")[1]
-        set_field(cfg, "zero", name, getattr(ZeroConfig(), name))
-        del origins[target]
-    if not offloaded:  # {"device": "none"}: nothing was asked of stage 3
-        return []
-    return [f"accepted, no effect here: {key} (DeepSpeed offloads parameters at stage 3 only: "
-            f"zero.stage={cfg.zero.stage})"]
+    lines = []
+    for prefix, (main, asks, why) in _STAGE3_ONLY.items():
+        set_here = [t for t in origins if t.startswith(prefix)]
+        if not set_here:
+            continue
+        key = origins.get(f"zero.{main}", origins[set_here[0]])  # as the JSON spells it
+        asked = asks(getattr(cfg.zero, main))  # {"device": "none"}, false, hpZ 0 or 1: nothing was asked
+        for target in set_here:
+            name = target.split(".")[1]
+            set_field(cfg, "zero", name, getattr(ZeroConfig(), name))
+            del origins[target]
+        if asked:
+            lines.append(f"accepted, no effect here: {key} ({why}: zero.stage={cfg.zero.stage})")
+    return lines
 
 
 def precision(plan: Plan, ds: dict) -> None:
@@ -154,8 +182,38 @@ def precision(plan: Plan, ds: dict) -> None:
         if v == "auto":
             plan.set(f"{k}.enabled", "training.precision", lambda cfg: cfg.training.precision,
                      auto="training.precision={}", show=lambda cfg, k=k: str(cfg.training.precision == k).lower())
+    if on is None and "auto" not in enabled.values():
+        plan.note(_kept_precision, unless_flagged="training.precision")
+    bf16 = sections["bf16"] or {}
+    if "check_grad_overflow" in bf16:
+        plan.note(lambda cfg, v=bf16["check_grad_overflow"]: _overflow_line(cfg, v))
     fp16 = sections["fp16"] or {}
     _loss_scaling(plan, fp16)
+
+
+def _overflow_line(cfg, check: bool) -> str:
+    """zerotron never skips a bf16 step: a non-finite gradient norm reaches the weights and the trainer
+    stops the run at its next finiteness check. DeepSpeed's ``true`` (its default) skips the step
+    and trains on; ``false`` applies it and trains on."""
+    key = f"bf16.check_grad_overflow={str(check).lower()}"
+    if cfg.training.precision != "bf16":
+        return f"accepted, no effect here: {key} (not a bf16 run: training.precision={cfg.training.precision})"
+    deepspeed = "instead of skipping the step as DeepSpeed does" if check else "where DeepSpeed would apply the step " \
+        "and train on"
+    return (f"{key}: a non-finite bf16 gradient norm stops the run at zerotron's next check (each log interval and "
+            f"checkpoint), {deepspeed}")
+
+
+def _kept_precision(cfg) -> str | None:
+    """With no section enabled, DeepSpeed trains in fp32; a run config's 16-bit (or fp64) precision
+    stays, said. (A present ``"enabled": false`` for it already made it fp32.)"""
+    p = cfg.training.precision
+    if p == "fp32":
+        return None
+    what, fix = (p, f'give "{p}": {{"enabled": false}}') if p in ("fp16", "bf16") else \
+        ("fp16 / bf16", "pass --precision fp32")
+    return (f"{what} not given: training.precision stays the run config's {p} (DeepSpeed's default would train in "
+            f"fp32; {fix} for that)")
 
 
 def _loss_scaling(plan: Plan, fp16: dict) -> None:
@@ -186,8 +244,14 @@ def _loss_scaling(plan: Plan, fp16: dict) -> None:
 
 
 def activation(plan: Plan, section: dict) -> None:
+    """DeepSpeed reads this section as given (``get_scalar_param``, no pydantic), so a string where a
+    switch belongs is refused: ``"false"`` would be a true value there."""
     p = "activation_checkpointing"
     plan.set(p, f"{p}.checkpoint_activations", True)
+    for key in ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
+                "synchronize_checkpoint_boundary"):
+        if key in section:
+            flag(f"{p}.{key}", section[key])
     md = section.get("contiguous_memory_optimization", False)
     for key, value in section.items():
         if key == "number_checkpoints" and not md:  # DeepSpeed reads the count only for that buffer

@@ -2,7 +2,9 @@
 
 A present ``optimizer`` / ``scheduler`` section *constructs* a DeepSpeed object, so a parameter it
 leaves out takes DeepSpeed's default (FusedAdam: betas (0.9, 0.999), eps 1e-8, weight decay 0;
-WarmupLR: warmup_min_lr 0, warmup_num_steps 1000, log warm-up), each printed at start-up. The
+WarmupLR / WarmupDecayLR: warmup_max_lr 0.001 -- whatever ``optimizer.params.lr`` says, the
+warm-up ends there --, warmup_min_lr 0, warmup_num_steps 1000, log warm-up; WarmupCosineLR, which
+has no peak of its own, peaks at the optimizer's rate), each printed at start-up. The
 schedulers map onto ``optimizer.schedule=deepspeed`` (``training/schedule.py``), which is
 DeepSpeed's arithmetic step for step, including its one-iteration offset. ``"auto"`` takes the
 run config's value (the Hugging Face Trainer's convention).
@@ -16,7 +18,7 @@ from zerotron.training.schedule import ONE_CYCLE_FIELDS, OTHER_SCHEDULES_FIELDS,
 
 ADAM_DEFAULTS = {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}  # FusedAdam's
 _SCHEDULERS = {  # DeepSpeed's lr_schedules: decay, the parameters each constructor takes, their defaults
-    "WarmupLR": ("constant", {"warmup_min_lr": 0.0, "warmup_max_lr": None, "warmup_num_steps": 1000,
+    "WarmupLR": ("constant", {"warmup_min_lr": 0.0, "warmup_max_lr": 0.001, "warmup_num_steps": 1000,
                               "warmup_type": "log", "last_batch_iteration": -1}),
     "WarmupDecayLR": ("linear", {"total_num_steps": None, "warmup_min_lr": 0.0, "warmup_max_lr": 0.001,
                                  "warmup_num_steps": 1000, "warmup_type": "log", "last_batch_iteration": -1}),
@@ -113,7 +115,8 @@ def scheduler(plan: Plan, sec: dict) -> None:
             raise DeepSpeedKeyError(f"{p}.total_num_steps is required by {kind}; give the steps of the decay "
                                     f"(or \"auto\": training.train_steps)")
         if key not in params and key != "last_batch_iteration" and default is not None:
-            plan.note(f"{p}.{key} not given: {default} ({kind}'s default)")
+            peak = "; the warm-up ends there whatever optimizer.params.lr says" if key == "warmup_max_lr" else ""
+            plan.note(f"{p}.{key} not given: {default} ({kind}'s default{peak})")
     value = {k: params.get(k, d) for k, d in defaults.items()}
     plan.set("scheduler.type", "optimizer.schedule", "deepspeed")
     _replace_schedule_fields(plan, kind, ONE_CYCLE_FIELDS)
@@ -128,7 +131,7 @@ def scheduler(plan: Plan, sec: dict) -> None:
     peak = value["warmup_max_lr"]
     if peak == "auto":
         plan.set(f"{p}.warmup_max_lr", "optimizer.lr", lambda cfg: cfg.optimizer.lr, auto="optimizer.lr")
-    elif peak is not None:  # WarmupLR without it warms up to the optimizer's rate
+    else:
         plan.set(f"{p}.warmup_max_lr", "optimizer.lr", number(f"{p}.warmup_max_lr", peak))
     low = value["warmup_min_lr"]
     if low == "auto":  # the Hugging Face Trainer fills 0

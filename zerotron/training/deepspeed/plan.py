@@ -28,14 +28,16 @@ class Assign:
 @dataclass
 class Plan:
     assigns: list[Assign] = field(default_factory=list)
-    notes: list = field(default_factory=list)  # str, or fn(cfg) -> str | None
+    notes: list = field(default_factory=list)  # str, fn(cfg) -> str | None, or (fn, field a flag makes moot)
 
     def set(self, path: str, target: str, value: Any, auto: str = "", show: Callable | None = None) -> None:
         self.assigns.append(Assign(path, target, value, auto, show))
 
-    def note(self, text) -> None:
-        """A start-up line: a string, or ``fn(cfg)`` giving one (or None) once the plan is applied."""
-        self.notes.append(text)
+    def note(self, text, unless_flagged: str = "") -> None:
+        """A start-up line: a string, or ``fn(cfg)`` giving one (or None) once the plan is applied.
+        ``unless_flagged``: the field the line is about, when a command-line value for it makes the
+        line moot (a flag, not the run config, then decided it)."""
+        self.notes.append((text, unless_flagged) if unless_flagged else text)
 
 
 def get(cfg, target: str) -> Any:
@@ -47,7 +49,7 @@ def apply(plan: Plan, cfg, set_field: Callable, flagged: set[str], origins: dict
     """Write the plan into ``cfg`` (``set_field(cfg, section, name, value)`` coerces and checks the
     type), except the fields in ``flagged`` (set on the command line); return the start-up lines.
     ``origins`` (when given) receives ``field -> DeepSpeed key`` for each field written."""
-    lines = [n for n in plan.notes if not callable(n)]
+    lines = [n for n in plan.notes if isinstance(n, str)]
     for a in plan.assigns:
         if a.target in flagged:
             if not a.auto:
@@ -66,7 +68,8 @@ def apply(plan: Plan, cfg, set_field: Callable, flagged: set[str], origins: dict
             origins[a.target] = a.path
         if a.auto:
             lines.append(_auto_line(a, cfg))
-    return lines + [line for n in plan.notes if callable(n) and (line := n(cfg))]
+    later = [n for n in plan.notes if callable(n) or (isinstance(n, tuple) and n[1] not in flagged)]
+    return lines + [line for n in later if (line := (n if callable(n) else n[0])(cfg))]
 
 
 def _auto_line(a: Assign, cfg) -> str:

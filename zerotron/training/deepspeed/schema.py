@@ -35,6 +35,8 @@ class Key:
     keys: Mapping[str, "Key"] | None = None
     loose: bool = False
     auto: bool = False  # "auto" is resolved from the run config (resolve.py)
+    lax: type | None = None  # bool / int / float: DeepSpeed reads it through pydantic, which coerces "2", "true"
+    nullable: bool = False  # DeepSpeed's field is Optional: null is the key left out
 
 
 def closest(name: str, known) -> str:
@@ -48,19 +50,25 @@ def closest(name: str, known) -> str:
 def check(data: dict, table: Mapping[str, Key]) -> list[str]:
     """Check ``data`` (a whole DeepSpeed config) against ``table``; return the start-up lines of the
     keys it holds that have no effect here. Raises ``DeepSpeedKeyError`` for an unknown key, a
-    section that is not an object, or a value ``refuse`` refuses."""
+    section that is not an object, or a value ``refuse`` refuses. ``data`` is normalized in place
+    as DeepSpeed reads it: a ``nullable`` key set to null is removed, a ``lax`` one coerced."""
     notes: list[str] = []
     _walk(data, table, "", notes)
     return notes
 
 
 def _walk(section: dict, table: Mapping[str, Key], prefix: str, notes: list[str]) -> None:
-    for name, value in section.items():
+    for name, value in list(section.items()):
         path = f"{prefix}{name}"
         key = table.get(name)
         if key is None:
             where = f"in {prefix[:-1]}" if prefix else "at the top level"
             raise DeepSpeedKeyError(f"{path}: not a DeepSpeed key {where}{closest(name, table)}")
+        if value is None and key.nullable:
+            del section[name]
+            continue
+        if key.lax is not None and value is not None and value != "auto":
+            value = section[name] = coerce(path, value, key.lax)
         if key.keys is not None or key.loose:
             if value is None and key.loose:
                 continue
@@ -78,6 +86,26 @@ def _walk(section: dict, table: Mapping[str, Key], prefix: str, notes: list[str]
             _walk(value, key.keys, f"{path}.", notes)
         if key.status == NO_EFFECT:
             notes.append(f"accepted, no effect here: {path} ({key.note})")
+
+
+def coerce(path: str, value: Any, kind: type) -> Any:
+    """``value`` as DeepSpeed's pydantic model (lax mode) reads a ``kind`` field: ``"2"`` is 2,
+    ``"true"`` / ``"on"`` / 1 are true, ``"1e-3"`` is 0.001; what it refuses is refused, naming the
+    key. A JSON number or true/false of the right kind is returned as given (the reader's own checks
+    follow), and a bool is never made a float (DeepSpeed's ``fp16.loss_scale`` refuses it too)."""
+    if isinstance(value, bool):
+        if kind is not int:
+            return value
+    elif isinstance(value, (int, float)) and kind is not bool:
+        return value
+    from pydantic import TypeAdapter, ValidationError  # only for the few values that need it
+
+    try:
+        return TypeAdapter(kind).validate_python(value)
+    except ValidationError as e:
+        why = e.errors()[0]["msg"]
+        raise DeepSpeedKeyError(f"{path}={value!r}: DeepSpeed reads it as {kind.__name__} and refuses it ({why})") \
+            from None
 
 
 def _example(key: Key) -> str:
