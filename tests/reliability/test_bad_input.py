@@ -68,7 +68,7 @@ def _yaml(tmp_path: Path, text: str) -> str:
      "data.data_weights=[inf] is not a finite number"),
     (["--train-steps", "2.5e0"], "training.train_steps='2.5e0' is not a whole number; training.train_steps takes "
                                  "an integer, e.g. 2"),
-    (["--training.micro_batch_size", "1.5"], "training.micro_batch_size='1.5' is not a whole number"),
+    (["--micro-batch-size", "1.5"], "training.micro_batch_size='1.5' is not a whole number"),
     (["--train-steps", "1e999"], "training.train_steps='1e999' does not fit a 64-bit integer"),
     (["--train-steps", "inf"], "training.train_steps='inf' is not a valid int"),
     (["--model.max_position_embeddings", "16"], "raise model.max_position_embeddings to >= 32 or shorten "

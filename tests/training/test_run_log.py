@@ -1,7 +1,7 @@
 """The console a person reads (``training/run_log.py``) and the trackers (``training/tracking.py``).
 
 Two short runs on 2 gloo ranks in one spawn: DP 2 with checkpoints, wandb offline and
-TensorBoard; PP 2 with no checkpoint directory. The banner's figures are checked against what the
+TensorBoard; PP 2 in bf16 at stage 1 without contiguous gradients, with no checkpoint directory. The banner's figures are checked against what the
 ranks hold (parameters) and what the memory model says; log lines against ``step N/M``, elapsed
 and ETA; the summary against the run (a checkpoint is named only when one was written); wandb's
 run config against the resolved model, and wandb's own files against the run directory (HOME is
@@ -61,7 +61,8 @@ def _both(cache: str, tmp: str) -> list[dict]:
     os.environ["HOME"] = f"{tmp}/home"
     tb = ["--logging.tensorboard", "true"] if _has_tensorboard() else []
     return [_run(cache, tmp, "dp", "--save", f"{tmp}/ck", "--wandb-mode", "offline", *tb),
-            _run(cache, tmp, "pp", "--pp", "2", "--save", "none", "--wandb-mode", "disabled")]
+            _run(cache, tmp, "pp", "--pp", "2", "--save", "none", "--wandb-mode", "disabled", "--precision", "bf16",
+                 "--zero.stage", "1", "--zero.contiguous_gradients", "false")]
 
 
 def _has_tensorboard() -> bool:
@@ -87,6 +88,10 @@ def test_banner_states_layout_parameters_and_the_memory_models_prediction(runs):
     lo, hi = sorted(r[1]["params"] for r in ranks)
     assert lo != hi and f"{count(lo)}-{count(hi)} (by pipeline stage) per rank" in pp["text"], pp["text"]
     assert "predicted memory per rank: not modelled (the memory model covers pp = 1" in pp["text"]
+    assert "precision fp32 (gradients accumulate in fp32)" in dp["text"]
+    # no flat buffer at stage 1 without MD: autograd sums the two micro-batches in bf16 .grad
+    assert ("precision bf16 (gradients accumulate in bf16 over micro-batches, reduced in fp32: "
+            "zero.contiguous_gradients is off)") in pp["text"], pp["text"]
     assert ranks[1][0]["text"] == "" and ranks[1][1]["text"] == ""  # only rank 0 prints
 
 

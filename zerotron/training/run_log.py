@@ -102,9 +102,12 @@ class RunLog:
             zero += f", optimizer state on {z.optimizer_offload}"
         lo, hi = self.params_per_rank
         per_rank = count(hi) if lo == hi else f"{count(lo)}-{count(hi)} (by pipeline stage)"
+        acc = z.grad_accum(t.precision)
+        if z.stage <= 1 and not z.contiguous_gradients and cfg.num_microbatches > 1 and acc != t.precision:
+            acc = f"{t.precision} over micro-batches, reduced in {acc}: zero.contiguous_gradients is off"
         lines = [
             f"world {g.world_size} = TP {g.tp_size} x PP {g.pp_size} x DP {g.dp_size} | {zero} | precision "
-            f"{t.precision} (gradients accumulate in {z.grad_accum(t.precision)}) | {env.device.type}, {env.backend}",
+            f"{t.precision} (gradients accumulate in {acc}) | {env.device.type}, {env.backend}",
             f"model {cfg.model.preset}: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_heads} heads, vocab "
             f"{m.vocab_size} (padded {m.padded_vocab_size(g.tp_size)}), seq {m.seq_length} | parameters "
             f"{count(self.params_total)} total, {per_rank} per rank (its TP x PP slice)",

@@ -19,7 +19,10 @@ stage-3 parameter partition there too (read per unit just before its all-gather)
 and held in (the flat buffer, the buckets, the Pos+g partition): fp32 by default for 16-bit runs,
 like Megatron-LM's fp32 ``main_grad`` and DeepSpeed's ``data_types.grad_accum_dtype`` -- summing
 bf16 gradients in bf16 loses ~0.2% at 2 micro-batches and ~0.65% at 16. It costs 4 bytes of
-gradient per parameter instead of 2 (split by Nd from stage 2 on, ZeRO §5.2).
+gradient per parameter instead of 2 (split by Nd from stage 2 on, ZeRO §5.2). One exception:
+stages 0-1 with ``contiguous_gradients: false`` (no flat buffer to accumulate into, the Megatron
+baselines' "no MD") leave the micro-batches' sum in autograd's ``.grad``, in the parameters'
+dtype, until the last one; it is converted to ``grad_accum_dtype`` when it is reduced.
 """
 
 from __future__ import annotations

@@ -18,6 +18,9 @@ Two ways of holding them:
 * **packed** (stages 2-3, or ``contiguous_gradients=False``): autograd's gradient tensors are
   copied into a fixed bucket buffer, reduced, added to the contiguous gradient *partition*, and
   freed at once -- so a Pos+g rank never holds more than its partition plus the buckets in flight.
+  Stages 0-1 packed reduce only after the last micro-batch, so until then autograd sums the
+  micro-batches in ``.grad``, in the parameters' dtype (16-bit in a 16-bit run): the one case where
+  the accumulation is not in ``grad_accum_dtype``; take ``contiguous_gradients`` to have it.
 
 Stages 0-1 reduce only after the last micro-batch; stages 2-3 on every backward (accumulating
 into the partition; in a pipeline too, through ``ZeroOptimizer.pipeline_backward``). With ``overlap_comm`` the collectives are asynchronous (gloo handles, NCCL
