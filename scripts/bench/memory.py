@@ -23,7 +23,7 @@ import resource
 import sys
 from pathlib import Path
 
-from zerotron.testing.bench_args import flag_errors, nonnegative_int, positive_int
+from zerotron.testing.bench_args import add_gpt_flags, check_gpt, gpt_config, nonnegative_int, positive_int
 from zerotron.testing.launch import spawn
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -77,10 +77,7 @@ def worker(args, stage: int) -> dict:
 
 
 def model_cfg(args):
-    from zerotron.model.config import GPTConfig
-
-    return GPTConfig(num_layers=args.layers, hidden_size=args.hidden, num_heads=args.heads or max(1, args.hidden // 64),
-                     vocab_size=args.vocab, seq_length=args.seq)
+    return gpt_config(args)
 
 
 def block_elements(args) -> int:
@@ -107,12 +104,7 @@ def predicted(args, stage: int) -> float:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ranks", type=positive_int, default=4)
-    ap.add_argument("--layers", type=positive_int, default=12)
-    ap.add_argument("--hidden", type=positive_int, default=768)
-    ap.add_argument("--heads", type=positive_int, default=None,
-                    help="attention heads (default: hidden / 64, at least 1)")
-    ap.add_argument("--vocab", type=positive_int, default=8192)
-    ap.add_argument("--seq", type=positive_int, default=128)
+    add_gpt_flags(ap, layers=12, hidden=768, vocab=8192, seq=128)
     ap.add_argument("--steps", type=positive_int, default=2)
     ap.add_argument("--bucket", type=positive_int, default=5_000_000)
     ap.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
@@ -121,9 +113,7 @@ def main(argv=None) -> int:
     ap.add_argument("--malloc-as-is", action="store_true",
                     help="leave glibc's dynamic mmap threshold on (RSS then keeps freed blocks)")
     args = ap.parse_args(argv)
-    with flag_errors(ap, {"hidden_size": "--hidden", "num_heads": "--heads", "seq_length": "--seq",
-                          "vocab_size": "--vocab"}, note="" if args.heads else "--heads defaults to --hidden // 64"):
-        model_cfg(args).validate()
+    check_gpt(ap, args)
     phases = ("construction", "forward", "backward", "step")
     cats = ("parameters", "gradients", "optimizer_states", "activations", "temporaries", "other")
     print(f"GPT {args.layers} x h{args.hidden}, vocab {args.vocab}, seq {args.seq}, micro-batch 1, {args.precision}, "

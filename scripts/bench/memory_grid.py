@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from zerotron.testing.bench_args import flag_errors, positive_float, positive_int  # noqa: E402
+from zerotron.testing.bench_args import add_gpt_flags, check_gpt, gpt_config, positive_float, positive_int  # noqa: E402
 from zerotron.testing.launch import spawn  # noqa: E402
 
 MiB = 1 << 20
@@ -51,10 +51,7 @@ def run_config(a, tp: int, stage: int, ckpt: str):
 
 
 def model_cfg(a):
-    from zerotron.model.config import GPTConfig
-
-    return GPTConfig(num_layers=a.layers, hidden_size=a.hidden, num_heads=a.heads or max(2, a.hidden // 64),
-                     vocab_size=a.vocab, seq_length=a.seq)
+    return gpt_config(a)
 
 
 def configurations(tp: int) -> list[tuple[int, str]]:
@@ -102,12 +99,7 @@ def predicted(a, tp: int, stage: int, ckpt: str) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--layers", type=positive_int, default=4)
-    ap.add_argument("--hidden", type=positive_int, default=256)
-    ap.add_argument("--heads", type=positive_int, default=None,
-                    help="attention heads (default: hidden / 64, at least 2)")
-    ap.add_argument("--vocab", type=positive_int, default=2048)
-    ap.add_argument("--seq", type=positive_int, default=128)
+    add_gpt_flags(ap, layers=4, hidden=256, vocab=2048, seq=128, min_heads=2)
     ap.add_argument("--batch", type=positive_int, default=2, help="micro-batch per rank")
     ap.add_argument("--steps", type=positive_int, default=2)
     ap.add_argument("--bucket", type=positive_int, default=200_000)
@@ -117,10 +109,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(ROOT / "runs" / "bench"), help="where the ranks' rendezvous file goes")
     a = ap.parse_args(argv)
     for tp, _ in LAYOUTS:
-        with flag_errors(ap, {"hidden_size": "--hidden", "num_heads": "--heads", "seq_length": "--seq",
-                              "vocab_size": "--vocab"},
-                         note=f"the grid runs TP {tp}" + ("" if a.heads else "; --heads defaults to hidden / 64")):
-            model_cfg(a).validate(tp)
+        check_gpt(ap, a, tp, note=f"the grid runs TP {tp}")
     print(f"GPT {a.layers} x h{a.hidden}, vocab {a.vocab}, seq {a.seq}, micro-batch {a.batch}, {a.precision}, "
           f"4 ranks; MiB, max over ranks, the last step's peak", flush=True)
     print(f"{'layout':>9} {'stage':>5} {'ckpt':>7} {'fwd':>7} {'bwd':>7} {'step':>7} {'peak':>7} {'model':>7} "

@@ -31,7 +31,8 @@ from pathlib import Path
 
 import torch
 
-from zerotron.testing.bench_args import flag_errors, nonnegative_float, nonnegative_int, positive_int
+from zerotron.testing.bench_args import (add_gpt_flags, check_gpt, gpt_config, nonnegative_float, nonnegative_int,
+                                          positive_int)
 from zerotron.testing.launch import spawn
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,10 +42,7 @@ HYPER = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
 
 def model_config(args):
-    from zerotron.model.config import GPTConfig
-
-    return GPTConfig(num_layers=args.layers, hidden_size=args.hidden, num_heads=args.heads or max(1, args.hidden // 64),
-                     vocab_size=args.vocab, seq_length=args.seq)
+    return gpt_config(args)
 
 
 def groups(model):
@@ -129,12 +127,7 @@ def measure(kind: str, ranks: int, args) -> tuple[float, float]:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--layers", type=positive_int, default=4)
-    ap.add_argument("--hidden", type=positive_int, default=256)
-    ap.add_argument("--heads", type=positive_int, default=None,
-                    help="attention heads (default: hidden / 64, at least 1)")
-    ap.add_argument("--vocab", type=positive_int, default=8192)
-    ap.add_argument("--seq", type=positive_int, default=128)
+    add_gpt_flags(ap, layers=4, hidden=256, vocab=8192, seq=128)
     ap.add_argument("--micro-batch", type=positive_int, default=4)
     ap.add_argument("--micro", type=positive_int, default=2, help="micro-batches per step")
     ap.add_argument("--steps", type=positive_int, default=10)
@@ -145,9 +138,7 @@ def main(argv=None) -> None:
     ap.add_argument("--clip", type=nonnegative_float, default=0.0, help="gradient clipping on both sides (0: off)")
     ap.add_argument("--only", choices=("single", "dp"), help="one of the two comparisons")
     args = ap.parse_args(argv)
-    with flag_errors(ap, {"hidden_size": "--hidden", "num_heads": "--heads", "seq_length": "--seq",
-                          "vocab_size": "--vocab"}, note="" if args.heads else "--heads defaults to --hidden // 64"):
-        model_config(args).validate()
+    check_gpt(ap, args)
     runs = {"single": [("plain", 1), ("zerotron", 1)], "dp": [("ddp", args.ranks), ("zerotron", args.ranks)]}
     runs = {k: v for k, v in runs.items() if args.only in (None, k)}
     got: dict[tuple[str, int], list[tuple[float, float]]] = {}

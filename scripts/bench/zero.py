@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from zerotron.testing.bench_args import flag_errors, nonnegative_int, positive_int
+from zerotron.testing.bench_args import add_gpt_flags, check_gpt, gpt_config, nonnegative_int, positive_int
 from zerotron.testing.launch import spawn
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,10 +46,7 @@ KINDS = ["ddp", "fsdp2", "deepspeed-1", "deepspeed-2", "deepspeed-3", "zerotron-
 
 
 def model_config(args):
-    from zerotron.model.config import GPTConfig
-
-    return GPTConfig(num_layers=args.layers, hidden_size=args.hidden, num_heads=args.heads or max(1, args.hidden // 64),
-                     vocab_size=args.vocab, seq_length=args.seq)
+    return gpt_config(args)
 
 
 def build_zerotron(args, grid, zero):
@@ -262,12 +259,7 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=positive_int, default=6)
     ap.add_argument("--micro", type=positive_int, default=2, help="micro-batches per step")
     ap.add_argument("--micro-batch", type=positive_int, default=4)
-    ap.add_argument("--layers", type=positive_int, default=4)
-    ap.add_argument("--hidden", type=positive_int, default=256)
-    ap.add_argument("--heads", type=positive_int, default=None,
-                    help="attention heads (default: hidden / 64, at least 1)")
-    ap.add_argument("--vocab", type=positive_int, default=8192)
-    ap.add_argument("--seq", type=positive_int, default=64)
+    add_gpt_flags(ap, layers=4, hidden=256, vocab=8192, seq=64)
     ap.add_argument("--bucket", type=positive_int, default=int(5e6), help="reduce/all-gather bucket, elements")
     ap.add_argument("--overlap", action="store_true")
     ap.add_argument("--persist", type=nonnegative_int, default=0,
@@ -280,9 +272,7 @@ def main(argv=None) -> None:
     ap.add_argument("--only", nargs="+", metavar="CONFIG",
                     help=f"subset of {KINDS}; zerotron-N+ov is stage N with overlap_comm")
     args = ap.parse_args(argv)
-    with flag_errors(ap, {"hidden_size": "--hidden", "num_heads": "--heads", "seq_length": "--seq",
-                          "vocab_size": "--vocab"}, note="" if args.heads else "--heads defaults to --hidden // 64"):
-        model_config(args).validate()
+    check_gpt(ap, args)
     import importlib.util
 
     kinds = list(KINDS)

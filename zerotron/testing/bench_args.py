@@ -64,3 +64,35 @@ def flag_errors(parser: argparse.ArgumentParser, flags: dict[str, str], note: st
         yield
     except ValueError as e:
         parser.error(rename_fields(str(e), flags) + (f" ({note})" if note else ""))
+
+
+GPT_FLAGS = {"num_layers": "--layers", "hidden_size": "--hidden", "num_heads": "--heads", "seq_length": "--seq",
+             "vocab_size": "--vocab"}
+
+
+def add_gpt_flags(parser: argparse.ArgumentParser, *, layers: int, hidden: int, vocab: int, seq: int,
+                  min_heads: int = 1) -> None:
+    """The measured GPT's shape flags, with this script's defaults; ``--heads`` defaults to
+    ``hidden / 64`` (at least ``min_heads``), the head size of the GPT-2 family."""
+    parser.add_argument("--layers", type=positive_int, default=layers)
+    parser.add_argument("--hidden", type=positive_int, default=hidden)
+    parser.add_argument("--heads", type=positive_int, default=None,
+                        help=f"attention heads (default: hidden / 64, at least {min_heads})")
+    parser.add_argument("--vocab", type=positive_int, default=vocab)
+    parser.add_argument("--seq", type=positive_int, default=seq)
+    parser.set_defaults(min_heads=min_heads)
+
+
+def gpt_config(args):
+    """The ``GPTConfig`` of ``add_gpt_flags``' flags (in a rank too: ``args`` travels with it)."""
+    from zerotron.model.config import GPTConfig
+
+    return GPTConfig(num_layers=args.layers, hidden_size=args.hidden, vocab_size=args.vocab, seq_length=args.seq,
+                     num_heads=args.heads or max(args.min_heads, args.hidden // 64))
+
+
+def check_gpt(parser: argparse.ArgumentParser, args, tp: int = 1, note: str = "") -> None:
+    """Exit 2 naming the flags where ``GPTConfig.validate`` refuses the shape at TP ``tp``."""
+    notes = [n for n in (note, "" if args.heads else "--heads defaults to --hidden // 64") if n]
+    with flag_errors(parser, GPT_FLAGS, note="; ".join(notes)):
+        gpt_config(args).validate(tp)
