@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from zerotron.estimate import memory_model, step_time  # noqa: E402
-from zerotron.model.flops import flops_per_iteration  # noqa: E402
+from zerotron.model.flops import PEAK_TFLOPS, flops_per_iteration  # noqa: E402
 from zerotron.parallel import fake_cuda, simulation  # noqa: E402
 from zerotron.training.cli import parse_config  # noqa: E402
 from zerotron.training.config import ConfigError  # noqa: E402
@@ -39,7 +39,6 @@ from zerotron.training.dry_run import simulate_rank  # noqa: E402
 from zerotron.training.setup_run import validate_model  # noqa: E402
 
 GB = 1e9
-V100_TENSOR_TFLOPS, V100_FP32_TFLOPS = 125.0, 15.7  # V100 SXM3 (DGX-2): fp16 tensor cores, fp32 CUDA cores
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -79,7 +78,8 @@ def load(a, overrides: list[str]):
     if a.steps < 1:
         raise ConfigError(f"--steps {a.steps}: simulate at least 1 step")
     if a.peak_tflops is None:
-        a.peak_tflops = V100_FP32_TFLOPS if cfg.training.precision == "fp32" else V100_TENSOR_TFLOPS
+        # the paper's V100s: fp16 tensor cores for a 16-bit run (Volta has no bf16), CUDA cores in fp32
+        a.peak_tflops = PEAK_TFLOPS["V100"]["float32" if cfg.training.precision == "fp32" else "float16"]
     for flag, value in (("--peak-tflops", a.peak_tflops), ("--device-gb", a.device_gb)):
         if not value > 0:
             raise ConfigError(f"{flag} {value}: must be > 0")

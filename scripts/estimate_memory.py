@@ -62,6 +62,11 @@ def _config_setup(a) -> Setup:
         raise UsageError(str(e) if str(e).startswith("--config") else f"--config {a.config}: {e}") from None
 
 
+def _given(value) -> bool:
+    """Whether a flag was given: ``--stage 0`` was (0 is not None), an unset ``--pa`` was not."""
+    return value is not None and value is not False
+
+
 def check_args(a) -> list[int]:
     """Every flag a request gives must shape it: sizes positive, one way of naming the model, and
     no flag that the request would silently drop. Returns the C1-C5 micro-batches."""
@@ -81,13 +86,13 @@ def check_args(a) -> list[int]:
     if custom and len(custom) < 3:
         raise UsageError(f"a custom GPT needs --layers, --hidden and --heads; {', '.join(custom)} given")
     shaping = [f"--{f.replace('_', '-')}" for f in ("config_name", "gpus", "tp", "batch", "stage", "seq", "pa", "cpu")
-               if getattr(a, f) is not None and getattr(a, f) is not False]
+               if _given(getattr(a, f))]
     if shaping and not named:
         verb = "shapes" if len(shaping) == 1 else "shape"
         raise UsageError(f"{' '.join(shaping)} {verb} a breakdown, which needs a model: give --config, --preset "
                          f"or --layers/--hidden/--heads (with --gpus)")
     if a.config_name:  # C1-C5 are a stage, Pa and Pa+cpu: a flag setting one of them would be dropped
-        clash = [f"--{f}" for f in ("stage", "pa", "cpu") if getattr(a, f) is not None and getattr(a, f) is not False]
+        clash = [f"--{f}" for f in ("stage", "pa", "cpu") if _given(getattr(a, f))]
         if clash:
             c = C_CONFIGS[a.config_name]
             raise UsageError(f"--config-name {a.config_name} sets the ZeRO stage ({c['stage']}), Pa "
