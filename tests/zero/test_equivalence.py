@@ -12,6 +12,9 @@ straddle chunks.
 * float64: every variant in float64 against torch's float64 AdamW on the full batch with
   ``clip_grad_norm_(1.0)``, to ``FP64_ZERO``.
 * fp32: every variant in fp32 against the float64 truth, within twice torch fp32's own error.
+
+Every variant also runs under ``tests/zero/inflight_guard.py``: no op writes into a buffer an
+asynchronous collective (``overlap_comm``, stage-3 prefetch) is still using.
 """
 
 import pytest
@@ -20,6 +23,7 @@ import torch
 from tests.harness import spawn
 from tests.parity import FP64_ZERO, assert_bitwise, assert_fp32, assert_fp64
 from tests.zero.common import HYPER, batches, reference_train, zero_train
+from tests.zero.inflight_guard import no_writes_into_inflight_collectives
 from tests.zero.models import TinyLM, TPTinyLM, reference_name, tp_slice
 
 STEPS, MICRO = 5, 2
@@ -51,7 +55,9 @@ def run_variants(grid, tp, variants, precision, data):
         model = TinyLM().to(dtype)
         model = model if tp == 1 else TPTinyLM(model, grid)
         opt = ZeroOptimizer(model, grid, make_cfg(stage, **extra), clip_grad=1.0, precision=precision, **HYPER)
-        infos, _ = zero_train(model, opt, data, grid.dp_rank)
+        with no_writes_into_inflight_collectives() as races:
+            infos, _ = zero_train(model, opt, data, grid.dp_rank)
+        assert not races, f"stage {stage} {extra}: {races[:3]}"
         assert not any(i["skipped"] for i in infos)
         final = dict(opt.full_params())
         if stage < 3:  # the model's own parameters are the published master weights

@@ -12,7 +12,9 @@ arrives after its bucket went out; from the second step on it waits for both.
 checkpoint; once, plainly, in the stage-3 variant), a block -- a stage-3 unit -- applied twice
 (reentrant), the same block once more without checkpointing, and a head. Tier
 ``tests/parity.py`` float64: 3 steps of 2 micro-batches against torch AdamW on the full batch,
-within ``FP64_ZERO``; a dropped or early-reduced gradient moves a parameter by ~4e-2.
+within ``FP64_ZERO``; a dropped or early-reduced gradient moves a parameter by ~4e-2. With
+``overlap_comm`` a late arrival must also not be accumulated (even as zeros) into a bucket whose
+collective is still in flight: ``tests/zero/inflight_guard.py`` watches every write.
 
 Stage 3 releases a unit's parameters once each has a gradient (``zero.stage3``), so there a
 module reused across reentrant segments has to be a unit of its own (the block, not the root's
@@ -27,6 +29,7 @@ from torch.utils.checkpoint import checkpoint
 
 from tests.harness import spawn
 from tests.parity import FP64_ZERO, assert_fp64
+from tests.zero.inflight_guard import no_writes_into_inflight_collectives
 from tests.zero.common import HYPER, SEQ, VOCAB, batches, reference_train, zero_train
 
 STEPS, MICRO = 3, 2
@@ -67,12 +70,14 @@ def check_reuse(root_reuse: bool, stages):
     data = batches(STEPS, MICRO, grid.dp_size)
     truth = dict(reference_train(Reuse(root_reuse).double(), data)[0].named_parameters())
     for stage in stages:
-        for extra in ({}, {"contiguous_gradients": False, "overlap_comm": True}):
+        for extra in ({}, {"overlap_comm": True}, {"contiguous_gradients": False, "overlap_comm": True}):
             model = Reuse(root_reuse).double()
             cfg = ZeroConfig(stage=stage, reduce_bucket_size=300, allgather_bucket_size=300,
                              stage3_param_persistence_threshold=0, **extra)
             opt = ZeroOptimizer(model, grid, cfg, clip_grad=1.0, precision="fp64", **HYPER)
-            infos, _ = zero_train(model, opt, data, grid.dp_rank)
+            with no_writes_into_inflight_collectives() as races:
+                infos, _ = zero_train(model, opt, data, grid.dp_rank)
+            assert not races, f"stage {stage} {extra}: {races[:3]}"
             assert not any(i["skipped"] for i in infos)
             for name, value in opt.full_params():
                 assert_fp64(value, truth[name].detach(), FP64_ZERO, f"stage {stage} {extra}: {name}")

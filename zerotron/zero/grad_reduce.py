@@ -32,6 +32,9 @@ hook twice. A parameter is therefore ready after as many arrivals as it had in t
 backward (one before the first), and an arrival after one of its buckets went out is taken apart
 by a tensor pre-hook (autograd adds zeros instead), reduced at the end of the backward as buckets
 of its own and *added* to what was reduced: the reduction is linear, so nothing is lost or early.
+Where ``.grad`` views the flat buffer, autograd adds those zeros in place, so the pre-hook first
+waits for the collectives in flight (an in-place add racing an all-reduce can restore a value
+read before the reduction wrote it); late arrivals are rare (learned after the first backward).
 
 How a bucket of stages 1-3 reaches its owners is the ``ReduceScatter`` strategy
 (``zero.strategies``): the plain reduce-scatter, or ZeRO++ qgZ (arXiv 2306.10209 §3.3), whose
@@ -103,6 +106,8 @@ class GradReducer:
         apart for ``_reduce_late`` and replaced by zeros (a bucket sent out cannot take more)."""
         if not (self.sync and any(self.reduced[ci] for ci in self.layout.param_chunks[i])):
             return None
+        if self.attached:
+            self.wait()  # autograd adds the zeros into flat_grad, which a collective in flight may be writing
         if i in self.late:
             self.late[i].add_(grad)
         else:
