@@ -178,7 +178,7 @@ def test_the_ranks_rendezvous_under_the_checkouts_runs_from_any_cwd(script, monk
         raise _Spawned
 
     monkeypatch.setattr(module, "spawn", spawn)
-    monkeypatch.setattr(module, "measure_bandwidth", lambda path, mb: {"write_GBps": 1.0, "read_GBps": 1.0},
+    monkeypatch.setattr(module, "measure_bandwidth", lambda path, mb: {"write_GiBps": 1.0, "read_GiBps": 1.0},
                         raising=False)
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # zero.py sets it for its ranks; restored after the test
     monkeypatch.chdir(tmp_path)

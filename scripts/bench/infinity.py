@@ -95,7 +95,7 @@ def main(argv=None) -> None:
 def measure(a, path: str, shape: dict) -> None:
     """The disk's bandwidth under ``path``, then the four configurations and what they cost."""
     bw = measure_bandwidth(path, a.probe_mb)
-    print(f"disk {path}: write {bw['write_GBps']:.2f} GiB/s, read {bw['read_GBps']:.2f} GiB/s "
+    print(f"disk {path}: write {bw['write_GiBps']:.2f} GiB/s, read {bw['read_GiBps']:.2f} GiB/s "
           f"({a.probe_mb} MiB probe, fsync'd write; read may hit the page cache)")
     nvme, params = offload_configs(a, path)
     rows = {}
@@ -110,7 +110,7 @@ def measure(a, path: str, shape: dict) -> None:
     step, r = rows["stage3+nvme"]
     read = r["disk"]["read"] / a.steps
     written = r["disk"]["written"] / a.steps
-    floor = read / (bw["read_GBps"] * 2**30) + written / (bw["write_GBps"] * 2**30)
+    floor = read / (bw["read_GiBps"] * 2**30) + written / (bw["write_GiBps"] * 2**30)
     cost = step - rows["stage3"][0]
     print(f"nvme per step per rank: read {read / 2**20:.2f} MiB, written {written / 2**20:.2f} MiB -> "
           f"{floor * 1e3:.1f} ms at the measured bandwidth (serial); measured offload cost "
@@ -120,7 +120,7 @@ def measure(a, path: str, shape: dict) -> None:
     step_p, r = rows["+nvme params"]
     io = r["param_disk"]
     read, written = io["read"] / a.steps, io["written"] / a.steps
-    floor = read / (bw["read_GBps"] * 2**30) + written / (bw["write_GBps"] * 2**30)
+    floor = read / (bw["read_GiBps"] * 2**30) + written / (bw["write_GiBps"] * 2**30)
     saved = rows["stage3+nvme"][1]["memory"]["total_model_states"] - r["memory"]["total_model_states"]
     print(f"params on nvme per step per rank: read {read / 2**20:.2f} MiB, written {written / 2**20:.2f} MiB -> "
           f"{floor * 1e3:.1f} ms at the measured bandwidth (serial); {io['read_ahead_hits']} unit reads served by "

@@ -53,7 +53,7 @@ def test_truncated_file_and_bad_buffer_count(tmp_path):
 
 def test_bandwidth_probe(tmp_path):
     bw = measure_bandwidth(tmp_path, mbytes=8)
-    assert bw["write_GBps"] > 0 and bw["read_GBps"] > 0
+    assert bw["write_GiBps"] > 0 and bw["read_GiBps"] > 0
 
 
 @pytest.mark.parametrize("simulated", [False, True], ids=["files", "dry_run"])

@@ -152,7 +152,7 @@ class DiskTensorStore:
 
 
 def measure_bandwidth(directory: str | Path, mbytes: int = 256) -> dict[str, float]:
-    """Sequential write and read bandwidth of the disk under ``directory`` (GB/s), fsync included."""
+    """Sequential write and read bandwidth of the disk under ``directory`` (GiB/s), fsync included."""
     path = Path(directory) / "zerotron_bandwidth_probe.bin"
     block = os.urandom(1 << 20)
     t0 = time.perf_counter()
@@ -169,4 +169,4 @@ def measure_bandwidth(directory: str | Path, mbytes: int = 256) -> dict[str, flo
     read_s = time.perf_counter() - t0  # may be served by the page cache: an upper bound on the disk
     path.unlink()
     gb = mbytes / 1024
-    return {"write_GBps": gb / write_s, "read_GBps": gb / read_s}
+    return {"write_GiBps": gb / write_s, "read_GiBps": gb / read_s}
