@@ -195,6 +195,19 @@ def test_corrupt_truncated_and_foreign_checkpoints_fail_clearly_on_every_rank(ze
     assert shard.read_bytes() == original and sorted(p.name for p in ck.glob("step_*")) == ["step_00000010"]
 
 
+
+@pytest.mark.parametrize("flag,value,message", [
+    ("--model.max_position_embeddings", "48", "embedding.position is [32, 64] in the checkpoint but [48, 64]"),
+    ("--model.ffn_hidden_size", "128", "layers.0.mlp.fc1.weight is [256, 64] in the checkpoint but [128, 64]"),
+])
+def test_a_checkpoint_of_another_shape_is_refused_on_every_rank_not_cropped(flag, value, message, zerotron_cache,
+                                                                             tmp_path):
+    ck = tmp_path / "ck"
+    spawn(run_steps, 2, tmp_path / "a", zerotron_cache, 1, ["--save", ck, "--save-interval", "1"], timeout=240)
+    msgs = spawn(load_into, 2, str(ck / "step_00000001"), zerotron_cache, [flag, value], timeout=120,
+                 collective_timeout=20)
+    assert all("another model shape" in m and message in m for m in msgs), msgs
+
 def sigterm_on_rank0_at_step_5(run_dir, cache, ck):
     import json
 

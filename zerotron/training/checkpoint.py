@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 import torch
 
+from zerotron.model.gpt import WORD_EMBEDDING
 from zerotron.parallel.shard_info import shard_info
 from zerotron.training import faults
 from zerotron.training.checkpoint_agree import agree
@@ -202,14 +203,23 @@ class _Assembler:
         return self._value
 
 
+def check_shape(canon: str, saved: list[int], ours: list[int]) -> None:
+    """Raise unless a checkpoint's global shape of ``canon`` fits ours. Only the word embedding's
+    rows may differ: its vocabulary padding depends on the TP size. Any other difference (a
+    position table or MLP of another size) is another model, which cropping or zero-padding
+    would load in silence."""
+    saved, ours = list(saved), list(ours)
+    if saved == ours or (canon == WORD_EMBEDDING and len(saved) == len(ours) and saved[1:] == ours[1:]):
+        return
+    raise CheckpointError(f"checkpoint is of another model shape: {canon} is {saved} in the checkpoint but {ours} "
+                          f"in this model; load a checkpoint of this model")
+
+
 def _fit(t: torch.Tensor, shape: list[int], canon: str) -> torch.Tensor:
-    """Crop or zero-pad the one dimension that vocabulary padding may change between TP sizes."""
+    """Crop or zero-pad the word embedding's padding rows, which the TP size may change."""
     if list(t.shape) == shape:
         return t
-    diff = [d for d, (a, b) in enumerate(zip(t.shape, shape)) if a != b]
-    if len(t.shape) != len(shape) or diff != [0]:
-        raise CheckpointError(f"checkpoint is of another model shape: {canon} is {list(t.shape)} in the checkpoint "
-                              f"but {shape} in this model")
+    check_shape(canon, list(t.shape), shape)
     out = t.new_zeros(shape)
     n = min(shape[0], t.shape[0])
     out[:n] = t[:n]
@@ -235,7 +245,9 @@ def load_checkpoint(load: str, model, opt, grid, *, model_config: dict, log: Cal
     params = dict(model.named_parameters())
     shapes = opt.param_shapes  # TP-local shapes; a frozen parameter is not rebound, its own shape holds
     for name, p in params.items():  # slices are cut along this dimension in both layouts
-        saved, ours = meta["params"][names[name]]["tp_split_dim"], shard_info(p, name).tp_split_dim
+        saved_info, si = meta["params"][names[name]], shard_info(p, name)
+        check_shape(names[name], saved_info["global_shape"], si.global_shape)  # every rank, before a collective
+        saved, ours = saved_info["tp_split_dim"], si.tp_split_dim
         if saved != ours:
             raise CheckpointError(f"{names[name]} is TP-split along dimension {saved} in the checkpoint but "
                                   f"{ours} in this model; load a checkpoint of this model")
