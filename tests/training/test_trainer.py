@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.harness import spawn
+from tests.harness import RankFailure, spawn
 from tests.parity import FP64_TP_PP, FP64_ZERO, assert_fp64, max_err
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -207,6 +207,36 @@ def test_a_checkpoint_of_another_shape_is_refused_on_every_rank_not_cropped(flag
     msgs = spawn(load_into, 2, str(ck / "step_00000001"), zerotron_cache, [flag, value], timeout=120,
                  collective_timeout=20)
     assert all("another model shape" in m and message in m for m in msgs), msgs
+
+
+def killed_deleting_the_replaced_checkpoint(run_dir, cache, flags):
+    """``run_steps``, killed (``kill -9``) part-way through deleting the step_00000010 it saves again."""
+    import shutil
+
+    from zerotron.training import checkpoint
+
+    def rmtree(path, *args, **kwargs):
+        path = Path(path)
+        if path.name.startswith("step_00000010") and not path.name.endswith(".tmp") and path.exists():
+            next(path.glob("rank_*.safetensors")).unlink()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return shutil.rmtree(path, *args, **kwargs)
+
+    checkpoint.shutil = type("Shutil", (), {"rmtree": staticmethod(rmtree)})
+    return run_steps(run_dir, cache, 10, flags)
+
+
+def test_a_kill_while_a_checkpoint_is_saved_again_leaves_one_to_resume(zerotron_cache, tmp_path):
+    flags = ["--save", tmp_path / "ck", "--save-interval", "5", "--checkpoint.keep_last", "3"]
+    spawn(run_steps, 1, tmp_path / "a", zerotron_cache, 10, flags, timeout=240)
+    with pytest.raises(RankFailure, match="rank 0"):  # resumed from step 5, it saves step 10 again
+        spawn(killed_deleting_the_replaced_checkpoint, 1, tmp_path / "b", zerotron_cache,
+              flags + ["--load", tmp_path / "ck" / "step_00000005"], timeout=240)
+    resumed = spawn(load_into, 1, str(tmp_path / "ck"), zerotron_cache, flags + ["--save-interval", "1"],
+                    timeout=240)
+    assert resumed == ["loaded"]
+    assert sorted(p.name for p in (tmp_path / "ck").glob("step_*")) == ["step_00000010", "step_00000011",
+                                                                         "step_00000012"]
 
 def sigterm_on_rank0_at_step_5(run_dir, cache, ck):
     import json

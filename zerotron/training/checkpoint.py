@@ -133,9 +133,12 @@ def save_checkpoint(save: str, step: int, model, opt, grid, *, consumed_samples:
                 (tmp / f"rank_{r:05d}.json").unlink()
             (tmp / OWNER).unlink()  # metadata.json names the run from here on
             faults.hit("kill_before_commit", step, grid.rank)  # test hook: metadata written, not yet renamed
-            if final.exists():
-                shutil.rmtree(final)
+            aside = final.with_name(final.name + ".replaced")  # neither a checkpoint nor a partial one
+            if final.exists():  # a kill while it is deleted must not leave a half-deleted step_XXXXXXXX
+                shutil.rmtree(aside, ignore_errors=True)
+                final.rename(aside)
             tmp.rename(final)
+            shutil.rmtree(aside, ignore_errors=True)
         except OSError as e:
             error = e
         else:

@@ -201,7 +201,8 @@ def prune(save: str | Path, keep_last: int, run_id: str, current_step: int) -> N
     Only checkpoints whose metadata names ``run_id`` are touched: another run's checkpoints in
     the same directory (one this run continued from, say) are never deleted. This run's
     checkpoints newer than ``current_step`` (left when it was resumed from an earlier one) are
-    kept too; each is replaced when the run saves that step again.
+    kept too; each is replaced when the run saves that step again. A ``step_XXXXXXXX.replaced``
+    (``save_checkpoint`` moves a step directory it saves again aside) is debris of such a save.
     """
     mine = [p for p in complete_checkpoints(save) if owner(p) == run_id and step_of(p) <= current_step]
     for old in mine[:-keep_last] if keep_last > 0 else []:
@@ -209,3 +210,5 @@ def prune(save: str | Path, keep_last: int, run_id: str, current_step: int) -> N
     for p in Path(save).iterdir():
         if p.name.endswith(".tmp") and step_of(p) is not None and step_of(p) < current_step and owner(p) == run_id:
             shutil.rmtree(p, ignore_errors=True)
+        elif p.name.endswith(".replaced") and STEP_DIR.match(p.name.removesuffix(".replaced")):
+            shutil.rmtree(p, ignore_errors=True)  # a replaced checkpoint whose deletion a kill interrupted
