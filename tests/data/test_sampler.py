@@ -1,5 +1,6 @@
-"""PretrainSampler: global batch k is samples [kG, (k+1)G) whatever the DP size; resuming at
-consumed = kG gives the same next batches as not stopping."""
+"""PretrainSampler: the global batch at c consumed samples is [c, c+G) whatever the DP size;
+resuming at consumed = kG gives the same next batches as not stopping, and a resume with another
+global batch size continues from the checkpoint's count, multiple of the new size or not."""
 
 from __future__ import annotations
 
@@ -45,9 +46,18 @@ def test_micro_batches_and_len():
     assert batches[0] == [24, 25] and all(len(b) == 2 for b in batches)
 
 
+@pytest.mark.parametrize("old_gbs,new_gbs,steps", [(4, 12, 4), (8, 4, 4), (12, 8, 1)])
+def test_resume_with_another_global_batch_continues_at_the_consumed_count(old_gbs, new_gbs, steps):
+    consumed = old_gbs * steps  # what the checkpoint stores; 16 is not a multiple of 12
+    total = consumed + 3 * new_gbs
+    for dp in (1, 2):
+        assert _global_batches(total, consumed, 2, new_gbs, dp) == [
+            list(range(consumed + k * new_gbs, consumed + (k + 1) * new_gbs)) for k in range(3)]
+
+
 @pytest.mark.parametrize("kwargs,msg", [
     (dict(global_batch_size=10), "multiple of micro_batch_size x dp_size"),
-    (dict(consumed_samples=5), "multiple of global_batch_size"),
+    (dict(consumed_samples=-1), "consumed_samples must be >= 0"),
     (dict(consumed_samples=200), "exceeds total_samples"),
     (dict(dp_rank=2), "dp_rank 2 is not in"),
     (dict(micro_batch_size=0), "micro_batch_size must be positive"),

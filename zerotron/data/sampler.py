@@ -1,12 +1,14 @@
 """Data-parallel, resumable sampler: which dataset samples each DP rank reads at each micro-step.
 
-Why this layout: global batch ``k`` is *defined* as samples ``[k * G, (k + 1) * G)`` of the
-(already shuffled) dataset, independent of how many DP ranks share it. Rank ``r`` of ``dp_size``
-takes the contiguous slice ``[k * G + r * G / dp_size, k * G + (r + 1) * G / dp_size)`` and cuts
-it into micro-batches of ``micro_batch_size``. So the union over ranks and micro-steps -- hence
-the averaged gradient (ZeRO's DP all-reduce / reduce-scatter) -- is the same for DP = 1 and DP = 4,
-and resuming at ``consumed_samples = k * G`` continues exactly where an uninterrupted run would
-be. Samples past the last full global batch are not used.
+Why this layout: the global batch that starts at ``c`` consumed samples is *defined* as samples
+``[c, c + G)`` of the (already shuffled) dataset, independent of how many DP ranks share it.
+Rank ``r`` of ``dp_size`` takes the contiguous slice ``[c + r * G / dp_size, c + (r + 1) * G /
+dp_size)`` and cuts it into micro-batches of ``micro_batch_size``. So the union over ranks and
+micro-steps -- hence the averaged gradient (ZeRO's DP all-reduce / reduce-scatter) -- is the same
+for DP = 1 and DP = 4, and resuming at any ``consumed_samples`` continues exactly where an
+uninterrupted run would be: also with another global batch size (``checkpoint.override_schedule``),
+whose first batch starts at the checkpoint's count even when that count is not a multiple of the
+new size. Samples past the last full global batch are not used.
 """
 
 from __future__ import annotations
@@ -30,9 +32,7 @@ class PretrainSampler:
         need(global_batch_size > 0 and global_batch_size % (micro_batch_size * dp_size) == 0,
              f"global_batch_size {global_batch_size} must be a positive multiple of micro_batch_size"
              f" x dp_size = {micro_batch_size} x {dp_size}; adjust global_batch_size")
-        need(consumed_samples >= 0 and consumed_samples % global_batch_size == 0,
-             f"consumed_samples {consumed_samples} must be a non-negative multiple of "
-             f"global_batch_size {global_batch_size} (a checkpoint is taken between steps)")
+        need(consumed_samples >= 0, f"consumed_samples must be >= 0, got {consumed_samples}")
         need(consumed_samples <= total_samples,
              f"consumed_samples {consumed_samples} exceeds total_samples {total_samples}; the run "
              f"is already complete or total_samples shrank")
@@ -53,14 +53,15 @@ class PretrainSampler:
         return self.remaining_steps * self.num_micro_batches
 
     def global_batch(self, step: int) -> list[int]:
-        """All sample indices of global batch ``step`` (what every DP size must agree on)."""
-        return list(range(step * self.global_batch_size, (step + 1) * self.global_batch_size))
+        """All sample indices of the ``step``-th global batch from ``consumed_samples`` (what every
+        DP size must agree on)."""
+        start = self.consumed_samples + step * self.global_batch_size
+        return list(range(start, start + self.global_batch_size))
 
     def __iter__(self) -> Iterator[list[int]]:
         per_rank = self.global_batch_size // self.dp_size
-        first = self.consumed_samples // self.global_batch_size
-        for step in range(first, first + self.remaining_steps):
-            base = step * self.global_batch_size + self.dp_rank * per_rank
+        for step in range(self.remaining_steps):
+            base = self.consumed_samples + step * self.global_batch_size + self.dp_rank * per_rank
             for m in range(self.num_micro_batches):
                 start = base + m * self.micro_batch_size
                 yield list(range(start, start + self.micro_batch_size))
