@@ -118,3 +118,14 @@ def test_blending_follows_weights(tmp_path):
     target = 0.7 * np.arange(1, n + 1)
     assert np.abs(prefix_counts - target).max() <= 1.0  # on target at every prefix of the blend
     assert len(ds.datasets[1]) == int(from_b.sum())
+
+
+def test_blending_without_weights_is_by_size_and_a_zero_weight_is_off(tmp_path):
+    pa, ta = _unique_corpus(tmp_path / "a", seed=1, docs=20, base=0)
+    pb, tb = _unique_corpus(tmp_path / "b", seed=2, docs=80, base=50_000)
+    n = 600
+    ds = GPTDataset([pa, pb], None, 4, n, seed=3)  # data.data_weights empty: "by size"
+    share_b = float(np.mean(ds.dataset_index == 1))
+    assert abs(share_b - tb / (ta + tb)) <= 1 / n
+    off = GPTDataset([pa, pb], [1.0, 0.0], 4, n, seed=3)  # accepted by RunConfig.validate
+    assert all(off[i][0] < 50_000 for i in range(n))

@@ -16,7 +16,9 @@ import numpy as np
 
 
 def normalize_weights(weights: Sequence[float] | None, num_datasets: int) -> np.ndarray:
-    """Weights as float64 summing to one; ``None`` means equal weights."""
+    """Weights as float64 summing to one; ``None`` means equal weights. A zero weight is allowed
+    (the run config accepts one, to switch a file off without editing the path list) as long as
+    one weight is positive."""
     if num_datasets == 0:
         raise ValueError("no token files given; pass at least one data prefix")
     if weights is None:
@@ -25,8 +27,8 @@ def normalize_weights(weights: Sequence[float] | None, num_datasets: int) -> np.
     if w.shape != (num_datasets,):
         raise ValueError(f"got {len(w)} blend weights for {num_datasets} data prefixes; give one "
                          f"weight per prefix")
-    if not np.all(np.isfinite(w)) or np.any(w <= 0):
-        raise ValueError(f"blend weights must be positive and finite, got {w.tolist()}")
+    if not np.all(np.isfinite(w)) or np.any(w < 0) or not w.sum() > 0:
+        raise ValueError(f"blend weights must be finite and >= 0 with at least one positive, got {w.tolist()}")
     return w / w.sum()
 
 
@@ -34,6 +36,8 @@ def blend_index(weights: np.ndarray, num_samples: int) -> tuple[np.ndarray, np.n
     """For each blended sample: which dataset it comes from and that dataset's sample number."""
     ids, ranks, places = [], [], []
     for d, w in enumerate(weights):
+        if w == 0:
+            continue
         k = np.arange(int(np.ceil(w * num_samples)) + len(weights) + 1, dtype=np.int64)
         ids.append(np.full(len(k), d, dtype=np.int16))
         ranks.append(k)

@@ -132,13 +132,17 @@ class PackedDataset:
 
 class GPTDataset:
     """``num_samples`` samples of ``seq_length + 1`` int64 tokens from one or several (blended,
-    by ``weights``) token files."""
+    by ``weights``) token files. ``weights=None`` blends several files by their token counts, as
+    Megatron does and ``data.data_weights`` promises ("empty: by size"): equal shares would
+    repeat a small file many times over within one pass of a large one."""
 
     def __init__(self, prefixes: str | Sequence[str], weights: Sequence[float] | None,
                  seq_length: int, num_samples: int, seed: int, cache_dir: str | None = None,
                  build_missing: bool = True):
         _check(seq_length, num_samples)
         self.prefixes = [prefixes] if isinstance(prefixes, (str, os.PathLike)) else list(prefixes)
+        if weights is None and len(self.prefixes) > 1:
+            weights = [IndexedTokenDataset(str(p)).num_tokens for p in self.prefixes]
         self.weights = normalize_weights(weights, len(self.prefixes))
         self.seq_length, self.num_samples = seq_length, num_samples
         if len(self.prefixes) == 1:
