@@ -140,3 +140,14 @@ def test_truncated_bin_and_idx(tmp_path):
         f.write(b"garbage")
     with pytest.raises(ValueError, match="bad magic"):
         IndexedTokenDataset(prefix)
+
+
+def test_a_text_that_names_a_file_trains_as_text(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    from zerotron.data.tokenizer import _lines
+    (tmp_path / "notes").write_text("contents of an unrelated file\n")
+    monkeypatch.chdir(tmp_path)
+    assert list(_lines(["hello", "notes"])) == ["hello", "notes"]  # documents, e.g. from a .jsonl
+    assert list(_lines([Path("notes")])) == ["contents of an unrelated file"]
+    assert list(_lines("notes")) == ["contents of an unrelated file"]  # the one-path form

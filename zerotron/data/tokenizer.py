@@ -93,11 +93,16 @@ class Tokenizer:
 
 
 def _lines(texts_or_files) -> Iterator[str]:
-    """Training sentences: the lines of every text (or text file), long lines cut."""
+    """Training sentences: the lines of every text (or text file), long lines cut. Within an
+    iterable only ``os.PathLike`` items are files: a document whose text happens to name an
+    existing file (``notes``, ``/etc/hosts``) must train as that text, not as the file."""
     if isinstance(texts_or_files, (str, os.PathLike)):
-        texts_or_files = [texts_or_files]
+        texts_or_files = [os.fspath(texts_or_files)]
+        paths = True
+    else:
+        paths = False
     for item in texts_or_files:
-        if isinstance(item, os.PathLike) or (isinstance(item, str) and os.path.isfile(item)):
+        if isinstance(item, os.PathLike) or (paths and isinstance(item, str)):
             with open(item, encoding="utf-8") as f:
                 text = f.read()
         elif isinstance(item, str):
@@ -118,7 +123,8 @@ def train_tokenizer(texts_or_files: Iterable[str] | str, model_prefix: str, voca
                     text_field: str = "text") -> Tokenizer:
     """Train a SentencePiece model; writes ``<model_prefix>.model`` / ``.vocab`` and loads it.
 
-    ``texts_or_files``: strings, paths of UTF-8 text files, or a ``datasets`` Dataset (its
+    ``texts_or_files``: the path of one UTF-8 text file; or an iterable of texts (``str``) and
+    file paths (``os.PathLike``, e.g. ``pathlib.Path``); or a ``datasets`` Dataset (its
     ``text_field`` column is used).
     """
     if model_type not in ("bpe", "unigram"):
