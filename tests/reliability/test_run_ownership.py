@@ -214,6 +214,15 @@ def test_override_schedule_resumes_with_the_new_values(zerotron_cache, tmp_path)
     assert "(step 4," in out and "[zerotron] done: step 6 of 6" in out, out
 
 
+@pytest.mark.parametrize("old, new", [(4, 12), (8, 4)])
+def test_override_resumes_with_a_global_batch_that_does_not_divide_or_shrinks(old, new, zerotron_cache, tmp_path):
+    """16 consumed samples and a batch of 12 (not a multiple); 32 consumed and a batch of 4 (6 x 4 < 32)."""
+    assert codes(run(argv(zerotron_cache, tmp_path, 4, "--global-batch-size", str(old)))) == [0, 0]
+    res = run(argv(zerotron_cache, tmp_path, 6, "--global-batch-size", str(new), "--checkpoint.override_schedule", "true"))
+    assert codes(res) == [0, 0], res[0][2]
+    assert "(step 4," in res[0][1] and "[zerotron] done: step 6 of 6" in res[0][1], res[0][1]
+
+
 @pytest.mark.parametrize("target, needle", [
     ("step_00000004/metadata.json", "is a file; give the checkpoint's directory, {ckpts}/step_00000004"),
     ("step_00000006.tmp", "is a partial checkpoint (a save that did not finish"),

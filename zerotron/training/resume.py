@@ -58,6 +58,7 @@ class ResumePlan:
     path: Path | None = None  # None: start from scratch
     step: int = 0
     verified: frozenset = field(default_factory=frozenset)  # shard files already hashed
+    consumed: int = 0  # samples the checkpoint had consumed: where the data continues
 
 
 def flatten(config: dict) -> dict[str, Any]:
@@ -251,7 +252,8 @@ def plan_resume(cfg, grid, device, log: Callable[[str], None] = print) -> Resume
     if save is not None:
         _check_save_dir(save, chosen, step, rid, skipped, asked, log)
     files = frozenset(meta["files"]) if chosen is not None else frozenset()
-    return ResumePlan(chosen, step, files)
+    consumed = int(meta["consumed_samples"]) if chosen is not None else 0
+    return ResumePlan(chosen, step, files, consumed)
 
 
 def check_tokenizer(path: Path, tokenizer: str | None, cfg) -> None:

@@ -73,7 +73,8 @@ class Trainer:
         self.model, self.opt, self.activations = plan.model, plan.optimizer, plan.activations
         self.memory.register(self.opt)
         seq = self.mcfg.seq_length
-        num_samples = t.train_steps * t.global_batch_size
+        # from the checkpoint's count on: train_steps x G falls short after a resume that shrank G
+        num_samples = self.resume.consumed + (t.train_steps - self.resume.step) * t.global_batch_size
         ds_args = dict(seq_length=seq, seed=t.seed, cache_dir=cfg.data.cache_dir)
         if grid.rank == 0:  # the sample index is built once and cached; the others wait, then read it
             prepare_dataset_index(self.data.train_prefixes, self.data.train_weights, num_samples=num_samples, **ds_args)
