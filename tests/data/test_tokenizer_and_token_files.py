@@ -109,6 +109,24 @@ def _good(tmp_path) -> str:
     return prefix
 
 
+def test_a_rewrite_that_fails_leaves_the_old_token_files(tmp_path, monkeypatch):
+    """A full disk while the new ``.idx`` is written: the corpus already there still opens, whole."""
+    prefix = _good(tmp_path)
+
+    class FullDisk:
+        def pack(self, *a):
+            raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(indexed, "_HEADER", FullDisk())
+    with pytest.raises(OSError, match="No space"):
+        with IndexedTokenWriter(prefix, 300) as w:
+            w.add_document([1, 2, 3])
+    monkeypatch.undo()
+    ds = IndexedTokenDataset(prefix)
+    assert len(ds) == 2 and ds.get(0).tolist() == list(range(50)) and ds.get(1).tolist() == [7, 8]
+    assert _outputs(tmp_path) == ["g.bin", "g.idx"]
+
+
 def test_missing_files(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"nope\.idx does not exist.*preprocess_data"):
         IndexedTokenDataset(str(tmp_path / "nope"))

@@ -122,15 +122,15 @@ class IndexedTokenWriter:
             offsets = np.zeros(len(sizes) + 1, np.int64)
             np.cumsum(sizes, out=offsets[1:])
             idx_path = self.prefix + ".idx"
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(idx_path)  # no moment where an old .idx describes the new .bin
             idx_tmp = tmp_name(idx_path)
             try:
-                with open(idx_tmp, "wb") as f:
+                with open(idx_tmp, "wb") as f:  # written in full first: a full disk leaves the old pair
                     f.write(_HEADER.pack(MAGIC, FORMAT_VERSION, self.dtype.itemsize, self.vocab_size,
                                          self._max_id, len(sizes), int(offsets[-1])))
                     f.write(offsets.tobytes())
                     f.write(sizes.astype(np.int32).tobytes())
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(idx_path)  # no moment where an old .idx describes the new .bin
                 publish(self._bin_tmp, self.prefix + ".bin")
                 publish(idx_tmp, idx_path)
             finally:
