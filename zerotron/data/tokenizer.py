@@ -31,6 +31,9 @@ class Tokenizer:
 
     @classmethod
     def load(cls, model_path: str) -> "Tokenizer":
+        if os.path.isdir(model_path):
+            raise FileNotFoundError(f"tokenizer model {model_path} is a directory; name its .model file "
+                                    f"(scripts/train_tokenizer.py writes <prefix>.model)")
         if not os.path.isfile(model_path):
             raise FileNotFoundError(f"tokenizer model {model_path} does not exist; train one with "
                                     f"scripts/train_tokenizer.py")
