@@ -66,7 +66,9 @@ def whole_draw_init_(param, std, seed, name, tp_rank, tp_size, layout_independen
         local = whole_draw(shard_info(param, name).global_shape, split, tp_rank, tp_size, std,
                            tensor_seed(seed, name), valid_rows)
     else:
-        local = whole_draw(param.shape, None, 0, 1, std, tensor_seed(seed, f"{name}/tp{tp_rank}of{tp_size}"))
+        mine = None if valid_rows is None or split != 0 else min(max(valid_rows - tp_rank * param.shape[0], 0),
+                                                                   param.shape[0])
+        local = whole_draw(param.shape, None, 0, 1, std, tensor_seed(seed, f"{name}/tp{tp_rank}of{tp_size}"), mine)
     out.copy_(local)
 
 
@@ -135,6 +137,19 @@ def test_gpt_weights_are_the_whole_draw_for_every_layout(monkeypatch, tp, tp_ran
                                                           fast.named_parameters(), reference_fast.named_parameters()):
         assert_same_bits(p.detach(), want.detach(), name)
         assert_same_bits(f.detach(), want_f.detach(), f"{name} (layout-dependent)")
+
+
+@pytest.mark.parametrize("layout_independent", [True, False])
+@pytest.mark.parametrize("tp,tp_rank,pp,pp_rank", [(2, 1, 1, 0), (4, 2, 1, 0), (4, 3, 2, 1)])
+def test_padding_rows_of_the_vocabulary_start_at_zero(tp, tp_rank, pp, pp_rank, layout_independent):
+    """Padding rows never enter a loss (their logits are masked), so only their initial values ever
+    sit there: zero in both init modes, as ``GPT.init_parameter_`` promises, and the real rows drawn."""
+    cfg, grid = config(vocab_size=33), stand_in_grid(tp, tp_rank, pp, pp_rank)
+    model = build_stage(cfg, grid, seed=5, layout_independent_init=layout_independent)
+    w = model.word_embedding_weight.detach()
+    real = min(max(cfg.vocab_size - tp_rank * w.shape[0], 0), w.shape[0])
+    assert not w[real:].any(), f"padding rows {tp_rank * w.shape[0] + real}.. are not zero"
+    assert w[:real].abs().min() > 0 if real else True
 
 
 def test_one_parameter_drawn_again_alone_even_from_a_shape_only_model():

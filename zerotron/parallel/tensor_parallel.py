@@ -155,9 +155,11 @@ def init_sharded_(param: torch.Tensor, std: float, seed: int, name: str, tp_rank
 
     ``valid_rows`` (for a vocabulary padded to a TP-dependent size) draws only the first
     ``valid_rows`` rows of the full tensor and zero-fills the rest, so the real rows do not
-    depend on how much padding this layout needs. ``out`` (default ``param``): where the values
-    go, a contiguous tensor of ``param``'s shape (any dtype, any device), e.g. an fp32 buffer for
-    the master of a 16-bit parameter, or for a parameter of a shape-only (meta) model.
+    depend on how much padding this layout needs; layout-dependent, a rank draws only its own
+    rows below ``valid_rows`` and zero-fills its padding rows too. ``out`` (default ``param``):
+    where the values go, a contiguous tensor of ``param``'s shape (any dtype, any device), e.g.
+    an fp32 buffer for the master of a 16-bit parameter, or for a parameter of a shape-only
+    (meta) model.
     """
     out = param if out is None else out
     if out.is_meta or host_sync.simulated():  # shape-only model or a dry run: no data, nothing to draw
@@ -172,8 +174,10 @@ def init_sharded_(param: torch.Tensor, std: float, seed: int, name: str, tp_rank
     split = info.tp_split_dim
     if split is None or tp_size == 1 or layout_independent:
         draw_shard_(out, info.global_shape, split, tp_rank, tp_size, std, tensor_seed(seed, name), valid_rows)
-    else:
-        draw_shard_(out, param.shape, None, 0, 1, std, tensor_seed(seed, f"{name}/tp{tp_rank}of{tp_size}"))
+    else:  # this rank's own rows: the valid ones among them drawn, its padding rows zero
+        mine = None if valid_rows is None or split != 0 else min(max(valid_rows - tp_rank * param.shape[0], 0),
+                                                                   param.shape[0])
+        draw_shard_(out, param.shape, None, 0, 1, std, tensor_seed(seed, f"{name}/tp{tp_rank}of{tp_size}"), mine)
 
 
 class ColumnParallelLinear(nn.Module):
