@@ -54,3 +54,17 @@ def test_without_a_gpu_only_tiny_runs(monkeypatch, capsys):
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert "no CUDA device is visible" in err and "--tiny" in err
+
+
+def test_a_size_flag_beside_tiny_holds(monkeypatch, capsys):
+    """``--tiny`` sets the sizes' defaults, not the sizes: ``--heads 3`` (64 hidden do not split
+    into 3 heads) is refused naming the flag, before any process group."""
+    import scripts.checks.gpu_check as check
+
+    def no_group(*args, **kwargs):
+        raise AssertionError("gpu_check started a process group: --heads was overridden by --tiny")
+
+    monkeypatch.setattr(check, "init_distributed", no_group)
+    with pytest.raises(SystemExit) as exit_:
+        check.main(["--tiny", "--heads", "3"])
+    assert exit_.value.code == 2 and "--heads" in capsys.readouterr().err

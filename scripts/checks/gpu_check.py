@@ -183,7 +183,8 @@ def fmt(x, width: int, spec: str) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tiny", action="store_true", help="tiny models, a few steps (the CPU smoke test of this script)")
+    p.add_argument("--tiny", action="store_true",
+                   help="tiny models, a few steps (the CPU smoke test of this script); size flags given beside it hold")
     p.add_argument("--layers", type=positive_int, default=24)
     p.add_argument("--hidden", type=positive_int, default=2048)
     p.add_argument("--heads", type=positive_int, default=16)
@@ -197,9 +198,9 @@ def main(argv=None) -> int:
     p.add_argument("--only", nargs="*", choices=[r[0] for r in ROWS], metavar="ROW",
                    help=f"run only these of {[r[0] for r in ROWS]} (parity always runs)")
     args = p.parse_args(argv)
-    if args.tiny:
-        args.layers, args.hidden, args.heads, args.seq, args.vocab = 2, 64, 4, 32, 512
-        args.micro_batch, args.warmup, args.steps = 2, 1, 1
+    if args.tiny:  # tiny sizes as the defaults: a size flag given beside --tiny still holds
+        p.set_defaults(layers=2, hidden=64, heads=4, seq=32, vocab=512, micro_batch=2, warmup=1, steps=1)
+        args = p.parse_args(argv)
     with flag_errors(p, {"num_layers": "--layers", "hidden_size": "--hidden", "num_heads": "--heads",
                          "seq_length": "--seq", "vocab_size": "--vocab"}):
         big = GPTConfig(num_layers=args.layers, hidden_size=args.hidden, num_heads=args.heads,
