@@ -37,13 +37,14 @@ class UsageError(Exception):
 
 def _config_setup(a) -> Setup:
     """The run config's setup (``setup_from_run_config``, as the dry run and the trainer see it);
-    ``--tp``/``--batch``/``--stage``/``--seq``/``--pa``/``--cpu`` override its fields."""
+    ``--tp``/``--batch``/``--stage``/``--seq``/``--vocab``/``--pa``/``--cpu`` override its fields."""
     from zerotron.training.cli import parse_config
     from zerotron.training.config import ConfigError
     from zerotron.training.setup_run import validate_model
 
     overrides = {"--parallel.tp": a.tp, "--training.micro_batch_size": a.batch, "--zero.stage": a.stage,
-                 "--model.seq_length": a.seq, "--activation_checkpointing.partition_activations": a.pa or None,
+                 "--model.seq_length": a.seq, "--model.vocab_size": a.vocab,
+                 "--activation_checkpointing.partition_activations": a.pa or None,
                  "--activation_checkpointing.cpu_checkpointing": a.cpu or None}
     argv = ["--config", a.config] + [str(x) for k, v in overrides.items() if v is not None for x in (k, v)]
     try:
@@ -70,7 +71,7 @@ def _given(value) -> bool:
 def check_args(a) -> list[int]:
     """Every flag a request gives must shape it: sizes positive, one way of naming the model, and
     no flag that the request would silently drop. Returns the C1-C5 micro-batches."""
-    for flag in ("layers", "hidden", "heads", "seq", "tp", "gpus", "batch", "c_gpus", "c_mp"):
+    for flag in ("layers", "hidden", "heads", "seq", "vocab", "tp", "gpus", "batch", "c_gpus", "c_mp"):
         value = getattr(a, flag)
         if value is not None and value < 1:
             raise UsageError(f"--{flag.replace('_', '-')} {value}: must be a positive integer")
@@ -85,8 +86,8 @@ def check_args(a) -> list[int]:
         raise UsageError(f"{' and '.join(named)} each name the model; give one of them")
     if custom and len(custom) < 3:
         raise UsageError(f"a custom GPT needs --layers, --hidden and --heads; {', '.join(custom)} given")
-    shaping = [f"--{f.replace('_', '-')}" for f in ("config_name", "gpus", "tp", "batch", "stage", "seq", "pa", "cpu")
-               if _given(getattr(a, f))]
+    fields = ("config_name", "gpus", "tp", "batch", "stage", "seq", "vocab", "pa", "cpu")
+    shaping = [f"--{f.replace('_', '-')}" for f in fields if _given(getattr(a, f))]
     if shaping and not named:
         verb = "shapes" if len(shaping) == 1 else "shape"
         raise UsageError(f"{' '.join(shaping)} {verb} a breakdown, which needs a model: give --config, --preset "
@@ -124,6 +125,8 @@ def build_setup(a) -> Setup | None:
                 return None
             if a.seq is not None:
                 model = dataclasses.replace(model, seq_length=a.seq)
+            if a.vocab is not None:
+                model = dataclasses.replace(model, vocab_size=a.vocab)
             model.validate(tp)
         except ValueError as e:
             raise UsageError(str(e)) from None
@@ -172,6 +175,8 @@ def main(argv=None) -> dict:
     p.add_argument("--hidden", type=int, help="custom GPT: hidden size")
     p.add_argument("--heads", type=int, help="custom GPT: attention heads")
     p.add_argument("--seq", type=int, help="sequence length (default: the config's or preset's; 1024 for a custom GPT)")
+    p.add_argument("--vocab", type=int, help="vocabulary size (default: the config's or preset's; 50257 for a "
+                                             "custom GPT)")
     p.add_argument("--tp", type=int, help="MP (tensor-parallel) degree (default: the config's parallel.tp, else 1)")
     p.add_argument("--gpus", type=int, help="world size, required for a breakdown unless the --config fixes "
                                             "parallel.dp; DP = gpus / (tp x pp)")

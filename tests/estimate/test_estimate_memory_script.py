@@ -58,6 +58,17 @@ def test_a_config_that_fixes_dp_gives_its_own_world(capsys, tmp_path):
     assert (out["breakdown"]["tp"], out["breakdown"]["dp"], out["breakdown"]["micro_batch"]) == (1, 4, 2)
 
 
+def test_vocab_flag_sizes_the_embedding_of_every_way_of_naming_the_model(capsys):
+    """``--vocab V`` overrides a config's, a preset's and a custom GPT's vocabulary: the total
+    moves by exactly (V' - V) x hidden (the tied embedding, padded to a multiple of 128 x MP)."""
+    for model, hidden, pad in ((["--config", TINY], 64, 256), (["--preset", "zero-1.5b"], 1600, 128),
+                               (["--layers", "2", "--hidden", "64", "--heads", "4"], 64, 128)):
+        base, _ = run(capsys, *model, "--gpus", "4")
+        big, _ = run(capsys, *model, "--gpus", "4", "--vocab", "131072")
+        grown = big["breakdown"]["params_total"] - base["breakdown"]["params_total"]
+        assert grown % hidden == 0 and grown // hidden > 0 and (131072 - grown // hidden) % pad == 0, (model, grown)
+
+
 @pytest.mark.parametrize("argv, needle", [
     (["--preset", "nosuch", "--gpus", "8"], "unknown model preset 'nosuch'"),
     (["--preset", "zero-1.5b", "--tp", "-2", "--gpus", "8"], "--tp -2: must be a positive integer"),
@@ -71,6 +82,8 @@ def test_a_config_that_fixes_dp_gives_its_own_world(capsys, tmp_path):
     (["--config", TINY, "--preset", "zero-1.5b", "--gpus", "4"], "--config and --preset each name the model"),
     (["--c-batches", "a,b"], "--c-batches 'a,b': give positive micro-batch sizes"),
     (["--c-mp", "0"], "--c-mp 0: must be a positive integer"),
+    (["--preset", "zero-1.5b", "--gpus", "8", "--vocab", "0"], "--vocab 0: must be a positive integer"),
+    (["--vocab", "512"], "--vocab shapes a breakdown, which needs a model"),
     (["--c-gpus", "100", "--c-mp", "16"], "--c-gpus 100 is not a multiple of --c-mp 16"),
     (["--preset", "zero-100b", "--tp", "16", "--gpus", "400", "--stage", "0", "--config-name", "C4"],
      "--config-name C4 sets the ZeRO stage (2), Pa (True) and Pa+cpu (False); drop --stage or --config-name"),
