@@ -62,16 +62,26 @@ def default_units(model: nn.Module) -> list[nn.Module]:
 
 
 def unit_params(units: list[nn.Module], params: list[nn.Parameter]) -> list[list[int]]:
-    """Parameter indices each unit uses: all parameters reachable from it, minus those of units nested in it."""
+    """Parameter indices each unit uses: those registered on its modules that no other unit nested in
+    it encloses. A parameter registered twice (tied: ``blocks[1].ln.weight = ln_f.weight``) belongs to
+    every unit that reaches it by a path of its own, so a unit never runs with a tied parameter that
+    an inner unit has already released."""
     index = {id(p): i for i, p in enumerate(params)}
-    reach = [[index[id(p)] for p in u.parameters() if id(p) in index] for u in units]
+    unit_ids = {id(u) for u in units}
     out = []
-    for ui, u in enumerate(units):
-        inner = set()
-        for vi, v in enumerate(units):
-            if vi != ui and v is not u and any(m is v for m in u.modules()):
-                inner.update(reach[vi])
-        out.append([p for p in reach[ui] if p not in inner])
+    for u in units:
+        found: dict[int, None] = {}  # insertion-ordered set: the order of ``u.parameters()``
+        seen, stack = set(), [u]
+        while stack:
+            m = stack.pop()
+            if id(m) in seen:
+                continue
+            seen.add(id(m))
+            for p in m.parameters(recurse=False):
+                if id(p) in index:
+                    found.setdefault(index[id(p)])
+            stack.extend(reversed([c for c in m.children() if id(c) not in unit_ids]))
+        out.append(list(found))
     return out
 
 
