@@ -20,7 +20,7 @@ from tests.training.test_trainer import make_config
 PEAK = 0.5  # TFLOP/s, logging.peak_tflops: a CPU has no table entry
 
 
-def counted_run(run_dir, cache, checkpointing: bool):
+def counted_run(run_dir, cache, checkpointing: bool, *extra: str):
     """The matmul FLOPs of step 1 (counted), then metrics.jsonl of steps 2-3 (log interval 1)."""
     import torch.distributed as dist
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -32,6 +32,7 @@ def counted_run(run_dir, cache, checkpointing: bool):
     flags = ["--train-steps", "3", "--log-interval", "1", "--logging.peak_tflops", str(PEAK),
              "--model.ffn_hidden_size", "96", "--model.make_vocab_size_divisible_by", "100"]
     flags += ["--checkpoint-activations"] if checkpointing else []
+    flags += list(extra)
     cfg = make_config(run_dir, cache, *flags).validate(dist.get_world_size())
     trainer = Trainer(cfg, init_distributed())
     assert trainer.mcfg.padded_vocab_size(1) != trainer.mcfg.vocab_size
@@ -56,3 +57,13 @@ def test_mfu_counts_model_flops_and_hfu_the_recompute(zerotron_cache, tmp_path):
         assert rec["tflops_per_device"] == pytest.approx(hw / rec["step_time_s"] / 1e12, rel=1e-9)
     for rec in plain_records:
         assert rec["mfu"] == rec["hfu"] == pytest.approx(model / rec["step_time_s"] / 1e12 / PEAK, rel=1e-9)
+
+
+def test_hfu_counts_the_selective_recompute(zerotron_cache, tmp_path):
+    """Selective recompute runs the attention core again in backward: HFU counts it, MFU not."""
+    (hw, records), = spawn(counted_run, 1, tmp_path / "sel", zerotron_cache, False,
+                           "--recompute-granularity", "selective", timeout=120)
+    assert [r["step"] for r in records] == [2, 3]
+    for rec in records:
+        assert rec["tflops_per_device"] == pytest.approx(hw / rec["step_time_s"] / 1e12, rel=1e-9)
+        assert rec["hfu"] > rec["mfu"]

@@ -15,6 +15,10 @@ and **full recompute** runs each layer's forward once more (the logits are never
 
     F_hw = 4·l·T·(8h² + 4hf + 4sh) + 6·T·h·V = 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h))   ([N21] Eq. 3).
 
+**Selective recompute** (Korthikanti et al. 2022 §5) runs each layer's attention core -- its two
+4·T·s·h GEMMs -- once more in backward, on its own or inside full recompute's chunks, so it
+adds l·4·T·s·h to what the device does (not to the model FLOPs).
+
 MFU divides the model FLOPs by the time and the peak, HFU the FLOPs the device really did
 (recompute included, what [N21] and ZeRO report as TFLOPs): checkpointing raises HFU and
 leaves MFU alone, so only MFU compares runs. A pipeline stage counts its own layers and, on the
@@ -51,10 +55,12 @@ def layer_forward_flops(cfg: GPTConfig, tokens: int, seq: int) -> int:
 
 
 def flops_per_iteration(cfg: GPTConfig, batch: int, seq: int | None = None, recompute: bool = False,
-                        tp: int = 1, layers: int | None = None, logits: bool = True) -> float:
+                        tp: int = 1, layers: int | None = None, logits: bool = True,
+                        selective: bool = False) -> float:
     """FLOPs of one forward+backward over ``batch`` sequences (global batch → global FLOPs).
 
-    ``recompute=True`` counts the extra forward of full activation recompute. V is the padded
+    ``recompute=True`` counts the extra forward of full activation recompute, ``selective=True``
+    the extra attention core of selective recompute (both may hold). V is the padded
     vocabulary at ``tp`` (the logit GEMM really computes the padding). ``layers`` (default all)
     and ``logits`` select what one pipeline stage computes."""
     s = cfg.seq_length if seq is None else seq
@@ -62,7 +68,8 @@ def flops_per_iteration(cfg: GPTConfig, batch: int, seq: int | None = None, reco
     tokens = batch * s
     passes = 4 if recompute else 3
     head = 6 * tokens * cfg.hidden_size * cfg.padded_vocab_size(tp) if logits else 0
-    return float(passes * n_layers * layer_forward_flops(cfg, tokens, s) + head)
+    core = n_layers * 4 * tokens * s * cfg.hidden_size if selective else 0
+    return float(passes * n_layers * layer_forward_flops(cfg, tokens, s) + head + core)
 
 
 def _dtype_name(dtype) -> str:

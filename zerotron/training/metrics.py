@@ -198,9 +198,10 @@ class Throughput:
         from zerotron.zero.optimizer import DTYPES
 
         t, tp = cfg.training, cfg.parallel.tp
-        recompute = cfg.activation_checkpointing.checkpoint_activations
+        ac = cfg.activation_checkpointing
         model = flops_per_iteration(mcfg, t.global_batch_size, mcfg.seq_length, recompute=False, tp=tp)
-        hardware = flops_per_iteration(mcfg, t.global_batch_size, mcfg.seq_length, recompute=recompute, tp=tp)
+        hardware = flops_per_iteration(mcfg, t.global_batch_size, mcfg.seq_length, recompute=ac.checkpoint_activations,
+                                       tp=tp, selective=ac.recompute_granularity == "selective")
         peak = device_peak_tflops(device, DTYPES[t.precision], cfg.logging.peak_tflops)
         return cls(model, hardware, t.global_batch_size * mcfg.seq_length, t.global_batch_size, world_size, peak)
 
