@@ -43,3 +43,37 @@ def test_a_second_live_run_in_the_directory_rewrites_nothing_and_says_so(tmp_pat
     steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2] and not (tmp_path / SUPERSEDED).exists()
     assert "another live run writes" in capsys.readouterr().out
+
+
+def _windows_around_slow_breaks(run_dir, cache, pause_s):
+    """metrics.jsonl of a TP 2 run whose start-up and every evaluation take ``pause_s`` longer."""
+    import time
+
+    import torch.distributed as dist
+
+    from tests.training.test_trainer import make_config
+    from zerotron.parallel.runtime import init_distributed
+    from zerotron.training.trainer import Trainer
+
+    cfg = make_config(run_dir, cache, "--tp", "2", "--train-steps", "3", "--log-interval", "1",
+                      "--eval-interval", "1", "--logging.eval_steps", "1").validate(dist.get_world_size())
+    trainer = Trainer(cfg, init_distributed())
+    evaluate = trainer.evaluate
+    trainer.evaluate = lambda: (time.sleep(pause_s), evaluate())[1]
+    time.sleep(pause_s)
+    trainer.train()
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_step_time_and_comm_bytes_leave_out_start_up_and_evaluation(zerotron_cache, tmp_path):
+    """A window's step time and traffic are its training steps' own (Megatron stops its interval
+    timer for evaluation and checkpoints): not the start-up's, nor the evaluation's TP all-reduces."""
+    from tests.harness import spawn
+
+    pause_s = 2.0
+    records = spawn(_windows_around_slow_breaks, 2, tmp_path, zerotron_cache, pause_s, timeout=240)[0]
+    steps = [r for r in records if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert all(r["step_time_s"] < pause_s / 2 for r in steps), [r["step_time_s"] for r in steps]
+    assert steps[0]["comm_bytes"]["tp"] == steps[1]["comm_bytes"]["tp"] == steps[2]["comm_bytes"]["tp"]
+    assert steps[1]["comm_bytes"] == steps[2]["comm_bytes"]  # step 1's window ends before its stop agreement

@@ -7,6 +7,7 @@ read to the host here, all its tensors in one read (``host_values``), at the log
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
@@ -178,6 +179,11 @@ class MetricsLogger:
 class Throughput:
     """Tokens/s, samples/s, TFLOP/s per device, MFU and HFU over the last logging window.
 
+    The window's clock runs from the loop's start (``restart``), not from construction, and stops
+    while ``paused`` (evaluation, checkpoints), as Megatron stops its interval timer for them:
+    otherwise the first window would carry the start-up (wandb, banner) and the one after an
+    evaluation its seconds, and ``step_time_s`` would not be a step's time.
+
     ``tflops_per_device`` and ``hfu`` count the FLOPs the devices did (activation recompute
     included); ``mfu`` only the model's (``model.flops``): recompute makes a step slower without
     training more, so it lowers MFU instead of counting as useful work. Both are None where the
@@ -188,7 +194,18 @@ class Throughput:
         self.model_flops, self.hardware_flops = model_flops_per_step, hardware_flops_per_step
         self.tokens, self.samples = tokens_per_step, samples_per_step
         self.world, self.peak = world_size, peak_tflops
-        self._t0, self._steps = time.perf_counter(), 0
+        self.restart()
+
+    def restart(self) -> None:
+        self._t0, self._steps, self._paused = time.perf_counter(), 0, 0.0
+
+    @contextlib.contextmanager
+    def paused(self):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._paused += time.perf_counter() - start
 
     @classmethod
     def of_run(cls, cfg, mcfg, world_size: int, device: torch.device) -> "Throughput":
@@ -209,11 +226,41 @@ class Throughput:
         self._steps += 1
 
     def read(self) -> dict[str, float | None]:
-        elapsed = max(time.perf_counter() - self._t0, 1e-9)
-        n, self._steps, self._t0 = self._steps, 0, time.perf_counter()
+        elapsed = max(time.perf_counter() - self._t0 - self._paused, 1e-9)
+        n = self._steps
+        self.restart()
         per_device = n / elapsed / self.world / 1e12
         tflops, model_tflops = self.hardware_flops * per_device, self.model_flops * per_device
         return {"tokens_per_s": self.tokens * n / elapsed, "samples_per_s": self.samples * n / elapsed,
                 "tflops_per_device": tflops, "step_time_s": elapsed / max(n, 1),
                 "mfu": model_tflops / self.peak if self.peak else None,
                 "hfu": tflops / self.peak if self.peak else None}
+
+
+class CommWindow:
+    """Collective bytes per step by group over a logging window, from the grid's shared counters
+    (only ever differenced). What runs inside ``excluded`` (evaluation, checkpoints) is left out,
+    so a window holds the training steps' own traffic whether or not an evaluation fell in it."""
+
+    def __init__(self, stats):
+        self.stats = stats
+        self.restart()
+
+    def restart(self) -> None:
+        self._mark, self._excluded = self.stats.snapshot(), {}
+
+    @contextlib.contextmanager
+    def excluded(self):
+        before = self.stats.snapshot()
+        try:
+            yield
+        finally:
+            for group, nbytes in self.stats.since(before).bytes_by_group().items():
+                self._excluded[group] = self._excluded.get(group, 0) + nbytes
+
+    def read(self, steps: int) -> dict[str, int]:
+        """Bytes per step by group since the last read; then starts over."""
+        total, excluded = self.stats.since(self._mark).bytes_by_group(), self._excluded
+        self.restart()
+        net = {g: b - excluded.get(g, 0) for g, b in total.items()}
+        return {g: b // max(1, steps) for g, b in net.items() if b > 0}

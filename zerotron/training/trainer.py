@@ -28,7 +28,7 @@ from zerotron.training import faults, resume
 from zerotron.training.batches import BatchLoader
 from zerotron.training.config import RunConfig
 from zerotron.training.export import write_consolidated
-from zerotron.training.metrics import MetricsLogger, Throughput, host_values, peak_memory
+from zerotron.training.metrics import CommWindow, MetricsLogger, Throughput, host_values, peak_memory
 from zerotron.training.phase_times import PhaseTimes
 from zerotron.training.schedule import betas_at, lr_at
 from zerotron.training.parallelize import parallelize_gpt
@@ -288,9 +288,7 @@ class Trainer:
         rec = {"step": self.step, "loss": out["loss"], "lr": out["lr"], "beta1": out["beta1"],
                "grad_norm": out.get("grad_norm"),
                "loss_scale": out.get("loss_scale"), "skipped_steps": skipped, **self.throughput.read(),
-               **peak_memory(self.env.device),
-               "comm_bytes": {g: b // window
-                              for g, b in self.grid.stats.since(self._comm_mark).bytes_by_group().items()}}
+               **peak_memory(self.env.device), "comm_bytes": self.comm.read(window)}
         rec.update({f"model_state_{k}": v for k, v in self.opt.memory_report().items()})
         if self.phases is not None:  # logging.wall_clock_breakdown: seconds per phase
             rec.update(self.phases.record())
@@ -301,7 +299,6 @@ class Trainer:
             rec.update(saved_activation_device_bytes=act["peak_saved_device_bytes"],
                        saved_activation_host_bytes=act["peak_saved_host_bytes"],
                        pa_allgather_bytes=act["pa_allgather_bytes"])
-        self._comm_mark = self.grid.stats.snapshot()  # comm_bytes: per step over the last logging window
         return host_values(rec)  # loss, grad_norm: one host read for the whole record
 
     def train(self) -> dict:
@@ -320,7 +317,8 @@ class Trainer:
     def _loop(self) -> dict:
         t, lg, c = self.cfg.training, self.cfg.logging, self.cfg.checkpoint
         skipped, last, window = 0, {}, 0
-        self._comm_mark = self.grid.stats.snapshot()
+        self.comm = CommWindow(self.grid.stats)  # both windows start with the loop
+        self.throughput.restart()
         self.run_log.start()
         while self.step < t.train_steps:
             out = self.train_step()
@@ -332,14 +330,16 @@ class Trainer:
                 last, window = self._record(out, skipped, window), 0
                 self.logger.log(last, self.run_log.logged(last))
             if self.eval_ds is not None and lg.eval_interval and self.step % lg.eval_interval == 0:
-                ev = self.evaluate()
+                with self.throughput.paused(), self.comm.excluded():
+                    ev = self.evaluate()
                 self.logger.log({"step": self.step, **ev})
                 last.update(ev)
             stop = self._stop_agreed()
             path = None
             if c.save and ((c.save_interval and self.step % c.save_interval == 0) or stop
                            or self.step == t.train_steps):
-                path = self.save()
+                with self.throughput.paused(), self.comm.excluded():
+                    path = self.save()
             if stop:
                 self._check_finite()
                 self.stopped = True
