@@ -82,6 +82,7 @@ def test_fp16_overflow_storm_stops_with_step_scale_and_fix(zerotron_cache, tmp_p
     # every step was skipped, so the schedule never left its first rate (DeepSpeed, Megatron)
     recs = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs] == list(range(1, 8)) and all(r["skipped_steps"] == r["step"] for r in recs)
+    assert "step 7/20 |" in res[0][1] and "| skipped 7" in res[0][1], res[0][1]  # said on the console too
     assert {r["lr"] for r in recs} == {recs[0]["lr"]} and recs[0]["lr"] > 0, [r["lr"] for r in recs]
 
 

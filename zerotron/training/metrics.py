@@ -148,6 +148,8 @@ class MetricsLogger:
             line += f" | MFU {record['mfu']:.1%} | HFU {record['hfu']:.1%}"
         if record.get("loss_scale") is not None and record.get("loss_scale") != 1.0:
             line += f" | scale {record['loss_scale']:.0f}"
+        if record.get("skipped_steps"):  # fp16 steps skipped for overflow, over the whole run
+            line += f" | skipped {record['skipped_steps']}"
         self.message(line + suffix)
 
     def progress(self, steps: int = 1) -> None:

@@ -283,11 +283,12 @@ class Trainer:
         C.all_reduce(flag, self.grid.world_group, op="max")
         return host_sync.read(flag, "stop", placeholder=0.0) > 0
 
-    def _record(self, out: dict, skipped: int, window: int) -> dict:
+    def _record(self, out: dict, window: int) -> dict:
         """One metrics.jsonl object: loss, schedule, throughput, memory, comm bytes per step."""
         rec = {"step": self.step, "loss": out["loss"], "lr": out["lr"], "beta1": out["beta1"],
                "grad_norm": out.get("grad_norm"),
-               "loss_scale": out.get("loss_scale"), "skipped_steps": skipped, **self.throughput.read(),
+               "loss_scale": out.get("loss_scale"), "skipped_steps": self.step - self.opt.updates,  # resumes too
+               **self.throughput.read(),
                **peak_memory(self.env.device), "comm_bytes": self.comm.read(window)}
         rec.update({f"model_state_{k}": v for k, v in self.opt.memory_report().items()})
         if self.phases is not None:  # logging.wall_clock_breakdown: seconds per phase
@@ -316,18 +317,17 @@ class Trainer:
 
     def _loop(self) -> dict:
         t, lg, c = self.cfg.training, self.cfg.logging, self.cfg.checkpoint
-        skipped, last, window = 0, {}, 0
+        last, window = {}, 0
         self.comm = CommWindow(self.grid.stats)  # both windows start with the loop
         self.throughput.restart()
         self.run_log.start()
         while self.step < t.train_steps:
             out = self.train_step()
-            skipped += int(bool(out.get("skipped")))
             self.throughput.step()
             self.logger.progress()
             window += 1
             if self.step % lg.log_interval == 0 or self.step == t.train_steps:
-                last, window = self._record(out, skipped, window), 0
+                last, window = self._record(out, window), 0
                 self.logger.log(last, self.run_log.logged(last))
             if self.eval_ds is not None and lg.eval_interval and self.step % lg.eval_interval == 0:
                 with self.throughput.paused(), self.comm.excluded():
