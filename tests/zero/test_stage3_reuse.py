@@ -21,6 +21,7 @@ SHAPE = dict(num_layers=4, hidden_size=64, num_heads=4, vocab_size=64, seq_lengt
 
 def _run(stage: int, checkpoint: bool = False, **zero_kw) -> dict:
     import gc
+    import time
     import weakref
 
     import torch
@@ -33,6 +34,20 @@ def _run(stage: int, checkpoint: bool = False, **zero_kw) -> dict:
 
     gathered = {"elements": 0}
     outputs = []  # (weak reference to the storage an all-gather filled, its bytes)
+
+    def alive_bytes() -> int:
+        """Bytes of gathered storages still alive, once two reads 10 ms apart agree: gloo's worker
+        thread drops its reference to a finished collective (and so its output) a moment after
+        ``wait()`` returns, so one read straight away can see a buffer already released."""
+        last = None
+        for _ in range(100):
+            gc.collect()
+            now = sum(n for ref, n in outputs if ref() is not None)
+            if now == last:
+                break
+            last = now
+            time.sleep(0.01)
+        return now
     real = C._all_gather_single
 
     def counting(output, input, group=None, async_op=False):
@@ -65,8 +80,7 @@ def _run(stage: int, checkpoint: bool = False, **zero_kw) -> dict:
             before = gathered["elements"]
             outputs.clear()
             loss = model(ids[:, :-1], labels=ids[:, 1:])
-            gc.collect()
-            alive = sum(n for ref, n in outputs if ref() is not None)
+            alive = alive_bytes()
             opt.backward(loss)
             opt.step()
             out["losses"].append(loss.item())
@@ -77,8 +91,7 @@ def _run(stage: int, checkpoint: bool = False, **zero_kw) -> dict:
             model.eval()
             model(ids[:, :-1], labels=ids[:, 1:])
             model.train()
-        gc.collect()
-        out["alive_after_eval"] = sum(n for ref, n in outputs if ref() is not None)
+        out["alive_after_eval"] = alive_bytes()
         out.update(full=opt.layout.full_numel, units=units, root=root,
                    element_size=torch.empty(0, dtype=opt.dtype).element_size(),
                    params={n: p.clone() for n, p in opt.full_params()})
