@@ -93,3 +93,26 @@ def test_nan_loss_stops_with_step_and_data_position(zerotron_cache, tmp_path, pr
     for code, _, err, _ in res:
         assert code == 2, err
         assert "TrainingStopped: loss is nan at step 3 (consumed samples 8)" in err, err
+
+
+def test_fp16_skipped_steps_count_across_a_resume(zerotron_cache, tmp_path):
+    """``skipped_steps`` is the run's total (steps minus optimizer updates, both in the checkpoint):
+    a run resumed at step 3 logs, step for step, what an uninterrupted run does."""
+    fp16 = tiny(zerotron_cache) + ["--precision", "fp16", "--log-interval", "1", "--optimizer.hysteresis", "1",
+                                   "--optimizer.initial_loss_scale", str(2.0 ** 20)]
+
+    def skipped(run_dir: Path) -> dict[int, int]:
+        recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        return {r["step"]: r["skipped_steps"] for r in recs if "skipped_steps" in r}
+
+    whole = run(fp16 + ["--train-steps", "6", "--run-dir", str(tmp_path / "whole")])
+    assert [r[0] for r in whole] == [0, 0], whole[0][2]
+    save = tmp_path / "ck"
+    first = run(fp16 + ["--train-steps", "3", "--run-dir", str(tmp_path / "a"), "--save", str(save)])
+    assert [r[0] for r in first] == [0, 0], first[0][2]
+    resumed = run(fp16 + ["--train-steps", "6", "--run-dir", str(tmp_path / "b"), "--save", str(save),
+                          "--load", str(save / "step_00000003")])
+    assert [r[0] for r in resumed] == [0, 0], resumed[0][2]
+    want = skipped(tmp_path / "whole")
+    assert 0 < want[3] and want[6] < 6, want  # skips before the resume, updates after it
+    assert skipped(tmp_path / "b") == {s: want[s] for s in (4, 5, 6)}, (skipped(tmp_path / "b"), want)
