@@ -283,3 +283,31 @@ def test_run_config_holds_the_config_itself():
     assert isinstance(cfg.activation_checkpointing, AC)
     assert cfg.activation_checkpointing.synchronize_checkpoint_boundary is True
     assert cfg.validate(1).activation_checkpointing.checkpoint_every == 1
+
+
+# what the trainer logs -----------------------------------------------------------------------------
+def _train(run_dir, cache, log_interval):
+    import torch.distributed as dist
+
+    from tests.training.test_trainer import make_config
+    from zerotron.parallel.runtime import init_distributed
+    from zerotron.training.trainer import Trainer
+
+    flags = ["--tp", "2", "--checkpoint-activations", "--activation_checkpointing.partition_activations", "true",
+             "--log-interval", str(log_interval), "--train-steps", "4"]
+    Trainer(make_config(run_dir, cache, *flags).validate(dist.get_world_size()), init_distributed()).train()
+
+
+def test_logged_pa_allgather_bytes_are_per_step_whatever_the_log_interval(zerotron_cache, tmp_path):
+    """metrics.jsonl's ``pa_allgather_bytes`` sits beside the per-step ``comm_bytes``: it must be
+    one step's Pa volume, not the sum over the log window. One step of make_config's run (tiny:
+    4 layers, h 64; seq 32, micro-batch 2, 4 micro-batches, fp32) gathers one b·s·h checkpoint
+    per layer per micro-batch."""
+    import json
+
+    per_step = 2 * 32 * 64 * 4 * 4 * 4
+    for interval in (1, 4):
+        spawn(_train, 2, tmp_path / str(interval), zerotron_cache, interval, timeout=240)
+        lines = (tmp_path / str(interval) / "metrics.jsonl").read_text().splitlines()
+        logged = [r["pa_allgather_bytes"] for r in map(json.loads, lines) if "pa_allgather_bytes" in r]
+        assert logged == [per_step] * (4 // interval), (interval, logged)

@@ -156,9 +156,15 @@ class ActivationCheckpointing:
         out["peak_device_allocated_bytes"] = torch.cuda.max_memory_allocated() if _cuda_ready() else None
         return out
 
-    def step_report(self) -> dict:
-        """``memory_report()`` for the step just finished, then restart the peaks and gather counters."""
+    def step_report(self, steps: int = 1) -> dict:
+        """``memory_report()`` over the ``steps`` steps since the last call (the trainer's log
+        window), then restart the peaks and gather counters: peaks are the window's, the Pa
+        all-gather volume is per step, as the ``comm_bytes`` logged beside it."""
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+            raise ValueError(f"step_report(steps={steps!r}): the number of steps since the last report, >= 1")
         out = self.memory_report()
+        for key in ("pa_allgather_elements", "pa_allgather_bytes"):
+            out[key] //= steps
         self.store.acct.reset_peak()
         return out
 

@@ -296,7 +296,7 @@ class Trainer:
         if self.memory.active:  # this step was measured (MemoryTracker; parallel/memory_tracker.py)
             rec.update(self.memory.record())
         if self.activations is not None:
-            act = self.activations.step_report()
+            act = self.activations.step_report(window)
             rec.update(saved_activation_device_bytes=act["peak_saved_device_bytes"],
                        saved_activation_host_bytes=act["peak_saved_host_bytes"],
                        pa_allgather_bytes=act["pa_allgather_bytes"])
