@@ -10,7 +10,8 @@ would write them:
     partition_activations           Pa: each TP rank keeps 1/tp of every checkpoint (§6.1)
     cpu_checkpointing               Pa+cpu, or CPU offload of whole checkpoints without Pa (§6.1)
     contiguous_memory_optimization  MD: checkpoints live in one pre-allocated buffer (§6.3)
-    number_checkpoints              slots of that buffer; None = one per chunk of the model
+    number_checkpoints              slots of that buffer, for every forward in flight (DeepSpeed's
+                                    counts one forward); None = sized from the model and schedule
     synchronize_checkpoint_boundary DeepSpeed's debugging aid: device synchronize() per chunk
     recompute_granularity           Megatron's name: "full" (the chunks above, when
                                     checkpoint_activations is on) or "selective": the attention

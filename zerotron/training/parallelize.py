@@ -36,7 +36,7 @@ import torch
 from zerotron.activation import apply_activation_checkpointing
 from zerotron.activation.checkpoint import ActivationCheckpointing
 from zerotron.model import GPT, GPTConfig
-from zerotron.model.stages import build_stage
+from zerotron.model.stages import build_stage, split_chunks
 from zerotron.parallel.grid import Grid
 from zerotron.parallel.pipeline import microbatches_in_flight
 from zerotron.training.config import RunConfig
@@ -77,6 +77,27 @@ def checkpointed_forwards_in_flight(cfg: RunConfig, grid: Grid, chunk_sizes: lis
     return -(-(chunk_forwards * per_chunk) // -(-sum(chunk_sizes) // k))
 
 
+def check_number_checkpoints(cfg: RunConfig, num_layers: int) -> None:
+    """Refuse an MD buffer (``activation_checkpointing.number_checkpoints``) too small for the
+    busiest pipeline rank: its forwards in flight x the most checkpoints one of its model-chunk
+    forwards keeps. Checked for every rank on every rank, so all of them stop before any
+    collective; found mid-step, the full buffer would stop one rank while the others wait out the
+    collective timeout. DeepSpeed's count is per forward; here it is every slot of the buffer."""
+    ac, p = cfg.activation_checkpointing, cfg.parallel
+    n = ac.number_checkpoints
+    if not (ac.checkpoint_activations and ac.contiguous_memory_optimization) or n is None:
+        return
+    k, need = ac.checkpoint_every, 0
+    for rank, chunks in enumerate(split_chunks(num_layers, p.pp, None, p.virtual_stages)):
+        forwards = microbatches_in_flight(p.pipeline_schedule, p.pp, rank, cfg.num_microbatches, p.virtual_stages)
+        need = max(need, forwards * max(-(-len(chunk) // k) for chunk in chunks))
+    if n < need:
+        raise ValueError(f"activation_checkpointing.number_checkpoints={n}: the contiguous checkpoint buffer (MD) "
+                         f"needs {need} slots, the checkpoints a pipeline rank keeps at once (its forwards in "
+                         f"flight x checkpoints per forward, {p.pipeline_schedule}, pp={p.pp}); set it to {need} "
+                         f"or more, or leave it unset to size it from the model")
+
+
 def parallelize_gpt(cfg: RunConfig, model_cfg: GPTConfig, grid: Grid, device: torch.device | None = None,
                     layout_independent_init: bool = True) -> ParallelGPT:
     """Build this rank's part of the GPT and everything that parallelizes it, from one validated
@@ -86,6 +107,7 @@ def parallelize_gpt(cfg: RunConfig, model_cfg: GPTConfig, grid: Grid, device: to
     device) instead of the same full weights for every (tp, pp) layout.
     """
     t, o = cfg.training, cfg.optimizer
+    check_number_checkpoints(cfg, model_cfg.num_layers)
     device = torch.get_default_device() if device is None else torch.device(device)
     model = build_stage(model_cfg, grid, dtype=model_dtype(t.precision), device="meta", seed=t.seed,
                         layout_independent_init=layout_independent_init,

@@ -167,6 +167,7 @@ def validate_model(cfg: RunConfig, vocab_size: int | None = None):
     from zerotron.model import get_preset
     from zerotron.model.presets import PRESETS
     from zerotron.model.stages import split_layers
+    from zerotron.training.parallelize import check_number_checkpoints
 
     if cfg.model.preset not in PRESETS:
         raise ConfigError(f"model.preset={cfg.model.preset!r} is not a known preset; choose one of {sorted(PRESETS)}")
@@ -175,6 +176,7 @@ def validate_model(cfg: RunConfig, vocab_size: int | None = None):
     try:
         mcfg = model_config(cfg, vocab)
         split_layers(mcfg.num_layers, cfg.parallel.pp, virtual_stages=cfg.parallel.virtual_stages)
+        check_number_checkpoints(cfg, mcfg.num_layers)
     except ConfigError:
         raise
     except (TypeError, ValueError) as e:

@@ -180,7 +180,9 @@ ACTIVATION = {
     "partition_activations": Key(H, "activation_checkpointing.partition_activations (Pa)"),
     "cpu_checkpointing": Key(H, "activation_checkpointing.cpu_checkpointing (Pa+cpu)"),
     "contiguous_memory_optimization": Key(H, "activation_checkpointing.contiguous_memory_optimization (MD)"),
-    "number_checkpoints": Key(H, "activation_checkpointing.number_checkpoints"),
+    "number_checkpoints": Key(H, "activation_checkpointing.number_checkpoints: every slot of the MD buffer, "
+                                 "over all forwards in flight (DeepSpeed's counts one forward); too few for a "
+                                 "pipeline rank is refused at start-up"),
     "synchronize_checkpoint_boundary": Key(H, "activation_checkpointing.synchronize_checkpoint_boundary"),
     "profile": Key(N, "zerotron times whole steps (logging.wall_clock_breakdown), not checkpoints"),
 }
