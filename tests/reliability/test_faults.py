@@ -65,24 +65,27 @@ def test_crash_mid_checkpoint_loses_nothing(zerotron_cache, tmp_path, fault):
     assert _final_loss(tmp_path / "b") == pytest.approx(_final_loss(tmp_path / "c"), rel=1e-6)
 
 
-@pytest.mark.parametrize("scaling,where", [
+@pytest.mark.parametrize("scaling,where,stop", [
     (["--optimizer.initial_loss_scale", "4294967296", "--optimizer.min_loss_scale", "4294967296",
-      "--optimizer.hysteresis", "1"], "minimum loss scale 4.29497e+09 (optimizer.min_loss_scale"),
-    (["--optimizer.loss_scale", "4294967296"], "static loss scale 4.29497e+09 (optimizer.loss_scale"),
-], ids=["dynamic", "static"])
-def test_fp16_overflow_storm_stops_with_step_scale_and_fix(zerotron_cache, tmp_path, scaling, where):
+      "--optimizer.hysteresis", "1"], "minimum loss scale 4.29497e+09 (optimizer.min_loss_scale", 8),
+    # step 1 runs at 2^33 and halves the scale to the floor: it is not one of the 8 at the floor
+    (["--optimizer.initial_loss_scale", "8589934592", "--optimizer.min_loss_scale", "4294967296",
+      "--optimizer.hysteresis", "1"], "minimum loss scale 4.29497e+09 (optimizer.min_loss_scale", 9),
+    (["--optimizer.loss_scale", "4294967296"], "static loss scale 4.29497e+09 (optimizer.loss_scale", 8),
+], ids=["dynamic", "dynamic_halved_to_floor", "static"])
+def test_fp16_overflow_storm_stops_with_step_scale_and_fix(zerotron_cache, tmp_path, scaling, where, stop):
     argv = tiny(zerotron_cache) + ["--train-steps", "20", "--run-dir", str(tmp_path), "--precision", "fp16",
                                    "--log-interval", "1"] + scaling
     res = run(argv)
     for code, _, err, _ in res:
         assert code == 2, err
-        assert "TrainingStopped: gradient overflow storm: 8 consecutive steps up to step 8" in err, err
+        assert f"TrainingStopped: gradient overflow storm: 8 consecutive steps up to step {stop}" in err, err
         assert where in err, err
         assert "training.precision=bf16" in err  # the fix
     # every step was skipped, so the schedule never left its first rate (DeepSpeed, Megatron)
     recs = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in recs] == list(range(1, 8)) and all(r["skipped_steps"] == r["step"] for r in recs)
-    assert "step 7/20 |" in res[0][1] and "| skipped 7" in res[0][1], res[0][1]  # said on the console too
+    assert [r["step"] for r in recs] == list(range(1, stop)) and all(r["skipped_steps"] == r["step"] for r in recs)
+    assert f"step {stop - 1}/20 |" in res[0][1] and f"| skipped {stop - 1}" in res[0][1], res[0][1]  # console too
     assert {r["lr"] for r in recs} == {recs[0]["lr"]} and recs[0]["lr"] > 0, [r["lr"] for r in recs]
 
 

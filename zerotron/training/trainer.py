@@ -191,12 +191,12 @@ class Trainer:
 
     def _check_overflow_storm(self, info: dict, loss: torch.Tensor) -> None:
         """Overflows at the scale's floor (``min_loss_scale``, or a static ``loss_scale``) cannot be
-        cured by scaling: after a few in a row the run only burns compute skipping steps, so stop
-        with the step, the scale and the fixes. ``skipped`` is fp16's host-side decision: no read."""
+        cured by scaling: after a few in a row (run at the floor: ``step_loss_scale``) the run only
+        burns compute skipping steps, so stop with the step, the scale and the fixes."""
         scaler, o = self.opt.scaler, self.cfg.optimizer
         scale = info.get("loss_scale")
-        floor = scaler.min_scale if scaler.dynamic else scale
-        at_floor = bool(info.get("skipped")) and scale is not None and scale <= floor
+        floor, ran_at = (scaler.min_scale if scaler.dynamic else scale), info.get("step_loss_scale", scale)
+        at_floor = bool(info.get("skipped")) and scale is not None and ran_at <= floor
         self._skips_at_floor = getattr(self, "_skips_at_floor", 0) + 1 if at_floor else 0
         if self._skips_at_floor >= self.MAX_SKIPS_AT_MIN_SCALE:
             self._check_finite()  # a NaN loss explains the overflows: report it first

@@ -290,7 +290,7 @@ class ZeroOptimizer(PartitionStateIO):
         self.reducer.zero()
         now = self.grid.stats.snapshot()
         self.comm_per_step, self._mark = self.grid.stats.since(self._mark).snapshot(), now
-        return {"grad_norm": norm, "skipped": overflow, "loss_scale": self.scaler.scale}
+        return {"grad_norm": norm, "skipped": overflow, "loss_scale": self.scaler.scale, "step_loss_scale": scale}
 
     def _adamw(self, master, grad, exp_avg, exp_avg_sq, decay_segments) -> None:
         self.adam.update(master, grad, exp_avg, exp_avg_sq, self.state.step, self.lr, self.betas, self.eps,
