@@ -146,8 +146,8 @@ class ActivationCheckpointing:
     def memory_report(self) -> dict:
         """Saved-activation bytes per placement (live and peak), Pa all-gather volume, MD/CB buffers.
 
-        ``peak_device_allocated_bytes`` is torch's CUDA peak (None on CPU); the trainer resets it
-        per step with ``torch.cuda.reset_peak_memory_stats``.
+        ``peak_device_allocated_bytes`` is torch's CUDA peak of the whole process (None on CPU):
+        nothing in zerotron resets it, so it is not this step's or this window's peak.
         """
         out = self.store.report()
         out.update(partition_activations=self.store.partition, cpu_checkpointing=self.cfg.cpu_checkpointing,
