@@ -120,7 +120,8 @@ def test_a_bad_flag_exits_2_naming_it_before_any_work(script, argv, needle, monk
     assert not out.exists(), f"{script} wrote {out} before refusing its flags"
 
 
-@pytest.mark.parametrize("script,argv", [("drill.py", ["--only", "kill9", "--layouts", "dp"])])
+@pytest.mark.parametrize("script,argv", [("drill.py", ["--only", "kill9", "--layouts", "dp"]),
+                                         ("run_ablations.py", ["--configs", "C1"])])
 def test_an_out_that_is_a_file_exits_2_naming_it(script, argv, monkeypatch, capsys, tmp_path):
     taken = tmp_path / "results.txt"
     taken.write_text("kept")
