@@ -90,6 +90,17 @@ def test_integral_exponent_ints_are_accepted():
     assert (cfg.training.train_steps, cfg.zero.reduce_bucket_size, cfg.training.seed) == (500_000_000,) * 2 + (1200,)
 
 
+@pytest.mark.parametrize("extra,needle", [
+    (["--zero-stage", "two"], "zero.stage='two' is not a valid int; give a whole number"),
+    (["--checkpoint.fallback", "maybe"], "checkpoint.fallback='maybe' is not a valid bool; give true or false"),
+    (["--lr", "fast"], "optimizer.lr='fast' is not a valid float; give a number"),
+    (["--data.data_weights", "x"], "data.data_weights[0]='x' is not a valid float; give a number"),
+])
+def test_a_value_of_the_wrong_type_says_what_the_field_takes(run_main, extra, needle):
+    code, err = run_main(extra)
+    assert code == 2 and needle in err, err
+
+
 @pytest.mark.parametrize("text", ["", "\n\n", "# only a comment\n"])
 def test_empty_yaml_is_refused(run_main, tmp_path, text):
     code, err = run_main(["--config", _yaml(tmp_path, text)])
