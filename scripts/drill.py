@@ -43,6 +43,7 @@ sys.path.insert(0, str(ROOT))  # the zerotron of this checkout, as the drill's j
 from zerotron.testing import drill_inputs as I  # noqa: E402
 from zerotron.testing import drill_owners as O  # noqa: E402
 from zerotron.testing import drill_ranks as R  # noqa: E402
+from zerotron.testing.bench_args import positive_float  # noqa: E402
 from zerotron.testing.drill_job import Row, layouts  # noqa: E402
 from zerotron.testing.drill_run import Drill, fmt_s  # noqa: E402
 
@@ -91,16 +92,17 @@ def table(rows: list[tuple]) -> str:
     return "\n".join([line(HEADER), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, rows)])
 
 
-def main() -> int:
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--nproc", type=int, default=2, help="ranks of the DP-only layout")
     ap.add_argument("--only", default="", help="comma-separated scenario names (see --list)")
     ap.add_argument("--layouts", default="dp,tp2xdp2,tp2xpp2", help="comma-separated: dp, tp2xdp2, tp2xpp2")
-    ap.add_argument("--timeout", type=float, default=20.0, help="collective timeout, s (ZEROTRON_COLLECTIVE_TIMEOUT)")
+    ap.add_argument("--timeout", type=positive_float, default=20.0,
+                    help="collective timeout, s (ZEROTRON_COLLECTIVE_TIMEOUT)")
     ap.add_argument("--out", default=str(ROOT / "runs" / "drill"), help="where the drill's directory is made")
     ap.add_argument("--keep", action="store_true", help="keep the drill's run directories")
     ap.add_argument("--list", action="store_true", help="print the scenarios and exit")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.list:
         print("\n".join(f"{k:15s} {desc}" for k, (desc, _) in SCENARIOS.items()))
         return 0
@@ -109,6 +111,10 @@ def main() -> int:
     wanted = [k for k in args.layouts.split(",") if k]
     for bad in [s for s in chosen if s not in SCENARIOS] + [k for k in wanted if k not in known]:
         ap.error(f"unknown scenario or layout {bad!r}; see --list and --layouts")
+    if "dp" in wanted and args.nproc < 2:  # its scenarios kill, freeze or stop rank 1
+        ap.error(f"--nproc {args.nproc}: the DP layout needs at least 2 ranks (its faults strike rank 1)")
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        ap.error(f"--out {args.out}: not a directory; name a directory (made if missing) for the drill's runs")
     Path(args.out).mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="drill_", dir=args.out))
     (root / "tmp").mkdir()

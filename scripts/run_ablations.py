@@ -234,6 +234,9 @@ def parse_args(argv=None):
     p.add_argument("--wandb-mode", default="offline", choices=["offline", "online", "disabled"])
     p.add_argument("--wandb-project", default="zerotron-ablations")
     a = p.parse_args(argv)
+    for flag, path in (("--out", a.out), ("--figures", a.figures)):
+        if path is not None and Path(path).exists() and not Path(path).is_dir():
+            p.error(f"{flag} {path}: not a directory; name a directory (made if missing) for the results")
     a.figures = a.figures or str(Path(a.out) / "figures")
     if a.quick:
         a.layers, a.steps, a.batch, a.cap_kib, a.dp_sweep = 4, 2, 4, 1024.0, "2,4"

@@ -68,3 +68,20 @@ def test_a_size_flag_beside_tiny_holds(monkeypatch, capsys):
     with pytest.raises(SystemExit) as exit_:
         check.main(["--tiny", "--heads", "3"])
     assert exit_.value.code == 2 and "--heads" in capsys.readouterr().err
+
+
+def test_the_wrapper_without_torch_exits_2_saying_so(tmp_path):
+    """``gpu_check.sh`` runs the machine's own ``python3``; where that has no torch (a clone whose
+    torch is only in ``.venv``) it says so and exits 2, not 1 (a failed check) with a traceback."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    shim = tmp_path / "python3"  # a python3 without torch, whatever this machine's has
+    shim.write_text("#!/bin/sh\necho \"ModuleNotFoundError: No module named 'torch'\" >&2\nexit 1\n")
+    shim.chmod(0o755)
+    script = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.sh"
+    env = {**os.environ, "PATH": f"{tmp_path}:/usr/bin:/bin"}
+    done = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert "python3 has no torch" in done.stderr and ".venv/bin" in done.stderr, done.stderr

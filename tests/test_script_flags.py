@@ -20,7 +20,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ["scripts/train_tokenizer.py", "scripts/preprocess_data.py", "scripts/bench/zeropp.py",
            "scripts/bench/infinity.py", "scripts/convert_checkpoint.py", "scripts/estimate_memory.py"]
-STARTS_WORK = ("spawn", "init_distributed", "run_measured", "make_corpus", "measure_bandwidth", "ThreadPoolExecutor")
+STARTS_WORK = ("spawn", "init_distributed", "run_measured", "make_corpus", "measure_bandwidth", "ThreadPoolExecutor",
+               "Drill")
 BAD_FLAGS = [  # script under scripts/, argv, what the message must name
     ("bench/activation_memory.py", ["--heads", "3"], "--hidden=256 is not divisible by --heads=3"),
     ("bench/activation_memory.py", ["--hidden", "0"], "argument --hidden: 0 is not a positive integer"),
@@ -49,6 +50,8 @@ BAD_FLAGS = [  # script under scripts/, argv, what the message must name
     ("checks/smoke_grid.py", ["--tp", "3"], "--tp*--pp=3*1=3 does not divide the 1 processes"),
     ("checks/gpu_check.py", ["--heads", "5"], "--hidden=2048 is not divisible by --heads=5"),
     ("checks/gpu_check.py", ["--tiny", "--only", "s9"], "argument --only: invalid choice: 's9'"),
+    ("drill.py", ["--nproc", "1", "--out", "{tmp}"], "--nproc 1: the DP layout needs at least 2 ranks"),
+    ("drill.py", ["--timeout", "-1", "--out", "{tmp}"], "argument --timeout: -1 is not a finite number > 0"),
 ]
 
 
@@ -115,6 +118,20 @@ def test_a_bad_flag_exits_2_naming_it_before_any_work(script, argv, needle, monk
     assert exit_.value.code == 2, err
     assert needle in err, err
     assert not out.exists(), f"{script} wrote {out} before refusing its flags"
+
+
+@pytest.mark.parametrize("script,argv", [("drill.py", ["--only", "kill9", "--layouts", "dp"]),
+                                         ("run_ablations.py", ["--configs", "C1"])])
+def test_an_out_that_is_a_file_exits_2_naming_it(script, argv, monkeypatch, capsys, tmp_path):
+    taken = tmp_path / "results.txt"
+    taken.write_text("kept")
+    module = without_work(monkeypatch, f"scripts/{script}")
+    with pytest.raises(SystemExit) as exit_:
+        module.main([*argv, "--out", str(taken)])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2, err
+    assert f"--out {taken}: not a directory" in err, err
+    assert taken.read_text() == "kept"
 
 
 def test_a_failed_stage3_check_exits_1_naming_it(monkeypatch, capsys):

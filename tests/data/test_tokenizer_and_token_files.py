@@ -134,6 +134,14 @@ def test_missing_files(tmp_path):
         Tokenizer.load(str(tmp_path / "nope.model"))
 
 
+def test_the_vocab_listing_beside_a_model_is_named_for_what_it_is(tokenizer):
+    """train_tokenizer.py writes PREFIX.model and PREFIX.vocab; passing the .vocab is a slip of the
+    suffix, so the fix is the .model beside it, not a retrained tokenizer."""
+    listing = tokenizer.model_path[: -len(".model")] + ".vocab"
+    with pytest.raises(ValueError, match=r"\.vocab is the vocabulary listing .*; pass .*tok\.model"):
+        Tokenizer.load(listing)
+
+
 def test_other_format_version(tmp_path):
     prefix = _good(tmp_path)
     with open(prefix + ".idx", "r+b") as f:

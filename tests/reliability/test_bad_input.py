@@ -90,6 +90,25 @@ def test_integral_exponent_ints_are_accepted():
     assert (cfg.training.train_steps, cfg.zero.reduce_bucket_size, cfg.training.seed) == (500_000_000,) * 2 + (1200,)
 
 
+@pytest.mark.parametrize("extra,needle", [
+    (["--zero-stage", "two"], "zero.stage='two' is not a valid int; give a whole number"),
+    (["--checkpoint.fallback", "maybe"], "checkpoint.fallback='maybe' is not a valid bool; give true or false"),
+    (["--lr", "fast"], "optimizer.lr='fast' is not a valid float; give a number"),
+    (["--data.data_weights", "x"], "data.data_weights[0]='x' is not a valid float; give a number"),
+])
+def test_a_value_of_the_wrong_type_says_what_the_field_takes(run_main, extra, needle):
+    code, err = run_main(extra)
+    assert code == 2 and needle in err, err
+
+
+def test_a_run_dir_that_cannot_be_made_is_named_before_the_save_dir_inside_it(run_main, tmp_path):
+    """``--run-dir`` is what the user gave; ``checkpoint.save: "{run_dir}/checkpoints"`` only follows it."""
+    (tmp_path / "a_file").write_text("")
+    run_dir = tmp_path / "a_file" / "run"
+    code, err = run_main(["--run-dir", str(run_dir), "--save", "{run_dir}/checkpoints"])
+    assert code == 2 and f"config error: logging.run_dir={run_dir}: " in err, err
+
+
 @pytest.mark.parametrize("text", ["", "\n\n", "# only a comment\n"])
 def test_empty_yaml_is_refused(run_main, tmp_path, text):
     code, err = run_main(["--config", _yaml(tmp_path, text)])

@@ -37,6 +37,10 @@ class Tokenizer:
         if not os.path.isfile(model_path):
             raise FileNotFoundError(f"tokenizer model {model_path} does not exist; train one with "
                                     f"scripts/train_tokenizer.py")
+        sibling = model_path[: -len(".vocab")] + ".model" if model_path.endswith(".vocab") else None
+        if sibling and os.path.isfile(sibling):  # train_tokenizer.py writes the pair; the .vocab is text
+            raise ValueError(f"{model_path} is the vocabulary listing written beside the tokenizer, not the "
+                             f"model; pass {sibling}")
         sp = spm.SentencePieceProcessor()
         try:
             sp.Load(model_path)

@@ -93,8 +93,16 @@ def _coerce(name: str, tp: Any, value: Any) -> Any:
     except ConfigError:
         raise
     except (TypeError, ValueError):
-        raise ConfigError(f"{name}={value!r} is not a valid {getattr(base, '__name__', base)}") from None
+        kind = getattr(base, "__name__", base)
+        raise ConfigError(f"{name}={value!r} is not a valid {kind}{_TAKES.get(base, '')}") from None
     return value
+
+
+_TAKES = {  # what to write instead, for the field types a flag or YAML scalar is read as
+    bool: "; give true or false",
+    int: "; give a whole number, e.g. 2",
+    float: "; give a number, e.g. 0.001 or 3e-4",
+}
 
 
 def _name(name: str, value: Any, optional: bool) -> str:

@@ -192,8 +192,8 @@ def preflight(cfg: RunConfig) -> None:
     if cfg.data.data_path:
         vocab = check_data(cfg, cfg.data.tokenizer, list(cfg.data.data_path), list(cfg.data.eval_path))
     mcfg = validate_model(cfg, vocab)
+    writable_dir("logging.run_dir", cfg.logging.run_dir, "the run's metrics and config")  # before a save dir in it
     check_save_dir(cfg, mcfg)
-    writable_dir("logging.run_dir", cfg.logging.run_dir, "the run's metrics and config")
     writable_dir("data.cache_dir", cfg.data.cache_dir, "the built-in corpus and the sample-index caches")
 
 
