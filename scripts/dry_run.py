@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT))
 from zerotron.estimate import memory_model, step_time  # noqa: E402
 from zerotron.model.flops import PEAK_TFLOPS, flops_per_iteration  # noqa: E402
 from zerotron.parallel import fake_cuda, simulation  # noqa: E402
+from zerotron.parallel.runtime import keep_compiler_cache_in  # noqa: E402
 from zerotron.training.cli import parse_config  # noqa: E402
 from zerotron.training.config import ConfigError  # noqa: E402
 from zerotron.training.inert import no_effect  # noqa: E402
@@ -204,6 +205,7 @@ def main(argv=None) -> dict:
     a, overrides = build_parser().parse_known_args(argv)
     try:
         cfg, mcfg, ranks = load(a, overrides)
+        keep_compiler_cache_in(cfg.data.cache_dir)  # inherited by the re-executed process below
         if a.device == "cuda":
             on_fake_cuda(argv)
     except (ConfigError, ValueError, TypeError, fake_cuda.FakeCudaUnavailable) as e:

@@ -51,6 +51,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from zerotron.parallel import init_distributed, shutdown
     from zerotron.parallel.health import CollectiveError
+    from zerotron.parallel.runtime import keep_compiler_cache_in
+
+    keep_compiler_cache_in(cfg.data.cache_dir)  # before torch._dynamo is imported (not in the system temp dir)
     from zerotron.training.resume import AlreadyComplete
     from zerotron.training.trainer import Trainer, TrainingStopped
 

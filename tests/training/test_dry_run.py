@@ -22,6 +22,7 @@ all-reduce of N elements counts 2N, an all-gather of an N-element result N):
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -33,11 +34,19 @@ B, S, H, VOCAB, LAYERS, MICRO = 8, 128, 64, 1024, 4, 2  # configs/tiny.yaml, glo
 
 
 def run_script(tmp_path, *flags: str) -> dict:
-    """``scripts/dry_run.py --json`` on configs/tiny.yaml with ``flags``; its JSON (exit 0 asserted)."""
+    """``scripts/dry_run.py --json`` on configs/tiny.yaml with ``flags``; its JSON (exit 0 asserted).
+
+    With a system temp dir of its own, which the run must leave as it found it: torch's compiler
+    cache goes under ``data.cache_dir`` (``runtime.keep_compiler_cache_in``)."""
+    systmp, cache = tmp_path / "systmp", tmp_path / "cache"
+    systmp.mkdir()
     cmd = [sys.executable, str(ROOT / "scripts" / "dry_run.py"), "--config", str(ROOT / "configs" / "tiny.yaml"),
-           "--json", "--out", str(tmp_path), *flags]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
+           "--json", "--out", str(tmp_path), "--data.cache_dir", str(cache), *flags]
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"} | {"TMPDIR": str(systmp)}
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not any(systmp.iterdir()), sorted(p.name for p in systmp.iterdir())
+    assert (cache / "torchinductor").is_dir()
     return json.loads(proc.stdout)
 
 

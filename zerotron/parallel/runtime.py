@@ -14,6 +14,7 @@ import datetime
 import os
 import socket
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -41,6 +42,19 @@ def pick_backend(device: torch.device) -> str:
             raise ValueError(f"ZEROTRON_BACKEND={wanted!r}: use 'gloo' or 'nccl'")
         return wanted
     return "nccl" if device.type == "cuda" else "gloo"
+
+
+def keep_compiler_cache_in(cache_dir: str | os.PathLike) -> Path:
+    """Point torch's compiler cache (``TORCHINDUCTOR_CACHE_DIR``) at ``<cache_dir>/torchinductor``
+    unless the user set it, and return where it is.
+
+    torch creates that cache in the system temp dir as soon as ``torch._dynamo`` is imported
+    (``torch.optim`` and activation checkpointing import it, ``training.compile`` fills it), and a
+    run must not write there by default. Call it before the first such import. On a cluster whose
+    ``data.cache_dir`` is on a shared filesystem, set ``TORCHINDUCTOR_CACHE_DIR`` to node-local disk.
+    """
+    path = os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(cache_dir).resolve() / "torchinductor"))
+    return Path(path)
 
 
 def collective_timeout(seconds: float | None = None) -> datetime.timedelta:
