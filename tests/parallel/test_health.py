@@ -98,3 +98,28 @@ def test_dead_rank_is_named():
 def test_health_without_a_store_still_counts():
     h = Health(rank=0, world_size=1)
     assert h._thread is None
+
+
+def one_rank_dies_between_heartbeats():
+    import torch.distributed as dist
+
+    grid = Grid(ParallelDims())
+    for _ in range(3):  # well inside the first heartbeat interval: the published beat predates them
+        C.all_reduce(torch.ones(1), grid.world_group)
+    if dist.get_rank() == 1:
+        os._exit(7)
+    try:
+        C.all_reduce(torch.ones(1), grid.world_group)
+    except CollectiveError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_dead_ranks_last_heartbeat_is_reported_as_of_its_time():
+    """A heartbeat is up to ``heartbeat_s`` old when its rank dies: what it shows is where the rank
+    was then, not its last collective -- this one had issued three, its only beat showed none."""
+    msgs = spawn(one_rank_dies_between_heartbeats, 2, timeout=60, collective_timeout=5, may_die=(1,))
+    msg = msgs[0]
+    assert "rank 1 is dead or frozen (its heartbeat stopped" in msg, msg
+    assert "last: no collective yet" not in msg, msg
+    assert "s ago, had it before its first collective)" in msg, msg

@@ -326,7 +326,7 @@ class Health:
                                             for r in verdict["blame"])
                         else:
                             findings.append((m, f"{via}rank {m} is dead or frozen (its heartbeat stopped; "
-                                                f"last: {last['last'] or 'no collective yet'})"))
+                                                f"{_last_beat(last)})"))
                     elif now["counts"].get(key, 0) < seq:
                         before = len(findings)
                         if depth < MAX_CHAIN:
@@ -340,3 +340,10 @@ class Health:
 
         judge(links, 0, "")
         return findings
+
+
+def _last_beat(beat: dict) -> str:
+    """What a stopped rank's final heartbeat showed, dated: it was published up to ``heartbeat_s``
+    before the rank stopped, which may have issued more collectives since."""
+    where = f"at {beat['last']}" if beat["last"] else "before its first collective"
+    return f"the last one, {max(0.0, time.time() - beat['t']):.1f} s ago, had it {where}"
