@@ -3,6 +3,7 @@
 import os
 import time
 
+import pytest
 import torch
 
 from tests.harness import spawn
@@ -123,3 +124,39 @@ def test_a_dead_ranks_last_heartbeat_is_reported_as_of_its_time():
     assert "rank 1 is dead or frozen (its heartbeat stopped" in msg, msg
     assert "last: no collective yet" not in msg, msg
     assert "s ago, had it before its first collective)" in msg, msg
+
+
+def waits_on_a_dead_peer(kind):
+    import torch.distributed as dist
+
+    from zerotron.parallel import p2p
+
+    grid = Grid(ParallelDims())
+    g = grid.world_group
+    for _ in range(3):  # transfers world:0-1 #1..#6, then collective world #1 below
+        p2p.batch([p2p.P2POp("send", torch.ones(2), 1 - dist.get_rank()),
+                   p2p.P2POp("recv", torch.empty(2), 1 - dist.get_rank())], g).wait()
+    C.all_reduce(torch.ones(1), g)
+    time.sleep(1.5)  # every heartbeat published after the warm-up
+    if dist.get_rank() == 1:
+        os._exit(7)
+    try:
+        if kind == "p2p":  # transfer #7 fails
+            p2p.batch([p2p.P2POp("recv", torch.empty(2), 1)], g).wait()
+        else:  # collectives #2 and #3 in flight; #2 is waited for and fails
+            first = C.all_reduce(torch.ones(1), g, async_op=True)
+            C.all_reduce(torch.ones(1), g, async_op=True)
+            first.wait()
+    except CollectiveError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("kind, where", [("p2p", "p2p on group world (transfer world:0-1 #7)"),
+                                         ("async", "all_reduce on group world (its collective #2)")])
+def test_a_failure_names_the_transfer_or_collective_that_failed(kind, where):
+    """The failed op's own sequence number, not the group's latest count: a pipeline's transfers are
+    counted per pair of ranks, and an async collective fails at its wait, after later ones were issued."""
+    msgs = spawn(waits_on_a_dead_peer, 2, kind, timeout=60, collective_timeout=5, may_die=(1,))
+    assert msgs[0].startswith(f"rank 0: {where} at "), msgs[0]
+    assert "rank 1 is dead or frozen" in msgs[0], msgs[0]

@@ -253,14 +253,14 @@ class Health:
     def diagnose(self, op: str, group, exc: BaseException) -> CollectiveError:
         """Explain a failed collective by reading the other ranks' heartbeats."""
         key = group.name
-        where = f"{op} on group {key} (its collective #{self.counts.get(key, 0)}) at {call_site()}"
-        with self._lock:
+        with self._lock:  # the oldest op on the group: the one waited for (async ones complete in order)
             candidates = ([self._current] if self._current else []) + self._inflight
-        failed = next((o for o in candidates if any(k == key or k.startswith(key + ":") for k, _, _ in o.links)),
-                      None)
-        if failed is None:
-            failed = _Op([(key, tuple(group.ranks), self.counts.get(key, 0))], where)
-        failed.failed = True
+        ours = lambda o: [(k, n) for k, _, n in o.links if k == key or k.startswith(key + ":")]  # noqa: E731
+        failed = next((o for o in candidates if ours(o)), None) or \
+            _Op([(key, tuple(group.ranks), self.counts.get(key, 0))])
+        seqs = ", ".join(f"its collective #{n}" if k == key else f"transfer {k} #{n}" for k, n in ours(failed))
+        where = f"{op} on group {key} ({seqs}) at {call_site()}"
+        failed.desc, failed.failed = failed.desc or where, True
         culprit = "no peer to ask (no rendezvous store)"
         if self._store is not None:
             culprit, _ = self._verdict_of(failed)
