@@ -160,3 +160,17 @@ def test_a_failure_names_the_transfer_or_collective_that_failed(kind, where):
     msgs = spawn(waits_on_a_dead_peer, 2, kind, timeout=60, collective_timeout=5, may_die=(1,))
     assert msgs[0].startswith(f"rank 0: {where} at "), msgs[0]
     assert "rank 1 is dead or frozen" in msgs[0], msgs[0]
+
+
+def test_a_peer_that_has_made_only_part_of_a_p2p_batch_is_followed():
+    """Rank 2's last pipeline batch to rank 6 holds transfers #5 and #6; rank 6 has made #5 and waits
+    in a DP reduction for rank 4, which is behind. Judged on #5 alone, rank 6 looked caught up and
+    nobody was named ("a network fault?"): TP2xPP2xDP2 with one micro-batch, a rank stuck in stage 0."""
+    beats = {6: {"counts": {"pp:2-6": 5, "dp": 26}, "inflight": [["dp", [4, 6], 26]], "verdict": None,
+                 "last": "reduce_scatter on dp #26"},
+             4: {"counts": {"pp:0-4": 5, "dp": 25}, "inflight": [], "verdict": None, "last": "recv on pp:0-4 #6"}}
+    clock = iter(range(100))
+    h = Health(rank=2, world_size=1, heartbeat_s=0.0)
+    h._read = lambda m: {**beats[m], "t": float(next(clock))}  # alive: a newer time at every read
+    found = h._blame([("pp:2-6", (2, 6), 5), ("pp:2-6", (2, 6), 6)])
+    assert found == [(4, "rank 6 waits on pp:2-6: rank 4 is alive but stuck behind: it is at recv on pp:0-4 #6")]
