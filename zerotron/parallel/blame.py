@@ -71,9 +71,11 @@ def blame(read: Callable[[int], dict | None], rank: int, links: list, heartbeat_
 
 def _last_beat(beat: dict) -> str:
     """What a stopped rank's final heartbeat showed, dated: it was published up to ``heartbeat_s``
-    before the rank stopped, which may have issued more collectives since."""
+    before the rank stopped, which may have issued more collectives since. The clock time, not an
+    age, so that the same beat quoted by other ranks' verdicts reads the same (and stays true)."""
     where = f"at {beat['last']}" if beat["last"] else "before its first collective"
-    return f"the last one, {max(0.0, time.time() - beat['t']):.1f} s ago, had it {where}"
+    stamp = time.strftime("%H:%M:%S", time.gmtime(beat["t"])) + f".{int(beat['t'] * 10) % 10} UTC"
+    return f"the last one, at {stamp}, had it {where}"
 
 
 def _by_member(links: list) -> dict[int, list]:
