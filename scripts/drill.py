@@ -1,12 +1,12 @@
 """Reliability drill: inject faults into real multi-process runs (torchrun) and check nothing is lost.
 
-    .venv/bin/python scripts/drill.py                          # 22 scenarios x 3 layouts (~40 min on 2 cores)
+    .venv/bin/python scripts/drill.py                          # 22 scenarios x 4 layouts (~65 min on 2 cores)
     .venv/bin/python scripts/drill.py --only kill9,sigstop --layouts tp2xpp2
     .venv/bin/python scripts/drill.py --list
 
-Each scenario launches ``torchrun scripts/pretrain_gpt.py`` on the tiny config in one of three
-layouts -- DP only (``--nproc`` ranks), TP 2 x DP 2 and TP 2 x PP 2 (4 ranks) -- injects one
-fault and records whether it was detected (named: the rank, the field, the file, the step, the
+Each scenario launches ``torchrun scripts/pretrain_gpt.py`` on the tiny config in one of four
+layouts -- DP only (``--nproc`` ranks), TP 2 x DP 2 and TP 2 x PP 2 (4 ranks), TP 2 x PP 2 x DP 2
+(8 ranks: DP inside the pipeline, one micro-batch per step) -- injects one fault and records whether it was detected (named: the rank, the field, the file, the step, the
 lock holder), how long that took (fault -> the line that names it; launch -> refusal for start-up
 errors), the exit code (the workers', then torchrun's) and whether data was lost: after the
 fault the newest complete checkpoint must verify and the same command must resume from it to
@@ -96,7 +96,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--nproc", type=int, default=2, help="ranks of the DP-only layout")
     ap.add_argument("--only", default="", help="comma-separated scenario names (see --list)")
-    ap.add_argument("--layouts", default="dp,tp2xdp2,tp2xpp2", help="comma-separated: dp, tp2xdp2, tp2xpp2")
+    ap.add_argument("--layouts", default="dp,tp2xdp2,tp2xpp2,tp2xpp2xdp2",
+                    help="comma-separated: dp, tp2xdp2, tp2xpp2, tp2xpp2xdp2 (8 ranks)")
     ap.add_argument("--timeout", type=positive_float, default=20.0,
                     help="collective timeout, s (ZEROTRON_COLLECTIVE_TIMEOUT)")
     ap.add_argument("--out", default=str(ROOT / "runs" / "drill"), help="where the drill's directory is made")

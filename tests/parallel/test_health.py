@@ -1,8 +1,10 @@
 """No silent hangs: a diverging, dead or stuck rank is named by the others, within the timeout."""
 
 import os
+import re
 import time
 
+import pytest
 import torch
 
 from tests.harness import spawn
@@ -98,3 +100,78 @@ def test_dead_rank_is_named():
 def test_health_without_a_store_still_counts():
     h = Health(rank=0, world_size=1)
     assert h._thread is None
+
+
+def one_rank_dies_between_heartbeats():
+    import torch.distributed as dist
+
+    grid = Grid(ParallelDims())
+    for _ in range(3):  # well inside the first heartbeat interval: the published beat predates them
+        C.all_reduce(torch.ones(1), grid.world_group)
+    if dist.get_rank() == 1:
+        os._exit(7)
+    try:
+        C.all_reduce(torch.ones(1), grid.world_group)
+    except CollectiveError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_dead_ranks_last_heartbeat_is_reported_as_of_its_time():
+    """A heartbeat is up to ``heartbeat_s`` old when its rank dies: what it shows is where the rank
+    was then, not its last collective -- this one had issued three, its only beat showed none."""
+    msgs = spawn(one_rank_dies_between_heartbeats, 2, timeout=60, collective_timeout=5, may_die=(1,))
+    msg = msgs[0]
+    assert "rank 1 is dead or frozen (its heartbeat stopped" in msg, msg
+    assert "last: no collective yet" not in msg, msg
+    assert re.search(r"the last one, at \d\d:\d\d:\d\d\.\d UTC, had it before its first collective\)", msg), msg
+
+
+def waits_on_a_dead_peer(kind):
+    import torch.distributed as dist
+
+    from zerotron.parallel import p2p
+
+    grid = Grid(ParallelDims())
+    g = grid.world_group
+    for _ in range(3):  # transfers world:0-1 #1..#6, then collective world #1 below
+        p2p.batch([p2p.P2POp("send", torch.ones(2), 1 - dist.get_rank()),
+                   p2p.P2POp("recv", torch.empty(2), 1 - dist.get_rank())], g).wait()
+    C.all_reduce(torch.ones(1), g)
+    time.sleep(1.5)  # every heartbeat published after the warm-up
+    if dist.get_rank() == 1:
+        os._exit(7)
+    try:
+        if kind == "p2p":  # transfer #7 fails
+            p2p.batch([p2p.P2POp("recv", torch.empty(2), 1)], g).wait()
+        else:  # collectives #2 and #3 in flight; #2 is waited for and fails
+            first = C.all_reduce(torch.ones(1), g, async_op=True)
+            C.all_reduce(torch.ones(1), g, async_op=True)
+            first.wait()
+    except CollectiveError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("kind, where", [("p2p", "p2p on group world (transfer world:0-1 #7)"),
+                                         ("async", "all_reduce on group world (its collective #2)")])
+def test_a_failure_names_the_transfer_or_collective_that_failed(kind, where):
+    """The failed op's own sequence number, not the group's latest count: a pipeline's transfers are
+    counted per pair of ranks, and an async collective fails at its wait, after later ones were issued."""
+    msgs = spawn(waits_on_a_dead_peer, 2, kind, timeout=60, collective_timeout=5, may_die=(1,))
+    assert msgs[0].startswith(f"rank 0: {where} at "), msgs[0]
+    assert "rank 1 is dead or frozen" in msgs[0], msgs[0]
+
+
+def test_a_peer_that_has_made_only_part_of_a_p2p_batch_is_followed():
+    """Rank 2's last pipeline batch to rank 6 holds transfers #5 and #6; rank 6 has made #5 and waits
+    in a DP reduction for rank 4, which is behind. Judged on #5 alone, rank 6 looked caught up and
+    nobody was named ("a network fault?"): TP2xPP2xDP2 with one micro-batch, a rank stuck in stage 0."""
+    beats = {6: {"counts": {"pp:2-6": 5, "dp": 26}, "inflight": [["dp", [4, 6], 26]], "verdict": None,
+                 "last": "reduce_scatter on dp #26"},
+             4: {"counts": {"pp:0-4": 5, "dp": 25}, "inflight": [], "verdict": None, "last": "recv on pp:0-4 #6"}}
+    clock = iter(range(100))
+    h = Health(rank=2, world_size=1, heartbeat_s=0.0)
+    h._read = lambda m: {**beats[m], "t": float(next(clock))}  # alive: a newer time at every read
+    found = h._blame([("pp:2-6", (2, 6), 5), ("pp:2-6", (2, 6), 6)])
+    assert found == [(4, "rank 6 waits on pp:2-6: rank 4 is alive but stuck behind: it is at recv on pp:0-4 #6")]

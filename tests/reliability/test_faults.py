@@ -9,6 +9,7 @@ data position and the fix. Faults are armed with ``ZEROTRON_FAULT`` (zerotron/tr
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -16,8 +17,10 @@ import pytest
 from tests.reliability.common import run, tiny
 
 
-def test_dead_rank_is_named_and_the_survivor_exits_3(zerotron_cache, tmp_path):
-    argv = tiny(zerotron_cache) + ["--train-steps", "6", "--run-dir", str(tmp_path)]
+@pytest.mark.parametrize("layout", [[], ["--pp", "2"]], ids=["dp2", "pp2"])
+def test_dead_rank_is_named_and_the_survivor_exits_3(zerotron_cache, tmp_path, layout):
+    """DP: the survivor waits in a gradient reduction; PP: in the pipeline's receive from the dead stage."""
+    argv = tiny(zerotron_cache) + ["--train-steps", "6", "--run-dir", str(tmp_path)] + layout
     res = run(argv, fault="kill@step=3@rank=1", may_die=(1,), collective_timeout=20)
     assert res[1] is None
     code, _, err, seconds = res[0]
@@ -36,33 +39,38 @@ def test_stuck_rank_is_named_within_the_timeout(zerotron_cache, tmp_path):
     assert seconds < 30  # named before the stuck rank woke up (start-up under load included)
 
 
-def _final_loss(run_dir: Path) -> float:
+def _losses(run_dir: Path) -> dict[int, float]:
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in recs if "loss" in r][-1]["loss"]
+    return {r["step"]: r["loss"] for r in recs if "loss" in r}
 
 
-@pytest.mark.parametrize("fault", ["kill_after_shard@step=4@rank=1", "kill_before_commit@step=4@rank=0"])
-def test_crash_mid_checkpoint_loses_nothing(zerotron_cache, tmp_path, fault):
+@pytest.mark.parametrize("fault, layout", [
+    ("kill_after_shard@step=4@rank=1", []), ("kill_before_commit@step=4@rank=0", []),
+    ("kill_after_shard@step=4@rank=3", ["--tp", "2", "--pp", "2"]),  # the last stage's second TP rank
+], ids=["after_shard-dp2", "before_commit-dp2", "after_shard-tp2xpp2"])
+def test_crash_mid_checkpoint_loses_nothing(zerotron_cache, tmp_path, fault, layout):
     save = tmp_path / "ck"
-    argv = tiny(zerotron_cache) + ["--train-steps", "6", "--save", str(save), "--save-interval", "2"]
-    dead = int(fault[-1])
-    res = run(argv + ["--run-dir", str(tmp_path / "a")], fault=fault, may_die=(dead,))
-    survivor = res[1 - dead]
-    assert survivor[0] == 3, survivor[2]
-    assert f"rank {dead}" in survivor[2]
+    argv = tiny(zerotron_cache) + ["--train-steps", "6", "--save", str(save), "--save-interval", "2"] + layout
+    dead, world = int(fault[-1]), 4 if layout else 2
+    res = run(argv + ["--run-dir", str(tmp_path / "a")], fault=fault, world=world, may_die=(dead,))
+    for rank, survivor in enumerate(res):
+        if rank != dead:
+            assert survivor[0] == 3, survivor[2]
+            assert set(re.findall(r"rank (\d+) is dead or frozen", survivor[2])) == {str(dead)}, survivor[2]
     assert (save / "step_00000002" / "metadata.json").is_file()
     assert (save / "step_00000004.tmp").is_dir() and not (save / "step_00000004").exists()
 
-    res = run(argv + ["--run-dir", str(tmp_path / "b"), "--load", str(save)])
-    assert [r[0] for r in res] == [0, 0], res[0][2]
+    res = run(argv + ["--run-dir", str(tmp_path / "b"), "--load", str(save)], world=world)
+    assert [r[0] for r in res] == [0] * world, res[0][2]
     out = res[0][1]
     assert "skipping partial checkpoint(s) step_00000004.tmp" in out, out
     assert "loaded" in out and "(step 2," in out, out
     assert (save / "step_00000006" / "metadata.json").is_file() and not (save / "step_00000004.tmp").exists()
 
-    clean = run(tiny(zerotron_cache) + ["--train-steps", "6", "--run-dir", str(tmp_path / "c")])
-    assert [r[0] for r in clean] == [0, 0]
-    assert _final_loss(tmp_path / "b") == pytest.approx(_final_loss(tmp_path / "c"), rel=1e-6)
+    clean = run(tiny(zerotron_cache) + ["--train-steps", "6", "--run-dir", str(tmp_path / "c")] + layout, world=world)
+    assert [r[0] for r in clean] == [0] * world
+    resumed, whole = _losses(tmp_path / "b"), _losses(tmp_path / "c")
+    assert sorted(resumed) == [3, 4, 5, 6] and resumed == {s: whole[s] for s in resumed}, (resumed, whole)  # bitwise
 
 
 @pytest.mark.parametrize("scaling,where,stop", [
@@ -89,10 +97,13 @@ def test_fp16_overflow_storm_stops_with_step_scale_and_fix(zerotron_cache, tmp_p
     assert {r["lr"] for r in recs} == {recs[0]["lr"]} and recs[0]["lr"] > 0, [r["lr"] for r in recs]
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp32"])
-def test_nan_loss_stops_with_step_and_data_position(zerotron_cache, tmp_path, precision):
-    argv = tiny(zerotron_cache) + ["--train-steps", "6", "--run-dir", str(tmp_path), "--precision", precision]
-    res = run(argv, fault="nan@step=3")
+@pytest.mark.parametrize("precision, layout, fault", [
+    ("bf16", [], "nan@step=3"), ("fp32", [], "nan@step=3"),
+    ("fp32", ["--pp", "2"], "nan@step=3@rank=0"),  # the first stage's weight: the last stage's loss, both stop
+], ids=["bf16-dp2", "fp32-dp2", "fp32-pp2-first-stage"])
+def test_nan_loss_stops_with_step_and_data_position(zerotron_cache, tmp_path, precision, layout, fault):
+    argv = tiny(zerotron_cache) + ["--train-steps", "6", "--run-dir", str(tmp_path), "--precision", precision] + layout
+    res = run(argv, fault=fault)
     for code, _, err, _ in res:
         assert code == 2, err
         assert "TrainingStopped: loss is nan at step 3 (consumed samples 8)" in err, err

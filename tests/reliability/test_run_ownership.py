@@ -297,15 +297,15 @@ def test_the_same_command_after_a_crash_resumes_by_itself(dead, zerotron_cache, 
     assert "[zerotron] done: step 6 of 6" in out
 
 
-def _sigterm_at_step_3(argv: list[str]):
-    """``main`` with a SIGTERM to rank 0 right after step 3 (only one rank is told)."""
+def _sigterm_at_step_3(argv: list[str], told: int = 0):
+    """``main`` with a SIGTERM to rank ``told`` right after step 3 (only one rank is told)."""
     from zerotron.training.trainer import Trainer
 
     step = Trainer.train_step
 
     def preempted(self):
         out = step(self)
-        if self.step == 3 and self.grid.rank == 0:
+        if self.step == 3 and self.grid.rank == told:
             os.kill(os.getpid(), signal.SIGTERM)
         return out
 
@@ -313,10 +313,13 @@ def _sigterm_at_step_3(argv: list[str]):
     return _main(argv, {"ZEROTRON_FAULT": ""})
 
 
-@pytest.mark.parametrize("save", ["none", "{run_dir}/checkpoints"])
-def test_sigterm_says_whether_a_checkpoint_was_written(save, zerotron_cache, tmp_path):
-    res = spawn(_sigterm_at_step_3, 2, argv(zerotron_cache, tmp_path, 10, "--save", save, "--save-interval", "0"),
-                timeout=55, collective_timeout=20)
+@pytest.mark.parametrize("save, layout, told", [
+    ("none", [], 0), ("{run_dir}/checkpoints", [], 0),
+    ("{run_dir}/checkpoints", ["--pp", "2"], 1),  # the last stage is told, the first logs
+], ids=["dp2-nosave", "dp2-save", "pp2-save-last-stage-told"])
+def test_sigterm_says_whether_a_checkpoint_was_written(save, layout, told, zerotron_cache, tmp_path):
+    cmd = argv(zerotron_cache, tmp_path, 10, "--save", save, "--save-interval", "0", *layout)
+    res = spawn(_sigterm_at_step_3, 2, cmd, told, timeout=55, collective_timeout=20)
     assert codes(res) == [0, 0], res[0][2]
     out = res[0][1]
     if save == "none":
@@ -324,4 +327,7 @@ def test_sigterm_says_whether_a_checkpoint_was_written(save, zerotron_cache, tmp
         assert "checkpoint written" not in out.replace("no checkpoint written", "")
     else:
         assert f"SIGTERM: checkpoint written at step 3 ({tmp_path / 'checkpoints' / 'step_00000003'})" in out, out
+        again = run(argv(zerotron_cache, tmp_path, 10, "--save", save, "--save-interval", "0", *layout))
+        assert codes(again) == [0, 0], again[0][2]
+        assert f"loaded {tmp_path / 'checkpoints' / 'step_00000003'} (step 3," in again[0][1], again[0][1]
     assert "[zerotron] stopped: step 3 of 10" in out, out

@@ -10,8 +10,8 @@ Four mechanisms, all owned by the ``Grid`` and used by every collective and p2p 
 * **Heartbeats.** A daemon thread publishes ``(time, counts, in-flight ops, last collective,
   verdict)`` to the rendezvous store every ``heartbeat_s``. When a collective fails -- gloo
   raises at once when a peer process dies and after the group's timeout when a peer is stuck --
-  ``diagnose`` reads the heartbeats and names the culprit: *dead or frozen* (heartbeat stopped)
-  or *stuck* (alive but behind in the sequence). A peer that is behind because it waits for a
+  ``diagnose`` reads the heartbeats (``blame.py``) and names the culprit: *dead or frozen*
+  (heartbeat stopped) or *stuck* (alive but behind in the sequence). A peer that is behind because it waits for a
   third rank (rank 2 waits for rank 0 on DP, rank 0 for rank 1 on TP) is followed to that rank,
   so every survivor names the same root; a rank that gave up first leaves its verdict behind.
 * **Watchdog.** With a timeout, a second thread diagnoses any op in flight for longer than the
@@ -37,9 +37,9 @@ import torch
 import torch.distributed as dist
 
 from zerotron.parallel import host_sync
+from zerotron.parallel.blame import blame
 
 DESCRIPTOR_BYTES = 512
-MAX_CHAIN = 8  # ranks followed from "behind" to "behind" before giving up on finding the root
 _PARALLEL_DIR = os.path.dirname(os.path.abspath(__file__))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 
@@ -253,14 +253,14 @@ class Health:
     def diagnose(self, op: str, group, exc: BaseException) -> CollectiveError:
         """Explain a failed collective by reading the other ranks' heartbeats."""
         key = group.name
-        where = f"{op} on group {key} (its collective #{self.counts.get(key, 0)}) at {call_site()}"
-        with self._lock:
+        with self._lock:  # the oldest op on the group: the one waited for (async ones complete in order)
             candidates = ([self._current] if self._current else []) + self._inflight
-        failed = next((o for o in candidates if any(k == key or k.startswith(key + ":") for k, _, _ in o.links)),
-                      None)
-        if failed is None:
-            failed = _Op([(key, tuple(group.ranks), self.counts.get(key, 0))], where)
-        failed.failed = True
+        ours = lambda o: [(k, n) for k, _, n in o.links if k == key or k.startswith(key + ":")]  # noqa: E731
+        failed = next((o for o in candidates if ours(o)), None) or \
+            _Op([(key, tuple(group.ranks), self.counts.get(key, 0))])
+        seqs = ", ".join(f"its collective #{n}" if k == key else f"transfer {k} #{n}" for k, n in ours(failed))
+        where = f"{op} on group {key} ({seqs}) at {call_site()}"
+        failed.desc, failed.failed = failed.desc or where, True
         culprit = "no peer to ask (no rendezvous store)"
         if self._store is not None:
             culprit, _ = self._verdict_of(failed)
@@ -286,57 +286,5 @@ class Health:
             return op.verdict
 
     def _blame(self, links: list) -> list[tuple[int, str]]:
-        """Follow ``links`` through the heartbeats to the rank(s) everyone waits for.
+        return blame(self._read, self.rank, links, self.heartbeat_s)
 
-        Two reads ``2.5 * heartbeat_s`` apart tell live ranks (timestamp moved) from dead or
-        frozen ones; counts say who is behind; a behind rank's own in-flight links say whom it
-        waits for in turn."""
-        first: dict[int, dict | None] = {}
-
-        def explore(links, depth):
-            for key, members, seq in links:
-                for m in members:
-                    if m == self.rank or m in first:
-                        continue
-                    beat = first[m] = self._read(m)
-                    if beat and beat["counts"].get(key, 0) < seq and depth < MAX_CHAIN:
-                        explore(beat.get("inflight", []), depth + 1)
-
-        explore(links, 0)
-        time.sleep(2.5 * self.heartbeat_s)  # a live rank's heartbeat moves on in the meantime
-        later = {m: self._read(m) for m in first}
-        findings: list[tuple[int, str]] = []
-        seen = {self.rank}
-
-        def judge(links, depth, via):
-            for key, members, seq in links:
-                for m in members:
-                    if m in seen or m not in first:
-                        continue
-                    seen.add(m)
-                    beat, now = first[m], later[m]
-                    if beat is None and now is None:
-                        findings.append((m, f"{via}rank {m} has no readable heartbeat (it died before publishing "
-                                            f"one, or the launcher's store is gone because a worker died)"))
-                    elif now is None or beat is None or now["t"] == beat["t"]:
-                        last = now or beat
-                        verdict = last.get("verdict")
-                        if verdict:  # it gave up first, having named the root
-                            findings.extend((r, f"{via}rank {m} exited blaming: {verdict['text']}")
-                                            for r in verdict["blame"])
-                        else:
-                            findings.append((m, f"{via}rank {m} is dead or frozen (its heartbeat stopped; "
-                                                f"last: {last['last'] or 'no collective yet'})"))
-                    elif now["counts"].get(key, 0) < seq:
-                        before = len(findings)
-                        if depth < MAX_CHAIN:
-                            judge(beat.get("inflight", []), depth + 1, f"{via}rank {m} waits on {key}: ")
-                        if len(findings) == before and now.get("verdict"):  # it gave up, naming the root
-                            findings.extend((r, f"{via}rank {m} failed blaming: {now['verdict']['text']}")
-                                            for r in now["verdict"]["blame"])
-                        elif len(findings) == before:
-                            findings.append((m, f"{via}rank {m} is alive but stuck behind: it is at "
-                                                f"{now['last'] or 'start-up'}"))
-
-        judge(links, 0, "")
-        return findings

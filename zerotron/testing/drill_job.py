@@ -35,7 +35,8 @@ class Layout:
 def layouts(dp_nproc: int) -> dict[str, Layout]:
     return {"dp": Layout(f"DP {dp_nproc}", dp_nproc, ("--tp", "1")),
             "tp2xdp2": Layout("TP 2 x DP 2", 4, ("--tp", "2")),
-            "tp2xpp2": Layout("TP 2 x PP 2", 4, ("--tp", "2", "--pp", "2"))}
+            "tp2xpp2": Layout("TP 2 x PP 2", 4, ("--tp", "2", "--pp", "2")),
+            "tp2xpp2xdp2": Layout("TP 2 x PP 2 x DP 2", 8, ("--tp", "2", "--pp", "2"))}
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """One layout's share of the reliability drill: how its jobs are launched and how a fault is judged.
 
 Every scenario runs the tiny config (seq 64, global batch 4, a checkpoint every 4 steps) in one
-layout -- DP only, TP 2 x DP 2 or TP 2 x PP 2 -- with a short collective timeout, so a frozen rank
+layout -- DP only, TP 2 x DP 2, TP 2 x PP 2 or TP 2 x PP 2 x DP 2 -- with a short collective timeout, so a frozen rank
 is named in seconds rather than the default ten minutes. What a scenario may compare against is
 made once per layout: an uninterrupted 12-step run (``base``), whose checkpoints (steps 8 and 12)
 are copied for the resume scenarios and whose losses are the reference of the restart scenario.
