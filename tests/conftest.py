@@ -85,12 +85,11 @@ def pytest_configure(config) -> None:
 # scheduler hands files out in collection order, so these start first and the suite does not end
 # on one long file while the other workers idle. A stale entry only costs time, never a result.
 HEAVY_FIRST = (
-    "tests/training/test_trainer.py", "tests/training/test_compile.py", "tests/zero/test_zeropp.py",
-    "tests/parallel/test_pipeline_interleaved.py", "tests/test_ablations.py",
-    "tests/reliability/test_run_ownership.py", "tests/estimate/test_memory_grid.py",
-    "tests/training/test_dry_run.py", "tests/training/test_deepspeed_configs.py",
-    "tests/reliability/test_faults.py", "tests/training/test_slurm.py", "tests/zero/test_grad_accumulation.py",
-    "tests/parallel/test_pipeline.py",
+    "tests/estimate/test_memory_grid.py", "tests/training/test_trainer.py", "tests/training/test_compile.py",
+    "tests/zero/test_zeropp.py", "tests/parallel/test_pipeline_interleaved.py", "tests/test_ablations.py",
+    "tests/reliability/test_run_ownership.py", "tests/training/test_dry_run.py",
+    "tests/training/test_deepspeed_configs.py", "tests/reliability/test_faults.py", "tests/training/test_slurm.py",
+    "tests/zero/test_grad_accumulation.py", "tests/parallel/test_pipeline.py",
 )
 
 

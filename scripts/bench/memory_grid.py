@@ -1,7 +1,7 @@
 """The memory model against the measured peak over the ablation grid: ZeRO stages 0-3 x
 activation checkpointing off / on / Pa / Pa+cpu, at TP 2 x DP 2 and TP 1 x DP 4.
 
-    .venv/bin/python scripts/bench/memory_grid.py            # ~30 s on a 2-core CPU
+    .venv/bin/python scripts/bench/memory_grid.py            # ~3 min on 2 cores without bf16 instructions
     .venv/bin/python scripts/bench/memory_grid.py --json     # one object per configuration
 
 Each configuration is built by ``parallelize_gpt`` from a ``RunConfig`` on 4 gloo ranks and
