@@ -62,3 +62,18 @@ def test_start_up_check_names_the_field_and_the_count(schedule, need):
     with pytest.raises(ConfigError, match=f"activation_checkpointing.number_checkpoints={need - 1}: .*{need}"):
         validate_model(run_config(need - 1, schedule))
     validate_model(run_config(need, schedule))
+
+
+def test_interleaved_unequal_chunks_are_not_refused_below_their_true_peak():
+    """pp 2, v 2, 6 layers: chunks of 2, 2, 1, 1 layers. Rank 0's forwards in flight mix a 2-layer
+    and a 1-layer chunk, so its peak is 9 checkpoints (measured), not 5 forwards x 2 = 10: the
+    start-up check must not refuse 9. It still refuses what no mix of chunks can hold."""
+    from zerotron.training.setup_run import validate_model
+
+    run = run_config(9)
+    run.parallel.virtual_stages, run.model.num_layers = 2, 6
+    run.validate(2)
+    validate_model(run)
+    run.activation_checkpointing.number_checkpoints = 4
+    with pytest.raises(ConfigError, match="number_checkpoints=4: .*at least 5"):
+        validate_model(run)

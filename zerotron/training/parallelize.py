@@ -78,11 +78,13 @@ def checkpointed_forwards_in_flight(cfg: RunConfig, grid: Grid, chunk_sizes: lis
 
 
 def check_number_checkpoints(cfg: RunConfig, num_layers: int) -> None:
-    """Refuse an MD buffer (``activation_checkpointing.number_checkpoints``) too small for the
-    busiest pipeline rank: its forwards in flight x the most checkpoints one of its model-chunk
-    forwards keeps. Checked for every rank on every rank, so all of them stop before any
-    collective; found mid-step, the full buffer would stop one rank while the others wait out the
-    collective timeout. DeepSpeed's count is per forward; here it is every slot of the buffer."""
+    """Refuse an MD buffer (``activation_checkpointing.number_checkpoints``) certainly too small for
+    a pipeline rank: its forwards in flight, each keeping at least the checkpoints of its rank's
+    smallest model chunk (exact when the chunks are equal; an interleaved rank whose chunks differ
+    may need more, and a shortfall then still stops it mid-step). Checked for every rank on every
+    rank, so all of them stop before any collective; found mid-step, the full buffer would stop one
+    rank while the others wait out the collective timeout. DeepSpeed's count is per forward; here
+    it is every slot of the buffer."""
     ac, p = cfg.activation_checkpointing, cfg.parallel
     n = ac.number_checkpoints
     if not (ac.checkpoint_activations and ac.contiguous_memory_optimization) or n is None:
@@ -90,11 +92,11 @@ def check_number_checkpoints(cfg: RunConfig, num_layers: int) -> None:
     k, need = ac.checkpoint_every, 0
     for rank, chunks in enumerate(split_chunks(num_layers, p.pp, None, p.virtual_stages)):
         forwards = microbatches_in_flight(p.pipeline_schedule, p.pp, rank, cfg.num_microbatches, p.virtual_stages)
-        need = max(need, forwards * max(-(-len(chunk) // k) for chunk in chunks))
+        need = max(need, forwards * min(-(-len(chunk) // k) for chunk in chunks))
     if n < need:
         raise ValueError(f"activation_checkpointing.number_checkpoints={n}: the contiguous checkpoint buffer (MD) "
-                         f"needs {need} slots, the checkpoints a pipeline rank keeps at once (its forwards in "
-                         f"flight x checkpoints per forward, {p.pipeline_schedule}, pp={p.pp}); set it to {need} "
+                         f"needs at least {need} slots, the checkpoints a pipeline rank keeps at once (its forwards "
+                         f"in flight x checkpoints per forward, {p.pipeline_schedule}, pp={p.pp}); set it to {need} "
                          f"or more, or leave it unset to size it from the model")
 
 
