@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT))  # the zerotron of this checkout, as the drill's j
 from zerotron.testing import drill_inputs as I  # noqa: E402
 from zerotron.testing import drill_owners as O  # noqa: E402
 from zerotron.testing import drill_ranks as R  # noqa: E402
-from zerotron.testing.bench_args import positive_float  # noqa: E402
+from zerotron.testing.bench_args import check_out_dir, positive_float  # noqa: E402
 from zerotron.testing.drill_job import Row, layouts  # noqa: E402
 from zerotron.testing.drill_run import Drill, fmt_s  # noqa: E402
 
@@ -114,8 +114,7 @@ def main(argv=None) -> int:
         ap.error(f"unknown scenario or layout {bad!r}; see --list and --layouts")
     if "dp" in wanted and args.nproc < 2:  # its scenarios kill, freeze or stop rank 1
         ap.error(f"--nproc {args.nproc}: the DP layout needs at least 2 ranks (its faults strike rank 1)")
-    if Path(args.out).exists() and not Path(args.out).is_dir():
-        ap.error(f"--out {args.out}: not a directory; name a directory (made if missing) for the drill's runs")
+    check_out_dir(ap, "--out", args.out, "the drill's runs")
     Path(args.out).mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="drill_", dir=args.out))
     (root / "tmp").mkdir()

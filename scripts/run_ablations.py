@@ -38,7 +38,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 from zerotron.data.progress import Progress
 from zerotron.model import GPTConfig, flops_per_iteration
-from zerotron.testing.bench_args import flag_errors
+from zerotron.testing.bench_args import check_out_dir, flag_errors
 from zerotron.testing.launch import spawn
 from zerotron.training.cli import apply_mapping, read_yaml
 from zerotron.training.config import RunConfig
@@ -235,8 +235,7 @@ def parse_args(argv=None):
     p.add_argument("--wandb-project", default="zerotron-ablations")
     a = p.parse_args(argv)
     for flag, path in (("--out", a.out), ("--figures", a.figures)):
-        if path is not None and Path(path).exists() and not Path(path).is_dir():
-            p.error(f"{flag} {path}: not a directory; name a directory (made if missing) for the results")
+        check_out_dir(p, flag, path, "the results")
     a.figures = a.figures or str(Path(a.out) / "figures")
     if a.quick:
         a.layers, a.steps, a.batch, a.cap_kib, a.dp_sweep = 4, 2, 4, 1024.0, "2,4"

@@ -122,15 +122,17 @@ def test_a_bad_flag_exits_2_naming_it_before_any_work(script, argv, needle, monk
 
 @pytest.mark.parametrize("script,argv", [("drill.py", ["--only", "kill9", "--layouts", "dp"]),
                                          ("run_ablations.py", ["--configs", "C1"])])
-def test_an_out_that_is_a_file_exits_2_naming_it(script, argv, monkeypatch, capsys, tmp_path):
+@pytest.mark.parametrize("below", ["", "sub"], ids=["the file", "below the file"])
+def test_an_out_that_is_a_file_exits_2_naming_it(script, argv, below, monkeypatch, capsys, tmp_path):
     taken = tmp_path / "results.txt"
     taken.write_text("kept")
+    out = taken / below if below else taken
     module = without_work(monkeypatch, f"scripts/{script}")
     with pytest.raises(SystemExit) as exit_:
-        module.main([*argv, "--out", str(taken)])
+        module.main([*argv, "--out", str(out)])
     err = capsys.readouterr().err
     assert exit_.value.code == 2, err
-    assert f"--out {taken}: not a directory" in err, err
+    assert f"--out {out}: not a directory ({taken} is a file)" in err, err
     assert taken.read_text() == "kept"
 
 

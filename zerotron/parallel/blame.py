@@ -57,7 +57,7 @@ def blame(read: Callable[[int], dict | None], rank: int, links: list, heartbeat_
             elif key := _behind(now, waits):
                 before = len(findings)
                 if depth < MAX_CHAIN:
-                    judge(beat.get("inflight", []), depth + 1, f"{via}rank {m} waits on {key}: ")
+                    judge(beat.get("inflight", []), depth + 1, f"{via}rank {m} is behind on {key}, waiting for: ")
                 if len(findings) == before and now.get("verdict"):  # it gave up, naming the root
                     findings.extend((r, f"{via}rank {m} failed blaming: {now['verdict']['text']}")
                                     for r in now["verdict"]["blame"])

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import re
 from contextlib import contextmanager
 from typing import Iterator
@@ -96,3 +97,20 @@ def check_gpt(parser: argparse.ArgumentParser, args, tp: int = 1, note: str = ""
     notes = [n for n in (note, "" if args.heads else "--heads defaults to --hidden // 64") if n]
     with flag_errors(parser, GPT_FLAGS, note="; ".join(notes)):
         gpt_config(args).validate(tp)
+
+
+def check_out_dir(parser: argparse.ArgumentParser, flag: str, path: str | None, holds: str) -> None:
+    """Exit 2 (``parser.error``) unless ``path`` is a directory this process can write in, or one it
+    can create: judged at the nearest part of it that exists, so a file anywhere on the way is named
+    before a rank starts, not met as a traceback from ``mkdir`` inside one."""
+    from zerotron.data.atomic import nearest_existing, write_probe
+
+    if path is None:
+        return
+    where = nearest_existing(path)
+    if not os.path.isdir(where):
+        parser.error(f"{flag} {path}: not a directory ({where} is a file); name a directory (made if missing) "
+                     f"for {holds}")
+    problem = write_probe(where)
+    if problem is not None:
+        parser.error(f"{flag} {path}: cannot write in {where} ({problem}); name a writable directory for {holds}")
