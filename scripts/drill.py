@@ -1,6 +1,7 @@
 """Reliability drill: inject faults into real multi-process runs (torchrun) and check nothing is lost.
 
-    .venv/bin/python scripts/drill.py                          # 22 scenarios x 4 layouts (~35 min on 2 cores for the first three; the 8-rank fourth adds more, not timed whole)
+    .venv/bin/python scripts/drill.py                          # 22 scenarios x 4 layouts
+    # (~35 min on 2 cores for the first three; the 8-rank fourth adds more, not timed whole)
     .venv/bin/python scripts/drill.py --only kill9,sigstop --layouts tp2xpp2
     .venv/bin/python scripts/drill.py --list
 
