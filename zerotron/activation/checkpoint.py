@@ -44,30 +44,12 @@ import torch
 from zerotron.activation.config import ActivationCheckpointConfig
 from zerotron.activation.store import CheckpointStore
 from zerotron.parallel import host_sync
+from zerotron.parallel.rng import capture_rng, restore_rng
 from zerotron.parallel.sequence_parallel import keeping_gathered_inputs
 
 
 def _cuda_ready() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_initialized()
-
-
-def capture_rng(rng) -> dict:
-    """Every stream dropout can draw from: ``TPRNG``'s (default CPU/CUDA + TP-region) or the defaults."""
-    if rng is not None and rng.shared_seed is not None:
-        return {"tprng": rng.get_states()}
-    states = {"cpu": torch.get_rng_state()}
-    if _cuda_ready():
-        states["cuda"] = torch.cuda.get_rng_state()
-    return states
-
-
-def restore_rng(rng, states: dict) -> None:
-    if "tprng" in states:
-        rng.set_states(states["tprng"])
-        return
-    torch.set_rng_state(states["cpu"])
-    if "cuda" in states:
-        torch.cuda.set_rng_state(states["cuda"])
 
 
 def _run_chunk(blocks, x: torch.Tensor) -> torch.Tensor:
@@ -191,7 +173,7 @@ def apply_activation_checkpointing(model, grid, cfg: ActivationCheckpointConfig,
         raise ValueError(f"microbatches_in_flight={microbatches_in_flight!r}: must be a positive integer "
                          f"(forwards alive before their backward; 1 without pipelining)")
     if cfg.recompute_granularity == "selective":
-        from zerotron.activation.selective import apply_selective_recompute  # it imports capture_rng from here
+        from zerotron.activation.selective import apply_selective_recompute
 
         apply_selective_recompute(model)
     if not cfg.checkpoint_activations:

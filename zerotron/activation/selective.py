@@ -8,10 +8,10 @@ Q, K, V (views of the QKV GEMM's output, which the layer stores anyway) and in b
 core again with a graph and back-propagates through it. What a layer keeps then falls from
 s·b·h·(34 + 5·a·s/h) to 34·s·b·h (/t with TP and sequence parallelism).
 
-Exact with dropout: every random stream is captured before the core runs (``capture_rng``: the
-TP-shared default generators and ``TPRNG``'s per-rank streams) and restored around the
-recompute, so the recomputed dropout mask is the same bits as in forward, and the streams then
-continue as if nothing had been replayed. Gradients are bit-identical to no recompute.
+Exact with dropout: every random stream is captured before the core runs
+(``parallel.rng.capture_rng``: the TP-shared default generators and ``TPRNG``'s per-rank
+streams) and restored around the recompute, so the recomputed dropout mask is the same bits as
+in forward, and the streams then continue as if nothing had been replayed. Gradients are bit-identical to no recompute.
 
 It composes with full recompute (``checkpoint_activations``): a checkpointed chunk's own
 recompute then also skips storing its attention probabilities, which bounds the working memory
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from zerotron.activation.checkpoint import capture_rng, restore_rng
+from zerotron.parallel.rng import capture_rng, restore_rng
 
 
 class _RecomputedCore(torch.autograd.Function):

@@ -75,7 +75,7 @@ CPU_GENERATOR_STATE_BYTES = 5056
 def rng_snapshot_bytes(setup, snapshots: int) -> int:
     """Each checkpoint (and each selectively recomputed core) snapshots the RNG streams dropout can
     draw from -- with ``TPRNG``: the shared CPU generator's state and each per-rank stream's --
-    so its recompute replays the same masks (``activation/checkpoint.py: capture_rng``), and the
+    so its recompute replays the same masks (``parallel/rng.py: capture_rng``), and the
     TPRNG holds its per-rank streams besides. On a GPU these are host tensors (the CUDA states
     are 16 bytes each, on the host too), so only a CPU device holds them: 5056 bytes per state,
     three per checkpoint, which at h 32 (b 8, s 64) is half of a 32 KiB checkpoint."""

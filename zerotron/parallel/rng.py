@@ -141,3 +141,44 @@ class TPRNG:
                 self._cpu[k] = states[f"{k}_cpu"].clone()
             if f"{k}_cuda" in states:
                 self._cuda[k] = states[f"{k}_cuda"].clone()
+
+
+# The run's snapshots: every random stream in one home -----------------------------------------
+def capture_rng(rng: TPRNG | None) -> dict:
+    """Every stream dropout can draw from, for a recompute to replay: ``TPRNG``'s (default CPU/CUDA +
+    TP-region + SP-region) when it is seeded, else torch's default generators."""
+    if rng is not None and rng.shared_seed is not None:
+        return {"tprng": rng.get_states()}
+    states = {"cpu": torch.get_rng_state()}
+    if _cuda_ready():
+        states["cuda"] = torch.cuda.get_rng_state()
+    return states
+
+
+def restore_rng(rng: TPRNG | None, states: dict) -> None:
+    """Put back what ``capture_rng`` took."""
+    if "tprng" in states:
+        rng.set_states(states["tprng"])
+        return
+    torch.set_rng_state(states["cpu"])
+    if "cuda" in states:
+        torch.cuda.set_rng_state(states["cuda"])
+
+
+def checkpoint_states(rng: TPRNG, device: torch.device) -> dict[str, torch.Tensor]:
+    """What a checkpoint keeps of the random streams (flat names, as safetensors stores them):
+    torch's default generators of this process and the model's ``TPRNG`` streams under ``model/``."""
+    states = {"torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        states["torch_cuda"] = torch.cuda.get_rng_state(device)
+    for k, v in rng.get_states().items():
+        states[f"model/{k}"] = v
+    return states
+
+
+def restore_checkpoint_states(rng: TPRNG, states: dict, device: torch.device) -> None:
+    """Put back what ``checkpoint_states`` took (``states`` is consumed)."""
+    torch.set_rng_state(states.pop("torch_cpu"))
+    if "torch_cuda" in states:
+        torch.cuda.set_rng_state(states.pop("torch_cuda"), device)
+    rng.set_states({k[len("model/"):]: v for k, v in states.items() if k.startswith("model/")})

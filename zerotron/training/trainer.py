@@ -22,6 +22,7 @@ import torch
 
 from zerotron.parallel import collectives as C
 from zerotron.parallel import host_sync
+from zerotron.parallel import rng as rng_streams
 from zerotron.parallel.runtime import DistEnv
 from zerotron.training import checkpoint as ckpt
 from zerotron.training import faults, resume
@@ -128,21 +129,13 @@ class Trainer:
         self._stop_requested = True
 
     def _rng_states(self) -> dict[str, torch.Tensor]:
-        states = {"torch_cpu": torch.get_rng_state()}
-        if torch.cuda.is_available():
-            states["torch_cuda"] = torch.cuda.get_rng_state(self.env.device)
-        for k, v in self.model.rng.get_states().items():
-            states[f"model/{k}"] = v
-        return states
+        return rng_streams.checkpoint_states(self.model.rng, self.env.device)
 
     def _restore_rng(self, rng: dict | None) -> None:
         if rng is None:  # another layout: per-rank streams cannot carry over; reseed from the step
             self.model.rng.seed(self.cfg.training.seed + self.step, self.grid)
             return
-        torch.set_rng_state(rng.pop("torch_cpu"))
-        if "torch_cuda" in rng:
-            torch.cuda.set_rng_state(rng.pop("torch_cuda"), self.env.device)
-        self.model.rng.set_states({k[len("model/"):]: v for k, v in rng.items() if k.startswith("model/")})
+        rng_streams.restore_checkpoint_states(self.model.rng, rng, self.env.device)
 
     def _dp_mean(self, value: torch.Tensor) -> torch.Tensor:
         """The mean over DP of a 0-dim device value, as a 0-dim float64 device tensor (no host read)."""

@@ -4,7 +4,7 @@ It owns the flat layout (``partition``), the gradient buckets (``grad_reduce``),
 gathering of stage 3 (``stage3``), the AdamW math (``adam``), the global norm (``clip``) and the
 loss scale (``loss_scaler``); this file only wires them into the step. Where the fp32 state and
 the stage-3 partition live and how they cross the wire (ZeRO-Offload, ZeRO-Infinity, ZeRO++) are
-strategies chosen once by ``strategies.build``, so the step below has one code path. Life of a step:
+strategies chosen once by ``strategy_choice.build``, so the step below has one code path. Life of a step:
 
 1. ``backward`` (per micro-batch): scaled loss backward; hooks reduce full buckets over DP
    (stage 0-1: only on the last micro-batch; stage 2-3: every time, into the gradient partition).
@@ -32,7 +32,7 @@ from torch import nn
 from zerotron.parallel import collectives as C
 from zerotron.parallel import host_sync
 from zerotron.parallel.shard_info import shard_info
-from zerotron.zero import accounting, strategies
+from zerotron.zero import accounting, strategy_choice
 from zerotron.zero.adam import FlatAdamW
 from zerotron.zero.clip import clip_coef, counts_in_norm, global_norm, local_sq_norm
 from zerotron.zero.config import ZeroConfig
@@ -105,7 +105,7 @@ class ZeroOptimizer(PartitionStateIO):
         self.param_shapes = dict(zip(self.names, self.layout.shapes))
         no_decay = [len(shape) < 2 for shape in self.layout.shapes]  # params may be released (stage 3)
         self.decay_segments = [self.layout.segments(c, lambda i: not no_decay[i]) for c in self.layout.chunks]
-        plan = strategies.build(cfg, grid, self.layout, self.dtype, self.master_dtype, self.device, owner=self,
+        plan = strategy_choice.build(cfg, grid, self.layout, self.dtype, self.master_dtype, self.device, owner=self,
                                 grad_dtype=self.grad_dtype)
         self.state, self.shards = plan.state, plan.shards
         self.adam = FlatAdamW(self.state.device, adam_w_mode=adam_w_mode)

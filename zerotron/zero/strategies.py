@@ -1,4 +1,4 @@
-"""The seams of ZeroOptimizer: four strategy protocols, their plain implementations, one factory.
+"""The seams of ZeroOptimizer: four strategy protocols and their plain implementations.
 
 ZeRO-DP (arXiv 1910.02054 §5) fixes *what* each rank partitions. ZeRO-Offload, ZeRO-Infinity
 (arXiv 2104.07857) and ZeRO++ (arXiv 2306.10209) change *where* a partition lives and *how* it
@@ -16,7 +16,7 @@ crosses the wire -- four independent choices, each behind one small protocol, so
   over them: device or host memory (``optimizer_state.OptimizerState``, ZeRO-Offload) or disk
   tiles (``infinity.disk_optimizer_state.DiskOptimizerState``, Infinity §5).
 
-``build`` is the only code that reads the feature keys of ``ZeroConfig``. Every strategy reports
+``strategy_choice.build`` is the only code that reads the feature keys of ``ZeroConfig``. Every strategy reports
 its own bytes by place -- ``memory_report() -> {"device" | "host" | "disk": {kind: bytes}}`` with
 the kinds of ``accounting.memory_report`` -- and the disk ones their traffic (``io_report``), so
 accounting adds reports up instead of knowing which features exist.
@@ -24,17 +24,11 @@ accounting adds reports up instead of knowing which features exist.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
 import torch
 
 from zerotron.parallel import collectives as C
-from zerotron.zero.host_params import HostParams
-from zerotron.zero.infinity.disk_optimizer_state import DiskOptimizerState
-from zerotron.zero.infinity.disk_params import DiskParams
-from zerotron.zero.optimizer_state import OptimizerState
-from zerotron.zero.zeropp.groups import SecondaryPartition, node_groups
 
 Report = dict  # {place: {kind: bytes}}; places "device", "host", "disk"
 
@@ -205,52 +199,3 @@ def merge_reports(*reports: Report) -> Report:
             for kind, n in kinds.items():
                 out.setdefault(place, {})[kind] = out.get(place, {}).get(kind, 0) + n
     return out
-
-
-# the factory --------------------------------------------------------------------------------------
-@dataclass
-class Strategies:
-    state: OptimizerStateStore
-    scatter: ReduceScatter
-    shards: ShardSource | None = None  # stage 3 only
-    gather: Gather | None = None       # stage 3 only
-
-
-def build(cfg, grid, layout, dtype: torch.dtype, master_dtype: torch.dtype, device: torch.device,
-          owner, grad_dtype: torch.dtype | None = None) -> Strategies:
-    """The strategies ``cfg`` selects. Validates the ZeRO++ sizes against the DP size (on every rank,
-    before any collective), then creates the node-local groups (``Grid.split_group``: collective).
-    ``owner``: the object whose lifetime the disk files follow; ``grad_dtype``: the reduced gradients'
-    (default ``dtype``) -- in the master dtype on the device they need no fp32 staging buffer."""
-    from zerotron.zero.zeropp.strategies import QuantizedGather, QuantizedReduceScatter, SecondaryGather
-
-    dp = grid.dp_group
-    cfg.validate(dp_size=dp.size)
-    block = cfg.zero_quantization_block_size
-    hpz, _ = node_groups(grid, cfg.zero_hpz_partition_size)
-    scatter = PlainReduceScatter(dp)
-    if cfg.zero_quantized_gradients:
-        scatter = QuantizedReduceScatter(dp, block, *node_groups(grid, cfg.qgz_node_size))
-    shards = gather = None
-    if cfg.stage == 3:
-        shards = MemoryShards()
-        if cfg.offload_param_device == "cpu":
-            shards = HostParams(layout)
-        if cfg.offload_param_device == "nvme":
-            shards = DiskParams(layout, cfg.offload_param_nvme_path, grid.rank,
-                                             cfg.offload_param_buffer_count, owner=owner)
-        gather = QuantizedGather(layout, dp, block) if cfg.zero_quantized_weights else PlainGather(layout, dp)
-        if hpz is not None:
-            gather = SecondaryGather(gather, SecondaryPartition(layout, hpz, grid.rank, dtype, device))
-    if cfg.optimizer_offload == "nvme":
-        state = DiskOptimizerState(layout.part_numel, cfg.offload_optimizer_nvme_path, grid.rank,
-                                   cfg.optimizer_tile(max(layout.numels), dp.size), cfg.offload_optimizer_buffer_count,
-                                   params=shards)
-    else:
-        # fp32 on the device: the parameters are the master weights (no 4-byte copy; K = 8, not 12),
-        # except with the parameters on disk, whose file is derived from an authoritative master
-        shared = dtype == master_dtype and cfg.optimizer_offload == "none" and cfg.offload_param_device == "none"
-        staged = (grad_dtype or dtype) != master_dtype or cfg.optimizer_offload == "cpu"
-        state = OptimizerState(layout.part_numel, max(c.shard for c in layout.chunks) if staged else 0, device,
-                               cfg.optimizer_offload == "cpu", own_master=not shared, dtype=master_dtype)
-    return Strategies(state, scatter, shards, gather)

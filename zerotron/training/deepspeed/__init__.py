@@ -119,8 +119,8 @@ def apply_deepspeed(data: dict, cfg, set_field: Callable, flagged: set[str], wor
 def from_deepspeed(data: dict, world_size: int = 1, base=None) -> tuple:
     """``(RunConfig, start-up lines)`` for a DeepSpeed config dict on ``world_size`` processes, on top
     of ``base`` (default ``RunConfig()``); not yet validated (``cfg.validate(world_size)``)."""
-    from zerotron.training.cli import set_field
     from zerotron.training.config import RunConfig
+    from zerotron.training.config_values import set_field
 
     cfg = base if base is not None else RunConfig()
     return cfg, apply_deepspeed(data, cfg, set_field, set(), world_size)

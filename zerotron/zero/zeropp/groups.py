@@ -15,7 +15,7 @@ ZeRO++ (Wang et al., arXiv 2306.10209) attacks the 3Ψ communication of Pos+g+p 
   node first, then across nodes) so the cross-node step moves 1/node_size of the data.
 
 ``node_groups`` creates the node-local groups (``Grid.split_group``, a collective every rank calls
-with the same sizes); ``zero.strategies.build`` calls it after validating the sizes against the DP
+with the same sizes); ``zero.strategy_choice.build`` calls it after validating the sizes against the DP
 group and hands the groups to the strategies of ``zeropp.strategies``.
 """
 
