@@ -19,7 +19,8 @@ if str(ROOT) not in sys.path:  # mkdocs may run from an interpreter without zero
 
 def exit_codes() -> str:
     """``EXIT_CODES`` of ``scripts/pretrain_gpt.py``, the text its --help ends with."""
-    spec = importlib.util.spec_from_file_location("pretrain_gpt", ROOT / "scripts" / "pretrain_gpt.py")
+    script = ROOT / "scripts" / "pretrain_gpt.py"
+    spec = importlib.util.spec_from_file_location("pretrain_gpt", script)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)  # defines functions only: main() runs under __main__
     return module.EXIT_CODES

@@ -24,10 +24,12 @@ ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 # an absolute path of some machine, not a URL's path (a letter or dot before the slash) nor a
 # placeholder: /work/x, /root/x, /tmp/x, /scratch/x, /home/<user>/x, /Users/<user>/x
-MACHINE_PATH = re.compile(r"(?<![\w.~$/-])/(?:work|root|tmp|scratch|(?:home|Users)/[A-Za-z_][\w.-]*)/[\w.$-]")
+MACHINE_PATH = re.compile(r"(?<![\w.~$/-])/"
+                          r"(?:work|root|tmp|scratch|(?:home|Users)/[A-Za-z_][\w.-]*)/[\w.$-]")
 
 pytest.importorskip("mkdocs", reason="the manual's build needs mkdocs: bash scripts/setup.sh --dev")
-pytest.importorskip("material", reason="the manual's theme needs mkdocs-material: bash scripts/setup.sh --dev")
+pytest.importorskip("material",
+                    reason="the manual's theme needs mkdocs-material: bash scripts/setup.sh --dev")
 
 
 def build(config: Path, site: Path) -> subprocess.CompletedProcess:
@@ -42,7 +44,8 @@ def help_fields() -> list[str]:
     """Every ``--section.field`` that ``pretrain_gpt.py --help`` prints."""
     from zerotron.training.cli import build_parser
 
-    return sorted(set(re.findall(r"^  (--[a-z_]+\.[a-z0-9_]+)$", build_parser().format_help(), re.M)))
+    text = build_parser().format_help()
+    return sorted(set(re.findall(r"^  (--[a-z_]+\.[a-z0-9_]+)$", text, re.M)))
 
 
 def test_strict_build_passes(tmp_path):
@@ -58,7 +61,8 @@ def test_strict_build_fails_on_a_missing_page_or_anchor(tmp_path):
     config = (ROOT / "mkdocs.yml").read_text().replace("scripts/docs/mkdocs_hooks.py", hook)
     (tmp_path / "mkdocs.yml").write_text(config)
     running = tmp_path / "docs" / "running.md"
-    running.write_text(running.read_text() + "\nSee [gone](no-such-page.md) and [x](memory.md#no-such-anchor).\n")
+    broken = "\nSee [gone](no-such-page.md) and [x](memory.md#no-such-anchor).\n"
+    running.write_text(running.read_text() + broken)
     result = build(tmp_path / "mkdocs.yml", tmp_path / "site")
     assert result.returncode != 0
     assert "no-such-page.md" in result.stderr, result.stderr
@@ -89,15 +93,17 @@ def markdown_files() -> list[Path]:
 def test_no_machine_path_in_the_docs():
     found = [f"{path.relative_to(ROOT)}:{n}: {line.strip()[:120]}"
              for path in markdown_files()
-             for n, line in enumerate(path.read_text().splitlines(), 1) if MACHINE_PATH.search(line)]
+             for n, line in enumerate(path.read_text().splitlines(), 1)
+             if MACHINE_PATH.search(line)]
     assert not found, "absolute machine paths in the docs:\n" + "\n".join(found)
 
 
 def test_machine_path_pattern():
-    for bad in ("tokenizer /work/clone/.cache/t.model", "`/home/alice/data`", "/tmp/run", "(/root/x)"):
+    for bad in ("tokenizer /work/clone/.cache/t.model", "`/home/alice/data`", "/tmp/run",
+                "(/root/x)"):
         assert MACHINE_PATH.search(bad), bad
-    for fine in ("https://github.com/root/x", "runs/tiny/checkpoints", "$TMPDIR/x", "not in /tmp", "~/work/x",
-                 "logs/nccl-trace-<job>/"):
+    for fine in ("https://github.com/root/x", "runs/tiny/checkpoints", "$TMPDIR/x", "not in /tmp",
+                 "~/work/x", "logs/nccl-trace-<job>/"):
         assert not MACHINE_PATH.search(fine), fine
 
 
@@ -105,9 +111,25 @@ def test_front_page_is_a_front_page():
     text = README.read_text()
     assert len(text.splitlines()) <= 250 and len(text.encode()) <= 20 * 1024
     # a newcomer's four questions, answered on the front page
-    assert "torchrun --standalone --nproc_per_node 4 scripts/pretrain_gpt.py --config configs/tiny.yaml" in text
+    demo = ("torchrun --standalone --nproc_per_node 4 scripts/pretrain_gpt.py "
+            "--config configs/tiny.yaml")
+    assert demo in text
     assert ".venv/bin/python -m pytest -q tests" in text
     assert re.search(r"sbatch --nodes 2 scripts/slurm/pretrain_gpt\.sbatch", text)
     assert "docs/index.md" in text
     for target in re.findall(r"\]\(((?:docs|configs|scripts)/[^)#\s]+)", text):
         assert (ROOT / target).exists(), f"README links to {target}, which is not there"
+
+
+@pytest.mark.parametrize("launcher", ["sbatch --nodes 2", "torchrun --nnodes 2"])
+def test_front_page_two_node_commands_validate_at_16_ranks(launcher):
+    """The front page's 2 nodes x 8 GPUs commands are runs that pass start-up validation."""
+    from zerotron.training.cli import parse_config
+    from zerotron.training.setup_run import validate_model
+
+    text = README.read_text().replace("\\\n", " ")  # join continued lines
+    line = next(ln for ln in text.splitlines() if launcher in ln)
+    argv = line.split("pretrain_gpt.", 1)[1].split()[1:]  # what follows the script's name
+    cfg = parse_config([a.strip("'") for a in argv])
+    cfg.validate(world_size=16)
+    validate_model(cfg).validate(cfg.parallel.tp)

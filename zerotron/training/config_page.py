@@ -56,10 +56,13 @@ def render(exit_codes: str = "") -> str:
             lines += ["", f"## {section}", "", "| field | short flag | type, default: meaning |",
                       "|---|---|---|"]
         short = f"`{shorts[key]}`" if key in shorts else ""
-        lines.append(f"| `--{key}` | {short} | {_cell(config_help.describe(key, tp, default))} |")
-    lines += ["", "## Presets", "", "`model.preset` is one of: " + ", ".join(f"`{p}`" for p in PRESETS)
-              + ". A `model.*` field left null takes the preset's value.", ""]
+        meaning = _cell(config_help.describe(key, tp, default))  # the very line --help prints
+        lines.append(f"| `--{key}` | {short} | {meaning} |")
+    presets = ", ".join(f"`{p}`" for p in PRESETS)
+    lines += ["", "## Presets", "", f"`model.preset` is one of: {presets}. A `model.*` field left "
+              "null takes the preset's value.", ""]
     if exit_codes:
-        lines += ["## Exit codes", "", "What `pretrain_gpt.py` exits with (its `--help` ends with the "
-                  "same text); torchrun exits 1 when a worker failed.", "", "```", exit_codes, "```", ""]
+        lines += ["## Exit codes", "", "What `pretrain_gpt.py` exits with (its `--help` ends with "
+                  "the same text); torchrun exits 1 when a worker failed.", "",
+                  "```", exit_codes, "```", ""]
     return "\n".join(lines)
