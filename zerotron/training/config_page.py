@@ -58,9 +58,13 @@ def render(exit_codes: str = "") -> str:
         short = f"`{shorts[key]}`" if key in shorts else ""
         meaning = _cell(config_help.describe(key, tp, default))  # the very line --help prints
         lines.append(f"| `--{key}` | {short} | {meaning} |")
-    presets = ", ".join(f"`{p}`" for p in PRESETS)
-    lines += ["", "## Presets", "", f"`model.preset` is one of: {presets}. A `model.*` field left "
-              "null takes the preset's value.", ""]
+    lines += ["", "## Presets", "", "`model.preset` names a shape; a `model.*` field left null "
+              "takes the preset's value (`zerotron/model/presets.py`).", "",
+              "| preset | layers | hidden | heads | sequence |", "|---|---|---|---|---|"]
+    shape = ("num_layers", "hidden_size", "num_heads", "seq_length")
+    lines += [f"| `{name}` | " + " | ".join(str(getattr(g, f, "")) for f in shape) + " |"
+              for name, g in PRESETS.items()]
+    lines.append("")
     if exit_codes:
         lines += ["## Exit codes", "", "What `pretrain_gpt.py` exits with (its `--help` ends with "
                   "the same text); torchrun exits 1 when a worker failed.", "",
