@@ -5,8 +5,8 @@
   composed with SP + Pa + Pa+cpu; the attention core really runs twice per layer then;
 * the bytes a layer keeps, measured (``zerotron.testing.activation_bytes``: autograd's saved
   tensors, and the storages that die with the graph), equal ``estimate.activations`` for every
-  row of the README's table (fp32 values and CPU dropout masks, e = m = 4; LayerNorm statistics
-  added where a graph exists);
+  row of the manual's table in docs/parallelism.md (fp32 values and CPU dropout masks, e = m = 4;
+  LayerNorm statistics added where a graph exists);
 * Pa with SP has nothing to partition: it says so and keeps the checkpoints as they are.
 """
 

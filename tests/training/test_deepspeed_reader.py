@@ -1,5 +1,5 @@
 """The DeepSpeed reader without training: bad keys exit 2 naming the key and the closest valid one
-(before any process group), the batch triple's arithmetic, precedence, the README's key table, and
+(before any process group), the batch triple's arithmetic, precedence, the manual's key table (docs/deepspeed.md), and
 the loss scalers the fp16 section asks for."""
 
 from __future__ import annotations
@@ -118,9 +118,9 @@ def test_auto_with_nothing_else_is_the_run_config():
     assert "fp16.enabled: auto -> false (training.precision='fp32')" in lines
 
 
-def test_every_readme_row_is_the_schema():
-    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    assert markdown_table(TOP) in text, "README's DeepSpeed key table is stale: paste markdown_table(TOP)"
+def test_every_manual_row_is_the_schema():
+    text = (Path(__file__).resolve().parents[2] / "docs" / "deepspeed.md").read_text()
+    assert markdown_table(TOP) in text, "docs/deepspeed.md's key table is stale: paste markdown_table(TOP)"
     statuses = {status.split(";")[0] for _, status, _ in rows(TOP)}
     assert statuses == {"honoured", "mapped", "no effect", "refused"}
 

@@ -114,8 +114,9 @@ def measure_blocks(model, x: torch.Tensor) -> dict:
             "saved_tensors": census.tensors}
 
 
-# The README's rows: (sequence_parallel, activation_checkpointing fields). "full" is one checkpoint
-# per layer; Pa+cpu partitions over TP and offloads.
+# The rows of the manual's table (docs/parallelism.md): (sequence_parallel,
+# activation_checkpointing fields). "full" is one checkpoint per layer; Pa+cpu partitions over TP
+# and offloads.
 ROWS: dict[str, tuple[bool, dict]] = {
     "none": (False, {}),
     "SP": (True, {}),

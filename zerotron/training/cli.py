@@ -81,7 +81,7 @@ def build_parser(exit_codes: str = "") -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="YAML run config (see configs/)")
     p.add_argument("--deepspeed-config", help="a DeepSpeed config JSON: every key honoured, mapped, noted "
-                   "at start-up or refused (README: DeepSpeed JSON); it wins over --config, flags win over it")
+                   "at start-up or refused (docs/deepspeed.md); it wins over --config, flags win over it")
     for flag, (section, name) in SHORT_FLAGS.items():
         if flag in BOOL_FLAGS:
             p.add_argument(f"--{flag}", dest=f"{section}.{name}", action="store_const", const="true",

@@ -1,8 +1,8 @@
 """Every key of DeepSpeed's config JSON (``deepspeed/runtime/config.py``, ``runtime/zero/config.py``,
 ``runtime/zero/offload_config.py``, ``runtime/precision_config.py``, ``monitor/config.py``, the
 config-json docs) and what it is to zerotron: the one table the reader, the start-up notes and
-the README's key table are made from (``schema.py``). Where a value is mapped, ``mapping.py`` /
-``optim.py`` / ``batch.py`` do it; this file only says what happens and why.
+the manual's key table (docs/deepspeed.md) are made from (``schema.py``). Where a value is
+mapped, ``mapping.py`` / ``optim.py`` / ``batch.py`` do it; this file only says what happens and why.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """What a DeepSpeed key *is* to zerotron: honoured, mapped, accepted with no effect, or refused.
 
 One ``Key`` per DeepSpeed key (the table itself is ``keys.py``), so the reader, the start-up notes
-and the README's key table (``markdown_table``) cannot disagree. ``check`` walks a config against
-it: a key or section that is not DeepSpeed's is an error with the closest valid key (a misspelled
-``zero_optimisation`` must not run stage 0 in silence), a value zerotron cannot run the way
+and the manual's key table (``markdown_table``, in docs/deepspeed.md) cannot disagree. ``check``
+walks a config against it: a key or section that is not DeepSpeed's is an error with the closest
+valid key (a misspelled ``zero_optimisation`` must not run stage 0 in silence), a value zerotron cannot run the way
 DeepSpeed would is an error saying why, and every key with no effect here is returned so it can be
 printed once at start-up -- nothing is dropped silently.
 """
@@ -140,7 +140,7 @@ def refuse_unless(allowed, why: str) -> Callable[[Any], str | None]:
     return lambda v: None if v in allowed else why
 
 
-# the README table -----------------------------------------------------------------------------------
+# the manual's table (docs/deepspeed.md) -----------------------------------------------------------
 def rows(table: Mapping[str, Key], prefix: str = ""):
     """``(key path, status, note)`` for every key of ``table``, sections before their keys."""
     for name, key in table.items():
@@ -151,7 +151,7 @@ def rows(table: Mapping[str, Key], prefix: str = ""):
 
 
 def markdown_table(table: Mapping[str, Key]) -> str:
-    """The README's table of every DeepSpeed key (``tests`` hold the README to it)."""
+    """The manual's table of every DeepSpeed key (``tests`` hold docs/deepspeed.md to it)."""
     lines = ["| DeepSpeed key | here | what zerotron does |", "|---|---|---|"]
     lines += [f"| `{path}` | {status} | {note} |" for path, status, note in rows(table)]
     return "\n".join(lines) + "\n"
