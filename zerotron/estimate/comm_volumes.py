@@ -1,0 +1,77 @@
+"""The collectives one rank of a run issues per step, counted from its config (no dry run).
+
+The same ``{"op/group": {"calls", "bytes"}}`` a dry run measures (``parallel.comm_stats``: an
+all-reduce of Ψ bytes counts 2Ψ, a reduce-scatter or all-gather Ψ, a send what it moves), so
+``step_time.predict_step`` times either. Volumes follow the paper: Megatron-LM's TP all-reduces,
+2 per layer in forward and 2 in backward, 2 more with recompute ([Z] §8, [M] §3); Pa's one
+all-gather per layer before recompute ([Z] §8); ZeRO-DP's Ψ reduce-scatter plus Ψ all-gather at
+stages 1-2, 2Ψ all-reduce at stage 0, plus the forward and backward gathers at stage 3 ([Z]
+§7.2). ``tests/estimate/test_step_model.py`` holds these against a dry run of the same config.
+"""
+
+from __future__ import annotations
+
+import math
+
+from zerotron.model.config import GPTConfig
+
+DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
+
+
+def group_ranks(tp: int, pp: int, dp: int) -> dict[str, list[int]]:
+    """Rank 0's groups: TP innermost, then DP, then PP (rank = t + tp·(d + dp·p))."""
+    return {"tp": list(range(tp)), "dp": [tp * d for d in range(dp)],
+            "pp": [tp * dp * p for p in range(pp)], "embedding": [0, tp * dp * (pp - 1)],
+            "world": list(range(tp * dp * pp))}
+
+
+def rank_params(mcfg: GPTConfig, tp: int, pp: int) -> float:
+    """Parameters one model-parallel rank holds: the model over TP × PP (embedding included)."""
+    return mcfg.num_params(tp) / (tp * pp)
+
+
+def _add(out: dict, key: str, calls: float, nbytes: float) -> None:
+    if calls > 0:
+        slot = out.setdefault(key, {"calls": 0, "bytes": 0})
+        slot["calls"] += calls
+        slot["bytes"] += nbytes
+
+
+def analytic_comm(cfg, mcfg: GPTConfig) -> dict[str, dict[str, float]]:
+    """Per step, for a rank of the last pipeline stage, keyed ``"op/group"``."""
+    par, z, ac = cfg.parallel, cfg.zero, cfg.activation_checkpointing
+    tp, pp, dp = par.tp, par.pp, par.dp
+    elem = DTYPE_BYTES[cfg.training.precision]
+    grad = DTYPE_BYTES[z.grad_accum(cfg.training.precision)]
+    micro = cfg.num_microbatches
+    tokens = cfg.training.micro_batch_size * mcfg.seq_length
+    layers = math.ceil(mcfg.num_layers / pp)
+    act = tokens * mcfg.hidden_size * elem  # one [s, b, h] activation
+    recompute = ac.checkpoint_activations
+    out: dict[str, dict[str, float]] = {}
+    if tp > 1:
+        per_layer = 4 + (2 if recompute else 0)
+        first = 1 if pp == 1 else 0  # the embedding's reduction, on the first stage
+        calls = micro * (layers * per_layer + first)
+        _add(out, "all_reduce/tp", calls, calls * 2 * act)
+        _add(out, "all_reduce/tp", 3 * micro, 3 * micro * 2 * tokens * 4)  # cross-entropy, fp32
+        if recompute and ac.partition_activations:
+            _add(out, "all_gather/tp", micro * layers, micro * layers * act)
+    if pp > 1:
+        chunks = par.virtual_stages
+        _add(out, "send/pp", micro * chunks, micro * chunks * act)
+        _add(out, "recv/pp", micro * chunks, micro * chunks * act)
+        table = mcfg.padded_vocab_size(tp) // tp * mcfg.hidden_size
+        _add(out, "all_reduce/embedding", 1, 2 * table * grad)  # the tied embedding's gradient
+    if dp > 1:
+        params = rank_params(mcfg, tp, pp)
+        bucket = z.reduce_bucket_size or params
+        buckets = max(1, math.ceil(params / bucket))
+        if z.stage == 0:
+            _add(out, "all_reduce/dp", buckets, 2 * params * grad)
+        else:
+            _add(out, "reduce_scatter/dp", buckets, params * grad)
+            # stage 3 gathers again in forward, (recompute,) backward
+            gathers = 1 if z.stage < 3 else micro * (3 if recompute else 2)
+            _add(out, "all_gather/dp", buckets * gathers, gathers * params * elem)
+    return out
