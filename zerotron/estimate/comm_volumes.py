@@ -25,9 +25,18 @@ def group_ranks(tp: int, pp: int, dp: int) -> dict[str, list[int]]:
             "world": list(range(tp * dp * pp))}
 
 
-def rank_params(mcfg: GPTConfig, tp: int, pp: int) -> float:
-    """Parameters one model-parallel rank holds: the model over TP × PP (embedding included)."""
-    return mcfg.num_params(tp) / (tp * pp)
+def rank_params(mcfg: GPTConfig, tp: int, pp: int) -> int:
+    """Parameters a rank of the last stage holds (the largest stage with the first).
+
+    Per block, the GEMM weights and the QKV and fc1 biases split over TP; both LayerNorms and
+    the two row-parallel biases (6h) are whole on every rank. The vocab-parallel embedding
+    (tied: the last stage holds a copy) splits over TP; the position table sits on the first
+    stage, the final LayerNorm on the last."""
+    h, f = mcfg.hidden_size, mcfg.ffn_size
+    block = (4 * h * h + 2 * h * f + 3 * h + f) // tp + 6 * h
+    table = mcfg.padded_vocab_size(tp) // tp * h
+    positions = mcfg.max_positions * h if pp == 1 else 0
+    return math.ceil(mcfg.num_layers / pp) * block + table + positions + 2 * h
 
 
 def _add(out: dict, key: str, calls: float, nbytes: float) -> None:
@@ -51,8 +60,8 @@ def analytic_comm(cfg, mcfg: GPTConfig) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
     if tp > 1:
         per_layer = 4 + (2 if recompute else 0)
-        first = 1 if pp == 1 else 0  # the embedding's reduction, on the first stage
-        calls = micro * (layers * per_layer + first)
+        ends = 1 + (1 if pp == 1 else 0)  # the head's f in backward; the embedding's g (first stage)
+        calls = micro * (layers * per_layer + ends)
         _add(out, "all_reduce/tp", calls, calls * 2 * act)
         _add(out, "all_reduce/tp", 3 * micro, 3 * micro * 2 * tokens * 4)  # cross-entropy, fp32
         if recompute and ac.partition_activations:
@@ -62,15 +71,18 @@ def analytic_comm(cfg, mcfg: GPTConfig) -> dict[str, dict[str, float]]:
         _add(out, "send/pp", micro * chunks, micro * chunks * act)
         _add(out, "recv/pp", micro * chunks, micro * chunks * act)
         table = mcfg.padded_vocab_size(tp) // tp * mcfg.hidden_size
-        _add(out, "all_reduce/embedding", 1, 2 * table * grad)  # the tied embedding's gradient
+        shard = dp if z.stage >= 2 else 1  # Pos+g reduces the tied gradient's shard (zero.plan)
+        _add(out, "all_reduce/embedding", 1, 2 * table // shard * grad)
     if dp > 1:
         params = rank_params(mcfg, tp, pp)
         bucket = z.reduce_bucket_size or params
-        buckets = max(1, math.ceil(params / bucket))
+        buckets = max(1, math.ceil(params / bucket)) + (1 if pp > 1 else 0)  # tied weight: its own
         if z.stage == 0:
             _add(out, "all_reduce/dp", buckets, 2 * params * grad)
         else:
-            _add(out, "reduce_scatter/dp", buckets, params * grad)
+            # Pos+g under a pipeline reduces each micro-batch's gradients as its backward ends
+            times = micro if z.stage >= 2 and pp > 1 else 1
+            _add(out, "reduce_scatter/dp", buckets * times, times * params * grad)
             # stage 3 gathers again in forward, (recompute,) backward
             gathers = 1 if z.stage < 3 else micro * (3 if recompute else 2)
             _add(out, "all_gather/dp", buckets * gathers, gathers * params * elem)
