@@ -118,7 +118,8 @@ def test_hardware_presets_and_bad_values():
     assert H100_DGX.memory_gb == 80 and V100_DGX2.memory_gb == 32
     with pytest.raises(ValueError, match="--gpu 'a100'"):
         get_hardware("a100")
-    with pytest.raises(ValueError, match="no dense bfloat16"):
-        V100_DGX2.peak("bf16")
+    assert V100_DGX2.peak("bf16") == V100_DGX2.peak("fp16") == 125e12  # no bf16 on Volta
+    with pytest.raises(ValueError, match="no dense float8"):
+        V100_DGX2.peak("float8")
     with pytest.raises(ValueError, match="gemm_efficiency=1.5"):
         V100_DGX2.with_overrides(gemm_efficiency=1.5)

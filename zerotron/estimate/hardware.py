@@ -54,9 +54,13 @@ class Hardware:
                              f"use one of {sorted(SCORE_PASSES)}")
 
     def peak(self, precision: str) -> float:
-        """Dense peak FLOP/s for a run's ``training.precision`` (fp16, bf16, fp32)."""
+        """Dense peak FLOP/s for a run's ``training.precision`` (fp16, bf16, fp32). A bf16 run on a
+        part without bf16 (Volta) is timed at its fp16 tensor-core peak, as the dry run always did:
+        the question it answers is the 16-bit run's speed, not whether Volta can run bf16."""
         dtype = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}.get(precision, precision)
         value = self.peak_tflops.get(dtype, 0.0)
+        if dtype == "bfloat16" and not value > 0:
+            value = self.peak_tflops.get("float16", 0.0)
         if not value > 0:
             raise ValueError(f"training.precision={precision!r}: a {self.name} has no dense "
                              f"{dtype} "
