@@ -123,3 +123,15 @@ def test_hardware_presets_and_bad_values():
         V100_DGX2.peak("float8")
     with pytest.raises(ValueError, match="gemm_efficiency=1.5"):
         V100_DGX2.with_overrides(gemm_efficiency=1.5)
+
+
+def test_h100_constant_reproduces_megatron_175b_on_96_gpus():
+    """The H100 calibration, on the layout ``scripts/bench/step_time_table.py`` assumes."""
+    cfg = run_config(tp=4, pp=8, dp=3, micro=1, batch=1152, stage=1)
+    cfg.parallel.virtual_stages, cfg.parallel.sequence_parallel = 6, True
+    cfg.training.precision, cfg.zero.overlap_comm = "bf16", True
+    gpt = GPTConfig(num_layers=96, hidden_size=12288, num_heads=96, vocab_size=50257,
+                    seq_length=2048)
+    overlap = {"reduce_scatter/dp": 1.0, "all_gather/dp": 1.0}
+    pred = step_model.predict(cfg, gpt, 96, H100_DGX, overlap=overlap)
+    assert pred.mfu == pytest.approx(0.47, abs=0.005)  # Megatron-core README

@@ -68,8 +68,9 @@ def analytic_comm(cfg, mcfg: GPTConfig) -> dict[str, dict[str, float]]:
             _add(out, "all_gather/tp", micro * layers, micro * layers * act)
     if pp > 1:
         chunks = par.virtual_stages
-        _add(out, "send/pp", micro * chunks, micro * chunks * act)
-        _add(out, "recv/pp", micro * chunks, micro * chunks * act)
+        boundary = act // tp if par.sequence_parallel else act  # SP: each TP rank sends its s/t
+        _add(out, "send/pp", micro * chunks, micro * chunks * boundary)
+        _add(out, "recv/pp", micro * chunks, micro * chunks * boundary)
         table = mcfg.padded_vocab_size(tp) // tp * mcfg.hidden_size
         shard = dp if z.stage >= 2 else 1  # Pos+g reduces the tied gradient's shard (zero.plan)
         _add(out, "all_reduce/embedding", 1, 2 * table // shard * grad)

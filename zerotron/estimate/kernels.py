@@ -81,18 +81,22 @@ def attention_gemms(cfg: GPTConfig, batch: int, seq: int, tp: int) -> list[Gemm]
     return [Gemm("scores", seq, seq, d, batch * heads), Gemm("context", seq, d, seq, batch * heads)]
 
 
-def layer_elementwise_elements(cfg: GPTConfig, tokens: int, tp: int) -> float:
+def layer_elementwise_elements(cfg: GPTConfig, tokens: int, tp: int,
+                               sequence_parallel: bool = False) -> float:
     """Elements one layer's forward reads plus writes outside GEMMs and the attention scores.
 
     Per token: LayerNorm 1 and 2 (read h, write h: 2h each), each residual dropout (read h,
     write h: 2h, twice) and residual add (read 2h, write h: 3h, twice), GeLU (read and write
-    f/t) = 14h + 2f/t. Dropout masks (1 byte per element) are ``dropout_mask_bytes``."""
+    f/t) = 14h + 2f/t. Sequence parallelism gives each TP rank s/t of the tokens for the
+    first 14h. Dropout masks (1 byte per element) are ``dropout_mask_bytes``."""
     h, f = cfg.hidden_size, cfg.ffn_size
-    return float(tokens * (14 * h + 2 * f // tp))
+    replicated = tokens // tp if sequence_parallel else tokens
+    return float(replicated * 14 * h + tokens * 2 * f // tp)
 
 
 def dropout_mask_bytes(cfg: GPTConfig, tokens: int) -> float:
-    """The two residual dropouts' 1-byte masks, written in forward (read back in backward)."""
+    """The two residual dropouts' 1-byte masks, written in forward (read back in backward);
+    ``tokens`` as this rank holds them (s/t under sequence parallelism)."""
     return float(2 * tokens * cfg.hidden_size) if cfg.dropout > 0 else 0.0
 
 

@@ -93,8 +93,9 @@ def micro_batch_compute(cfg, mcfg: GPTConfig, hw: Hardware) -> dict[str, float]:
     gemm = sum(roof(g) for g in fwd) * forwards + sum(roof(x) for g in fwd for x in g.backward())
     attn = kernels.attention_core_seconds(mcfg, b, s, tp, hw.attention, peak, eff, hbm, elem)
     attention = attn * (forwards + 2)  # backward: two GEMMs per forward GEMM, twice the streams
-    moved = kernels.layer_elementwise_elements(mcfg, tokens, tp) * elem
-    moved += kernels.dropout_mask_bytes(mcfg, tokens)
+    sp = cfg.parallel.sequence_parallel
+    moved = kernels.layer_elementwise_elements(mcfg, tokens, tp, sp) * elem
+    moved += kernels.dropout_mask_bytes(mcfg, tokens // tp if sp else tokens)
     elementwise = moved * (forwards + 2) / hbm
     vocab = mcfg.padded_vocab_size(tp) // tp
     logits = kernels.Gemm("logits", tokens, vocab, mcfg.hidden_size)
@@ -134,9 +135,12 @@ def bubble_fraction(pp: int, microbatches: int, virtual_stages: int = 1) -> floa
 
 
 def predict(cfg, mcfg: GPTConfig, world_size: int, hw: Hardware, comm: dict | None = None,
-            ranks: dict[str, list[int]] | None = None) -> StepBreakdown:
+            ranks: dict[str, list[int]] | None = None,
+            overlap: dict[str, float] | None = None) -> StepBreakdown:
     """The step of the slowest (last-stage) rank. ``comm``/``ranks``: a dry run's measured
-    collectives and this rank's groups; by default counted from the config."""
+    collectives and this rank's groups; by default counted from the config. ``overlap``:
+    per ``"op/group"``, the share hidden behind compute, replacing zerotron's own (for a peer
+    that overlaps what zerotron does not, e.g. Megatron-core's ``--overlap-param-gather``)."""
     par = cfg.parallel
     if comm is None:
         comm, ranks = analytic_comm(cfg, mcfg), group_ranks(par.tp, par.pp, par.dp)
@@ -148,7 +152,7 @@ def predict(cfg, mcfg: GPTConfig, world_size: int, hw: Hardware, comm: dict | No
         1 - bubble_fraction(par.pp, m, par.virtual_stages))
     recompute = cfg.activation_checkpointing.checkpoint_activations
     overlap = default_overlap(cfg.zero.overlap_comm, cfg.zero.stage, microbatches=m,
-                              pipeline=par.pp > 1)
+                              pipeline=par.pp > 1) | (overlap or {})
     params = rank_params(mcfg, par.tp, par.pp)
     bucket = cfg.zero.reduce_bucket_size or params
     for key in ("reduce_scatter/dp", "all_reduce/dp"):  # the last bucket has no backward after it
