@@ -178,6 +178,8 @@ def print_rank(r: int, e: dict, a) -> None:
 
 
 def seconds(s: float) -> str:
+    if s == 0:
+        return "0 s"
     return f"{s:.2f} s" if s >= 0.1 else f"{s * 1e3:.2f} ms" if s >= 1e-4 else f"{s * 1e6:.1f} µs"
 
 

@@ -32,8 +32,9 @@ published in our reference."""
 
 NOTES = {
     "table5/baseline-170b": "MP 256 over 16 nodes at batch 2: 1,277 TP all-reduces of 510 ring "
-    "steps each, whose 10 µs latency alone is 6.5 s; NCCL runs such all-reduces as trees "
-    "(log n steps), which the model does not have",
+    "steps each, whose 10 µs latency is 6.5 s of the 8.1 s step; NCCL's tree all-reduce (not "
+    "modelled) would cut that to ~0.3 s and overshoot to 2.6x the paper; the 2019 stack's "
+    "latency lay between; not explained",
     "table5/baseline-40b": "MP 32 across 2 nodes: the link model gives the TP ring the node's "
     "whole InfiniBand (100 GB/s); at one EDR NIC's 12.5 GB/s a node this row would come out at 2.4 "
     "and the MP-128 rows (now within 6 %) at 1.1-1.6 -- no one link figure fits both; not "

@@ -10,7 +10,8 @@ pipeline bubble and host copies, each its own term.
 * **communication** (``estimate.step_time.predict_step``): each collective on its links, as
   measured by a dry run or counted from the config (``estimate.comm_volumes``), hidden behind
   backward where zerotron overlaps it (``default_overlap``) -- except the last gradient bucket,
-  which has no backward left to hide behind.
+  which has no backward left to hide behind, and at stage 3 the first unit's gather of each
+  forward and backward pass, which has nothing ahead of it to run behind.
 * **bubble**: 1F1B idles (p − 1) micro-batch slots of forward + backward per step, so the
   bubble is (p − 1)/(m + p − 1) of the pipelined time (Narayanan et al. 2021 §2.2); with v
   interleaved chunks per rank each slot is 1/v as long.
@@ -158,6 +159,10 @@ def predict(cfg, mcfg: GPTConfig, world_size: int, hw: Hardware, comm: dict | No
     for key in ("reduce_scatter/dp", "all_reduce/dp"):  # the last bucket has no backward after it
         if key in overlap:
             overlap[key] *= max(0.0, 1 - bucket / params)
+    if cfg.zero.stage == 3:  # one unit a layer (and the embedding): the first of each pass waits
+        units = math.ceil(mcfg.num_layers / par.pp) + 1
+        for key in ("all_gather/dp", "all_gather/dp_inner"):
+            overlap[key] = overlap.get(key, 0.0) * (1 - 1 / units)
     window = 0.75 if recompute else BACKWARD_SHARE  # recompute's forward runs inside backward
     comm_part = predict_step(0.0, comm, ranks, link=hw.link(), overlap=overlap,
                              overlap_window=window, compute_s=compute)
