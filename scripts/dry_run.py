@@ -52,26 +52,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ranks", type=int, nargs="+", help="global ranks to simulate (default: first and last)")
     p.add_argument("--steps", type=int, default=1, help="training steps per rank (default 1)")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="fake device kind (default cuda)")
-    p.add_argument("--device-gb", type=float, help="device memory a rank must fit (default: the --gpu's, "
-                   "V100 32, H100 80)")
+    p.add_argument("--device-gb", type=float,
+                   help="device memory a rank must fit (default: the --gpu's, V100 32, H100 80)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.add_argument("--out", default=str(ROOT / "runs" / "dry_run"),
                    help="where each rank's checkpoint metadata goes (default: runs/dry_run of the repository)")
-    g = p.add_argument_group("predicted step time (each flag defaults to the --gpu preset's figure)")
+    g = p.add_argument_group("predicted step time (each flag defaults to the --gpu preset's)")
     g.add_argument("--gpu", choices=sorted(HARDWARE), default="v100",
-                   help="hardware preset: v100 (the ZeRO paper's DGX-2 nodes, default) or h100 (DGX H100)")
+                   help="hardware preset: v100 (the ZeRO paper's DGX-2 nodes, default) or h100")
     g.add_argument("--peak-tflops", type=float, help="per-GPU dense peak of the run's precision "
                    "(V100: 125 fp16, 15.7 fp32; H100: 989 fp16/bf16)")
-    g.add_argument("--efficiency", type=float, help="fraction of peak a large GEMM reaches (V100 0.42, H100 0.75)")
-    g.add_argument("--hbm-gbps", type=float, help="device memory bandwidth, GB/s (V100 900, H100 3350)")
+    g.add_argument("--efficiency", type=float,
+                   help="fraction of peak a large GEMM reaches (V100 0.42, H100 0.53)")
+    g.add_argument("--hbm-gbps", type=float, help="device memory GB/s (V100 900, H100 3350)")
     g.add_argument("--gpus-per-node", type=int, help="V100 DGX-2 16, H100 DGX 8")
-    g.add_argument("--intra-node-gbps", type=float, help="NVLink/NVSwitch GB/s per GPU per direction (150, 450)")
-    g.add_argument("--inter-node-gbps", type=float, help="InfiniBand GB/s per node (8 x EDR 100, 8 x NDR 400)")
-    g.add_argument("--intra-latency-us", type=float)
-    g.add_argument("--inter-latency-us", type=float)
+    g.add_argument("--intra-node-gbps", type=float,
+                   help="NVLink/NVSwitch GB/s per GPU per direction (150, 450)")
+    g.add_argument("--inter-node-gbps", type=float,
+                   help="InfiniBand GB/s per node (8 x EDR 100, 8 x NDR 400)")
+    g.add_argument("--intra-latency-us", type=float, help="per ring step inside a node (5, 3)")
+    g.add_argument("--inter-latency-us", type=float, help="per ring step across nodes (10, 6)")
     g.add_argument("--pcie-gbps", type=float, help="host <-> device GB/s per GPU (16, 64)")
     g.add_argument("--attention", choices=["unfused", "math", "flash"],
-                   help="attention kernel modelled (V100: unfused, the paper's 2019 stack; H100: flash)")
+                   help="attention kernel modelled (V100: unfused, the 2019 stack; H100: flash)")
     p.epilog = "Any other --section.field value overrides the config, as in scripts/pretrain_gpt.py."
     return p
 
@@ -134,7 +137,8 @@ def model_figures(cfg, mcfg, gpus: int) -> dict | None:
 
 def predict(a, cfg, mcfg, rep) -> dict:
     """The step model on this rank's measured collectives (compute: the last, slowest stage)."""
-    pred = step_model.predict(cfg, mcfg, a.gpus, a.hardware, comm=rep.comm_ops, ranks=rep.group_ranks)
+    pred = step_model.predict(cfg, mcfg, a.gpus, a.hardware, comm=rep.comm_ops,
+                              ranks=rep.group_ranks)
     return pred.as_dict()
 
 
@@ -173,8 +177,8 @@ def print_rank(r: int, e: dict, a) -> None:
     terms += [(f"exposed comm {g}", s) for g, s in sorted(p["exposed_s"].items()) if s > 0]
     terms += [("optimizer", p["optimizer_s"]), ("host copies", p["host_copy_s"])]
     print("    " + "  ".join(f"{name} {seconds(s)}" for name, s in terms))
-    print(f"    compute = GEMMs {seconds(p['gemm_s'])} + attention core {seconds(p['attention_s'])} + "
-          f"element-wise {seconds(p['elementwise_s'])}")
+    print(f"    compute = GEMMs {seconds(p['gemm_s'])} + attention core "
+          f"{seconds(p['attention_s'])} + element-wise {seconds(p['elementwise_s'])}")
 
 
 def seconds(s: float) -> str:

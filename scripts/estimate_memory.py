@@ -190,7 +190,7 @@ def main(argv=None) -> dict:
     p.add_argument("--cpu", action="store_true", help="Pa+cpu: checkpoints in host memory")
     p.add_argument("--config-name", choices=sorted(C_CONFIGS), help="apply C1..C5 (Table 3) to the setup")
     p.add_argument("--gpu", choices=sorted(HARDWARE), default="v100",
-                   help="device whose memory the fit checks use: v100 (32 GB, default) or h100 (80 GB)")
+                   help="device whose memory the fit checks use: v100 (32 GB, default), h100 (80)")
     p.add_argument("--device-gb", type=float, help="device memory in GB (default: the --gpu's)")
     p.add_argument("--c-gpus", type=int, default=400, help="GPUs of the C1-C5 max-model estimate")
     p.add_argument("--c-mp", type=int, default=16, help="MP of the C1-C5 max-model estimate")

@@ -106,4 +106,5 @@ def test_gpu_flag_sets_the_device_memory_of_the_fit_check(capsys):
     v100, h100 = run(capsys, *config)[0], run(capsys, *config, "--gpu", "h100")[0]
     assert 32e9 < v100["breakdown"]["total"] < 80e9
     assert not v100["breakdown"]["fits"] and h100["breakdown"]["fits"]
-    assert run(capsys, *config, "--gpu", "h100", "--device-gb", "32")[0]["breakdown"]["fits"] is False
+    pinned = run(capsys, *config, "--gpu", "h100", "--device-gb", "32")[0]
+    assert pinned["breakdown"]["fits"] is False

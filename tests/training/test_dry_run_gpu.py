@@ -29,7 +29,8 @@ def test_h100_preset_prediction_adds_up(tmp_path, capsys):
     e = dry_run(tmp_path, "--gpu", "h100", "--json", "--training.precision", "bf16")["ranks"]["3"]
     p = e["predicted"]
     assert p["hardware"] == "H100 DGX"
-    terms = p["compute_s"] + p["bubble_s"] + p["exposed_comm_s"] + p["optimizer_s"] + p["host_copy_s"]
+    terms = (p["compute_s"] + p["bubble_s"] + p["exposed_comm_s"] + p["optimizer_s"]
+             + p["host_copy_s"])
     assert p["step_s"] == pytest.approx(terms, rel=1e-12)
     assert p["tflops_per_gpu"] == pytest.approx(p["flops_per_gpu"] / p["step_s"] / 1e12, rel=1e-12)
     assert p["compute_s"] == pytest.approx(p["gemm_s"] + p["attention_s"] + p["elementwise_s"])

@@ -60,7 +60,7 @@ def analytic_comm(cfg, mcfg: GPTConfig) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
     if tp > 1:
         per_layer = 4 + (2 if recompute else 0)
-        ends = 1 + (1 if pp == 1 else 0)  # the head's f in backward; the embedding's g (first stage)
+        ends = 1 + (1 if pp == 1 else 0)  # the head's f backward; the embedding's g (1st stage)
         calls = micro * (layers * per_layer + ends)
         _add(out, "all_reduce/tp", calls, calls * 2 * act)
         _add(out, "all_reduce/tp", 3 * micro, 3 * micro * 2 * tokens * 4)  # cross-entropy, fp32

@@ -100,7 +100,7 @@ H100_DGX = Hardware(
     inter_node_gbps=400.0, intra_latency_us=3.0, inter_latency_us=6.0,
     pcie_gbps=64.0,  # PCIe 5.0 x16: 63 GB/s per direction
     host_memory_gbps=77.0,  # 2 Xeon 8480C sockets x 8 DDR5-4800 channels = 614 GB/s, over 8 GPUs
-    gemm_efficiency=0.53, attention="flash")  # set on Megatron-core's GPT-175B at 96 GPUs (47 % MFU)
+    gemm_efficiency=0.53, attention="flash")  # Megatron-core GPT-175B, 96 GPUs: 47 % MFU
 
 HARDWARE = {"v100": V100_DGX2, "h100": H100_DGX}
 
