@@ -1,12 +1,16 @@
 """The GPUs and nodes the step-time model runs on: datasheet numbers, plus one tuned constant.
 
-Each preset is a node of a real machine. Every figure but ``gemm_efficiency`` is a datasheet
-number (``shared/reference/modern_gpt.md``; the ZeRO paper §10.1-10.2 for the DGX-2):
+Each preset is a node of a real machine. Peak FLOP/s, memory, HBM, NVLink, InfiniBand, PCIe and
+host-memory bandwidths are datasheet numbers (``shared/reference/modern_gpt.md``; the ZeRO paper
+§10.1-10.2 for the DGX-2). Two entries are not: the per-step latencies, assumptions of the order
+of NCCL's small-message latency (they matter only for small messages or very long rings), and
+``gemm_efficiency``, the one tuned constant. ``attention`` names the software stack modelled:
 
 * ``v100``: the ZeRO paper's cluster (§10.1), DGX-2 nodes of 16 V100 SXM3 32 GB on NVSwitch,
-  8 x 100 Gb/s EDR InfiniBand per node (800 Gb/s = 100 GB/s), PCIe 3.0 x16 to the host.
+  8 x 100 Gb/s EDR InfiniBand per node (800 Gb/s = 100 GB/s), PCIe 3.0 x16 to the host; the
+  2019 Megatron-LM attention (unfused), as the paper ran.
 * ``h100``: a DGX H100, 8 H100 SXM 80 GB on NVLink4 (900 GB/s total, 450 per direction),
-  8 x 400 Gb/s NDR InfiniBand per node (400 GB/s), PCIe 5.0 x16 to the host.
+  8 x 400 Gb/s NDR InfiniBand per node (400 GB/s), PCIe 5.0 x16 to the host; flash attention.
 
 **The one tuned constant**, ``gemm_efficiency``: the fraction of the dense peak a large GEMM
 sustains inside a training step. V100: 0.42, so that the model gives Megatron-LM's published

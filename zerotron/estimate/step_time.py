@@ -43,10 +43,10 @@ hidden is capped by ``overlap_window · compute_s``: backward is 2/3 of forward 
 (the default), 3/4 with full recompute, whose extra forward runs inside backward.
 ``default_overlap`` encodes what zerotron does.
 
-**Not modelled:** the pipeline bubble ((p−1)/m of compute for 1F1B), contention between groups
-of different kinds (TP and DP sharing NVSwitch), NCCL tree algorithms, kernels that are not
-GEMMs beyond what ``efficiency`` absorbs, the optimizer step, host-device copies (Pa+cpu,
-offload), and the last gradient bucket that has no backward left to hide behind.
+**Not here:** this module times the collectives; ``estimate.step_model`` builds the whole step
+on it -- compute kernel by kernel (passed as ``compute_s``), the pipeline bubble, the optimizer
+step, host-device copies, the last gradient bucket. Neither models contention between groups
+of different kinds (TP and DP sharing NVSwitch) or NCCL's tree algorithms.
 """
 
 from __future__ import annotations
