@@ -75,6 +75,19 @@ def test_dp_all_reduce_on_a_two_node_ring():
     assert pred.exposed_s["dp"] == pytest.approx(want, rel=1e-12)  # overlap_comm off: none hidden
 
 
+def test_recompute_runs_the_forward_once_more():
+    plain = step_model.predict(run_config(), TINY, 1, V100_DGX2)
+    full = step_model.predict(run_config(recompute=True), TINY, 1, V100_DGX2)
+    cfg = run_config()
+    cfg.activation_checkpointing.recompute_granularity = "selective"
+    selective = step_model.predict(cfg, TINY, 1, V100_DGX2)
+    # forward 1 unit, backward 2: full adds one unit of every layer kernel, selective of attention
+    assert full.attention_s == pytest.approx(plain.attention_s * 4 / 3, rel=1e-12)
+    assert full.elementwise_s > plain.elementwise_s and full.gemm_s > plain.gemm_s
+    assert selective.attention_s == pytest.approx(plain.attention_s * 4 / 3, rel=1e-12)
+    assert (selective.gemm_s, selective.elementwise_s) == (plain.gemm_s, plain.elementwise_s)
+
+
 @pytest.mark.parametrize("pp,micro,virtual", [(2, 4, 1), (4, 8, 1), (4, 8, 2)])
 def test_pipeline_bubble(pp, micro, virtual):
     assert step_model.bubble_fraction(pp, micro) == pytest.approx((pp - 1) / (micro + pp - 1))

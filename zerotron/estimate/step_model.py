@@ -6,7 +6,8 @@ pipeline bubble and host copies, each its own term.
 * **compute** (``estimate.kernels``): per micro-batch and layer, every GEMM by its roofline,
   the attention core by its kernel, element-wise and normalisation kernels by their HBM bytes;
   backward's GEMMs are twice the forward's, its element-wise bytes twice too; full recompute runs
-  the forward once more ([Z] §6.1); the last stage adds the logit GEMM and the cross-entropy.
+  the forward once more ([Z] §6.1), selective recompute the attention core (Korthikanti et al.
+  2022 §5); the last stage adds the logit GEMM and the cross-entropy.
 * **communication** (``estimate.step_time.predict_step``): each collective on its links, as
   measured by a dry run or counted from the config (``estimate.comm_volumes``), hidden behind
   backward where zerotron overlaps it (``default_overlap``) -- except the last gradient bucket,
@@ -16,12 +17,15 @@ pipeline bubble and host copies, each its own term.
   bubble is (p − 1)/(m + p − 1) of the pipelined time (Narayanan et al. 2021 §2.2); with v
   interleaved chunks per rank each slot is 1/v as long.
 * **optimizer**: Adam streams its states over HBM (on the device) or over the host's memory
-  with the gradients and weights crossing PCIe (ZeRO-Offload).
+  with the gradients and weights crossing PCIe (ZeRO-Offload; ZeRO-Infinity's NVMe tier is
+  timed as host memory, its disk bandwidth not modelled).
 * **host copies**: Pa+cpu moves each layer's checkpoint to the host in forward and back before
   its recompute ([Z] §6.1), over PCIe, not overlapped.
 
 What it still leaves out: contention between TP and DP on the same NVSwitch, NCCL's tree
-algorithms, kernel launch gaps, and the memory allocator's stalls near a full device.
+algorithms, kernel launch gaps, the memory allocator's stalls near a full device, stage 3's
+parameters fetched from host memory (``zero.offload_param_device``) and ZeRO++'s quantization
+kernels (their collectives are timed when a dry run measured them).
 """
 
 from __future__ import annotations
@@ -67,16 +71,6 @@ class StepBreakdown:
     def as_dict(self) -> dict:
         return asdict(self)
 
-    def rows(self) -> list[tuple[str, float]]:
-        """The terms that add up to the step, largest story first."""
-        out = [("compute", self.compute_s), ("  GEMMs", self.gemm_s),
-               ("  attention core", self.attention_s), ("  element-wise", self.elementwise_s),
-               ("pipeline bubble", self.bubble_s)]
-        out += [(f"exposed comm {g}", s) for g, s in sorted(self.exposed_s.items()) if s > 0]
-        out += [("optimizer", self.optimizer_s), ("host copies", self.host_copy_s),
-                ("step", self.step_s)]
-        return out
-
 
 def micro_batch_compute(cfg, mcfg: GPTConfig, hw: Hardware) -> dict[str, float]:
     """Seconds of one micro-batch's forward + backward (+ recompute) on the last stage's rank."""
@@ -85,7 +79,9 @@ def micro_batch_compute(cfg, mcfg: GPTConfig, hw: Hardware) -> dict[str, float]:
     hbm, elem = hw.hbm_gbps * 1e9, DTYPE_BYTES[cfg.training.precision]
     b, s = cfg.training.micro_batch_size, mcfg.seq_length
     tokens, layers = b * s, math.ceil(mcfg.num_layers / pp)
-    forwards = 2 if cfg.activation_checkpointing.checkpoint_activations else 1
+    ac = cfg.activation_checkpointing
+    forwards = 2 if ac.checkpoint_activations else 1
+    core_again = 1 if ac.recompute_granularity == "selective" else 0  # attention core, once more
 
     def roof(g):
         return kernels.gemm_seconds(g, peak, eff, hbm, elem)
@@ -93,7 +89,7 @@ def micro_batch_compute(cfg, mcfg: GPTConfig, hw: Hardware) -> dict[str, float]:
     fwd = kernels.layer_gemms(mcfg, tokens, tp)
     gemm = sum(roof(g) for g in fwd) * forwards + sum(roof(x) for g in fwd for x in g.backward())
     attn = kernels.attention_core_seconds(mcfg, b, s, tp, hw.attention, peak, eff, hbm, elem)
-    attention = attn * (forwards + 2)  # backward: two GEMMs per forward GEMM, twice the streams
+    attention = attn * (forwards + core_again + 2)  # backward: 2 GEMMs per GEMM, twice the streams
     sp = cfg.parallel.sequence_parallel
     moved = kernels.layer_elementwise_elements(mcfg, tokens, tp, sp) * elem
     moved += kernels.dropout_mask_bytes(mcfg, tokens // tp if sp else tokens)
@@ -171,7 +167,9 @@ def predict(cfg, mcfg: GPTConfig, world_size: int, hw: Hardware, comm: dict | No
     step = compute + bubble + comm_part.exposed_comm_s + optimizer + host
     t = cfg.training
     batch, seq = t.global_batch_size, mcfg.seq_length
-    flops = flops_per_iteration(mcfg, batch, seq, recompute=recompute, tp=par.tp) / world_size
+    selective = cfg.activation_checkpointing.recompute_granularity == "selective"
+    flops = flops_per_iteration(mcfg, batch, seq, recompute=recompute, tp=par.tp,
+                                selective=selective) / world_size
     model_flops = flops_per_iteration(mcfg, batch, seq, tp=par.tp) / world_size
     peak = hw.peak(t.precision)
     return StepBreakdown(
