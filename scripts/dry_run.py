@@ -11,8 +11,11 @@ checkpoint shard and writes the shard's metadata (no tensor data) under ``--out`
 prints the peak of live device memory by category and phase (construction included), the
 collectives per step per group, host synchronisations per step, whether it fits ``--device-gb``,
 the memory model's figure for the same setup (``scripts/estimate_memory.py``) and a predicted
-step time (``zerotron.estimate.step_time``; link and GPU flags default to the paper's V100
-DGX-2 cluster). Nothing here needs a GPU; ``--device cuda`` (default) computes on a fake GPU.
+step time split into compute, pipeline bubble, exposed communication per group, optimizer and
+host copies (``zerotron.estimate.step_model``, on the rank's measured collectives; ``--gpu``
+picks the hardware preset, v100 -- the paper's DGX-2 cluster -- by default, and the other flags
+of that group override its figures). Nothing here needs a GPU; ``--device cuda`` (default)
+computes on a fake GPU.
 Exit 2 on bad input, before any work.
 """
 
@@ -29,8 +32,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from zerotron.estimate import memory_model, step_time  # noqa: E402
-from zerotron.model.flops import PEAK_TFLOPS, flops_per_iteration  # noqa: E402
+from zerotron.estimate import memory_model, step_model  # noqa: E402
+from zerotron.estimate.hardware import HARDWARE, Hardware  # noqa: E402
 from zerotron.parallel import fake_cuda, simulation  # noqa: E402
 from zerotron.parallel.runtime import keep_compiler_cache_in  # noqa: E402
 from zerotron.training.cli import parse_config  # noqa: E402
@@ -49,19 +52,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ranks", type=int, nargs="+", help="global ranks to simulate (default: first and last)")
     p.add_argument("--steps", type=int, default=1, help="training steps per rank (default 1)")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="fake device kind (default cuda)")
-    p.add_argument("--device-gb", type=float, default=32.0, help="device memory a rank must fit (V100: 32)")
+    p.add_argument("--device-gb", type=float,
+                   help="device memory a rank must fit (default: the --gpu's, V100 32, H100 80)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.add_argument("--out", default=str(ROOT / "runs" / "dry_run"),
                    help="where each rank's checkpoint metadata goes (default: runs/dry_run of the repository)")
-    g = p.add_argument_group("predicted step time (defaults: V100 DGX-2 nodes, ZeRO paper §10.1)")
-    g.add_argument("--peak-tflops", type=float, help="per-GPU peak of the run's precision (default: a V100's, "
-                   "125 for fp16/bf16 tensor cores, 15.7 for fp32)")
-    g.add_argument("--efficiency", type=float, default=0.5, help="fraction of peak the GEMMs reach")
-    g.add_argument("--gpus-per-node", type=int, default=16)
-    g.add_argument("--intra-node-gbps", type=float, default=150.0, help="NVSwitch GB/s per GPU per direction")
-    g.add_argument("--inter-node-gbps", type=float, default=100.0, help="InfiniBand GB/s per node (8 x EDR)")
-    g.add_argument("--intra-latency-us", type=float, default=5.0)
-    g.add_argument("--inter-latency-us", type=float, default=10.0)
+    g = p.add_argument_group("predicted step time (each flag defaults to the --gpu preset's)")
+    g.add_argument("--gpu", choices=sorted(HARDWARE), default="v100",
+                   help="hardware preset: v100 (the ZeRO paper's DGX-2 nodes, default) or h100")
+    g.add_argument("--peak-tflops", type=float, help="per-GPU dense peak of the run's precision "
+                   "(V100: 125 fp16, 15.7 fp32; H100: 989 fp16/bf16)")
+    g.add_argument("--efficiency", type=float,
+                   help="fraction of peak a large GEMM reaches (V100 0.42, H100 0.53)")
+    g.add_argument("--hbm-gbps", type=float, help="device memory GB/s (V100 900, H100 3350)")
+    g.add_argument("--gpus-per-node", type=int, help="V100 DGX-2 16, H100 DGX 8")
+    g.add_argument("--intra-node-gbps", type=float,
+                   help="NVLink/NVSwitch GB/s per GPU per direction (150, 450)")
+    g.add_argument("--inter-node-gbps", type=float,
+                   help="InfiniBand GB/s per node (8 x EDR 100, 8 x NDR 400)")
+    g.add_argument("--intra-latency-us", type=float, help="per ring step inside a node (5, 3)")
+    g.add_argument("--inter-latency-us", type=float, help="per ring step across nodes (10, 6)")
+    g.add_argument("--pcie-gbps", type=float, help="host <-> device GB/s per GPU (16, 64)")
+    g.add_argument("--attention", choices=["unfused", "math", "flash"],
+                   help="attention kernel modelled (V100: unfused, the 2019 stack; H100: flash)")
     p.epilog = "Any other --section.field value overrides the config, as in scripts/pretrain_gpt.py."
     return p
 
@@ -78,26 +91,35 @@ def load(a, overrides: list[str]):
         raise ConfigError(f"--ranks {bad}: a rank of a {a.gpus}-GPU world is in [0, {a.gpus - 1}]")
     if a.steps < 1:
         raise ConfigError(f"--steps {a.steps}: simulate at least 1 step")
-    if a.peak_tflops is None:
-        # the paper's V100s: fp16 tensor cores for a 16-bit run (Volta has no bf16), CUDA cores in fp32
-        a.peak_tflops = PEAK_TFLOPS["V100"]["float32" if cfg.training.precision == "fp32" else "float16"]
-    for flag, value in (("--peak-tflops", a.peak_tflops), ("--device-gb", a.device_gb)):
-        if not value > 0:
-            raise ConfigError(f"{flag} {value}: must be > 0")
-    if not 0 < a.efficiency <= 1:
-        raise ConfigError(f"--efficiency {a.efficiency}: a fraction of peak in (0, 1], e.g. 0.5")
+    for flag in ("peak_tflops", "device_gb", "efficiency"):
+        value = getattr(a, flag)
+        if value is not None and not value > 0:
+            raise ConfigError(f"--{flag.replace('_', '-')} {value}: must be > 0")
+    if a.efficiency is not None and not a.efficiency <= 1:
+        raise ConfigError(f"--efficiency {a.efficiency}: a fraction of peak in (0, 1], e.g. 0.42")
     try:
-        link(a)
-    except ValueError as e:  # LinkModel names its field; the user wrote the flag
-        field = str(e).split("=")[0].removeprefix("LinkModel.")
-        raise ConfigError(f"--{field.replace('_', '-')}: {e}") from None
+        a.hardware = hardware(a, cfg.training.precision)
+        a.hardware.link()
+        a.hardware.peak(cfg.training.precision)
+    except ValueError as e:  # Hardware/LinkModel name their field; the user wrote the flag
+        field = str(e).split("=")[0].removeprefix("LinkModel.").removeprefix("Hardware.")
+        flag = "--efficiency" if field == "gemm_efficiency" else f"--{field.replace('_', '-')}"
+        raise ConfigError(f"{flag}: {e}" if field.isidentifier() else str(e)) from None
+    if a.device_gb is None:
+        a.device_gb = a.hardware.memory_gb
     return cfg, validate_model(cfg), ranks
 
 
-def link(a) -> step_time.LinkModel:
-    return step_time.LinkModel(gpus_per_node=a.gpus_per_node, intra_node_gbps=a.intra_node_gbps,
-                               inter_node_gbps=a.inter_node_gbps, intra_latency_us=a.intra_latency_us,
-                               inter_latency_us=a.inter_latency_us)
+def hardware(a, precision: str) -> Hardware:
+    """The ``--gpu`` preset with the flags given replacing its figures."""
+    hw = HARDWARE[a.gpu]
+    dtype = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}.get(precision, precision)
+    peak = None if a.peak_tflops is None else {**hw.peak_tflops, dtype: a.peak_tflops}
+    return hw.with_overrides(peak_tflops=peak, gemm_efficiency=a.efficiency, hbm_gbps=a.hbm_gbps,
+                             gpus_per_node=a.gpus_per_node, intra_node_gbps=a.intra_node_gbps,
+                             inter_node_gbps=a.inter_node_gbps, intra_latency_us=a.intra_latency_us,
+                             inter_latency_us=a.inter_latency_us, pcie_gbps=a.pcie_gbps,
+                             attention=a.attention)
 
 
 def model_figures(cfg, mcfg, gpus: int) -> dict | None:
@@ -114,15 +136,9 @@ def model_figures(cfg, mcfg, gpus: int) -> dict | None:
 
 
 def predict(a, cfg, mcfg, rep) -> dict:
-    t = cfg.training
-    recompute = cfg.activation_checkpointing.checkpoint_activations
-    flops = flops_per_iteration(mcfg, t.global_batch_size, mcfg.seq_length, recompute=recompute,
-                                tp=cfg.parallel.tp) / a.gpus
-    overlap = step_time.default_overlap(cfg.zero.overlap_comm, cfg.zero.stage,
-                                        microbatches=cfg.num_microbatches, pipeline=cfg.parallel.pp > 1)
-    pred = step_time.predict_step(flops, rep.comm_ops, rep.group_ranks, link=link(a), peak_tflops=a.peak_tflops,
-                                  efficiency=a.efficiency, overlap=overlap,
-                                  overlap_window=0.75 if recompute else 2 / 3)
+    """The step model on this rank's measured collectives (compute: the last, slowest stage)."""
+    pred = step_model.predict(cfg, mcfg, a.gpus, a.hardware, comm=rep.comm_ops,
+                              ranks=rep.group_ranks)
     return pred.as_dict()
 
 
@@ -154,9 +170,21 @@ def print_rank(r: int, e: dict, a) -> None:
     print(f"  host syncs per step {e['host_syncs_per_step']:g} ({reasons}); "
           f"host tensors {e['host_tensor_bytes_per_step'] / GB:.2f} GB/step")
     p = e["predicted"]
-    print(f"  predicted step {p['step_s']:.2f} s = compute {p['compute_s']:.2f} s + exposed comm "
-          f"{p['exposed_comm_s']:.2f} s -> {p['tflops_per_gpu']:.1f} TFLOPs/GPU "
-          f"(peak {a.peak_tflops:g} x efficiency {a.efficiency:g})")
+    print(f"  predicted step {seconds(p['step_s'])} -> {p['tflops_per_gpu']:.1f} TFLOPs/GPU, MFU "
+          f"{p['mfu']:.1%} on {p['hardware']} (GEMMs at {a.hardware.gemm_efficiency:g} of peak, "
+          f"{a.hardware.attention} attention):")
+    terms = [("compute", p["compute_s"]), ("pipeline bubble", p["bubble_s"])]
+    terms += [(f"exposed comm {g}", s) for g, s in sorted(p["exposed_s"].items()) if s > 0]
+    terms += [("optimizer", p["optimizer_s"]), ("host copies", p["host_copy_s"])]
+    print("    " + "  ".join(f"{name} {seconds(s)}" for name, s in terms))
+    print(f"    compute = GEMMs {seconds(p['gemm_s'])} + attention core "
+          f"{seconds(p['attention_s'])} + element-wise {seconds(p['elementwise_s'])}")
+
+
+def seconds(s: float) -> str:
+    if s == 0:
+        return "0 s"
+    return f"{s:.2f} s" if s >= 0.1 else f"{s * 1e3:.2f} ms" if s >= 1e-4 else f"{s * 1e6:.1f} µs"
 
 
 def on_fake_cuda(argv) -> None:

@@ -9,8 +9,9 @@
 Prints the ZeRO paper's Table 1 (model states per device for 7.5B, 128B and 1T at Nd 1…1024)
 and Table 2 (theoretical largest model per MP degree, 32 GB, 64-way DP) exactly as the paper
 prints them, a per-term breakdown of any preset, run config or custom shape, and the largest
-GPT each ZeRO configuration C1–C5 (Table 3) fits on ``--device-gb`` GPUs. ``--json`` writes
-one JSON object instead, for machines.
+GPT each ZeRO configuration C1–C5 (Table 3) fits on ``--device-gb`` GPUs (by default the memory
+of ``--gpu``'s preset: v100 32 GB, the paper's; h100 80 GB). ``--json`` writes one JSON object
+instead, for machines.
 
 A breakdown needs the world size: ``--gpus``, or with ``--config`` the config's own when it fixes
 ``parallel.dp`` (world = tp x pp x dp). There is no default, because every per-rank term but the
@@ -25,6 +26,7 @@ import dataclasses
 import json
 
 from zerotron.model import GPTConfig, get_preset
+from zerotron.estimate.hardware import HARDWARE
 from zerotron.estimate.memory_model import C_CONFIGS, Setup, estimate, max_model, setup_from_run_config
 from zerotron.estimate.paper_tables import c_config_max_models, table1, table1_text, table2, table2_text
 
@@ -75,6 +77,8 @@ def check_args(a) -> list[int]:
         value = getattr(a, flag)
         if value is not None and value < 1:
             raise UsageError(f"--{flag.replace('_', '-')} {value}: must be a positive integer")
+    if a.device_gb is None:
+        a.device_gb = HARDWARE[a.gpu].memory_gb
     if not 0 < a.device_gb < float("inf"):
         raise UsageError(f"--device-gb {a.device_gb}: must be a finite size > 0 (a V100 has 32)")
     if a.c_gpus % a.c_mp:
@@ -185,7 +189,9 @@ def main(argv=None) -> dict:
     p.add_argument("--pa", action="store_true", help="Pa: partition activation checkpoints over MP")
     p.add_argument("--cpu", action="store_true", help="Pa+cpu: checkpoints in host memory")
     p.add_argument("--config-name", choices=sorted(C_CONFIGS), help="apply C1..C5 (Table 3) to the setup")
-    p.add_argument("--device-gb", type=float, default=32.0, help="device memory (V100 32 GB)")
+    p.add_argument("--gpu", choices=sorted(HARDWARE), default="v100",
+                   help="device whose memory the fit checks use: v100 (32 GB, default), h100 (80)")
+    p.add_argument("--device-gb", type=float, help="device memory in GB (default: the --gpu's)")
     p.add_argument("--c-gpus", type=int, default=400, help="GPUs of the C1-C5 max-model estimate")
     p.add_argument("--c-mp", type=int, default=16, help="MP of the C1-C5 max-model estimate")
     p.add_argument("--c-batches", default="4,8,16", help="micro-batches of the C1-C5 estimate")

@@ -44,6 +44,8 @@ BAD_FLAGS = [  # script under scripts/, argv, what the message must name
     ("bench/zero.py", ["--hidden", "200"], "--hidden=200 is not divisible by --heads=3"),
     ("bench/dry_run_sweep.py", ["--jobs", "0", "--out", "{tmp}"], "argument --jobs: 0 is not a positive integer"),
     ("bench/dry_run_sweep.py", ["--only", "nosuch", "--out", "{tmp}"], "--only 'nosuch' matches no setup; give table"),
+    ("bench/step_time_table.py", ["--dry-run", "nosuch", "--out", "{tmp}"],
+     "--dry-run ['nosuch']: not a setup"),
     ("bench/preprocess.py", ["--size-mb", "0", "--out", "{tmp}"], "argument --size-mb: 0 is not a finite number > 0"),
     ("bench/preprocess.py", ["--workers", "0", "--out", "{tmp}"], "argument --workers: 0 is not a positive integer"),
     ("checks/smoke_grid.py", ["--tp", "0"], "argument --tp: 0 is not a positive integer"),

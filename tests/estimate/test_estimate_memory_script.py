@@ -98,3 +98,13 @@ def test_a_request_it_cannot_answer_as_given_exits_2(capsys, argv, needle):
     with pytest.raises(SystemExit) as exit_:
         estimate_memory.main(argv)
     assert exit_.value.code == 2 and needle in capsys.readouterr().err
+
+
+def test_gpu_flag_sets_the_device_memory_of_the_fit_check(capsys):
+    """zero-170b needs ~35 GB a rank: over a V100's 32 (the default), within an H100's 80."""
+    config = ["--config", "configs/zero100b/table5/zero-170b.yaml", "--gpus", "400", "--json"]
+    v100, h100 = run(capsys, *config)[0], run(capsys, *config, "--gpu", "h100")[0]
+    assert 32e9 < v100["breakdown"]["total"] < 80e9
+    assert not v100["breakdown"]["fits"] and h100["breakdown"]["fits"]
+    pinned = run(capsys, *config, "--gpu", "h100", "--device-gb", "32")[0]
+    assert pinned["breakdown"]["fits"] is False

@@ -43,10 +43,10 @@ hidden is capped by ``overlap_window · compute_s``: backward is 2/3 of forward 
 (the default), 3/4 with full recompute, whose extra forward runs inside backward.
 ``default_overlap`` encodes what zerotron does.
 
-**Not modelled:** the pipeline bubble ((p−1)/m of compute for 1F1B), contention between groups
-of different kinds (TP and DP sharing NVSwitch), NCCL tree algorithms, kernels that are not
-GEMMs beyond what ``efficiency`` absorbs, the optimizer step, host-device copies (Pa+cpu,
-offload), and the last gradient bucket that has no backward left to hide behind.
+**Not here:** this module times the collectives; ``estimate.step_model`` builds the whole step
+on it -- compute kernel by kernel (passed as ``compute_s``), the pipeline bubble, the optimizer
+step, host-device copies, the last gradient bucket. Neither models contention between groups
+of different kinds (TP and DP sharing NVSwitch) or NCCL's tree algorithms.
 """
 
 from __future__ import annotations
@@ -248,7 +248,8 @@ def _split_key(key: str) -> tuple[str | None, str]:
 def predict_step(flops_per_gpu: float, comm: dict[str, dict[str, int]], group_ranks: dict[str, list[int]],
                  link: LinkModel = LinkModel(), peak_tflops: float = V100_PEAK_TFLOPS,
                  efficiency: float = DEFAULT_EFFICIENCY, overlap: dict[str, float] | None = None,
-                 overlap_window: float = BACKWARD_SHARE, concurrent: dict[str, int] | None = None) -> StepTime:
+                 overlap_window: float = BACKWARD_SHARE, concurrent: dict[str, int] | None = None,
+                 compute_s: float | None = None) -> StepTime:
     """Predict one step of one rank from its FLOPs and its recorded collectives.
 
     ``comm``: ``{"group" or "op/group": {"calls", "bytes"}}``; ``group_ranks``: this rank's
@@ -258,7 +259,9 @@ def predict_step(flops_per_gpu: float, comm: dict[str, dict[str, int]], group_ra
     leaves out). Megatron-LM's whole-step 39 TF on one V100 (30% of peak, h = 1536) is the low
     end; calibrate it to a measured single-GPU step where one exists. ``overlap`` (default
     nothing hidden; see ``default_overlap``) and ``overlap_window`` as in the module docstring;
-    ``concurrent`` overrides, per group, how many GPUs of a node share its NICs.
+    ``concurrent`` overrides, per group, how many GPUs of a node share its NICs. ``compute_s``,
+    when given, replaces the FLOPs-over-peak compute time (``estimate.step_model`` times each
+    kernel by its own roofline and passes the sum).
     """
     if flops_per_gpu < 0 or peak_tflops <= 0 or not 0 < efficiency <= 1:
         raise ValueError(f"predict_step: flops_per_gpu={flops_per_gpu} must be >= 0, peak_tflops={peak_tflops} "
@@ -266,7 +269,8 @@ def predict_step(flops_per_gpu: float, comm: dict[str, dict[str, int]], group_ra
     if overlap_window < 0:
         raise ValueError(f"predict_step: overlap_window={overlap_window} must be >= 0")
     overlap, concurrent = overlap or {}, concurrent or {}
-    compute_s = flops_per_gpu / (peak_tflops * 1e12 * efficiency)
+    if compute_s is None:
+        compute_s = flops_per_gpu / (peak_tflops * 1e12 * efficiency)
 
     by_group: dict[str, dict[str, dict[str, float]]] = defaultdict(dict)
     for key, count in comm.items():

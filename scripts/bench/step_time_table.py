@@ -1,0 +1,196 @@
+"""The step-time model against published numbers: ZeRO Tables 5, 6 and 10, Megatron-core on H100.
+
+    python scripts/bench/step_time_table.py                          # runs/step_time/step_time.md
+    python scripts/bench/step_time_table.py --out docs/step_time.md  # the page the docs show
+    python scripts/bench/step_time_table.py --dry-run table6/zero-60b-64gpus table10/zero-1.5b
+
+Every config in ``configs/zero100b/{table5,table6,table10}`` at the GPU count of its header is
+predicted on the V100 DGX-2 preset from the config alone (``estimate.step_model``, collectives
+counted by ``estimate.comm_volumes``: no dry run, a second for all 33), against the paper's
+TFLOPs/GPU (the header's Figure 2-4 reading). Megatron-core's published H100 MFU for GPT-175B
+is predicted on the H100 preset for the layout in ``MEGATRON_H100``. ``--dry-run`` also runs
+``scripts/dry_run.py`` on the named configs (30-60 s each) and sets the prediction on their
+measured collectives beside the counted one. Exit 2 on a bad flag, before writing anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from zerotron.estimate import step_model  # noqa: E402
+from zerotron.estimate.hardware import H100_DGX, V100_DGX2  # noqa: E402
+from zerotron.model.config import GPTConfig  # noqa: E402
+from zerotron.training.cli import parse_config  # noqa: E402
+from zerotron.training.config import RunConfig  # noqa: E402
+from zerotron.training.setup_run import validate_model  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "scripts" / "bench"))
+from step_time_notes import INTRO, MEGATRON_NOTE, NOTES, TOLERANCE  # noqa: E402
+
+CONFIGS = ROOT / "configs" / "zero100b"
+GPT_175B = GPTConfig(num_layers=96, hidden_size=12288, num_heads=96, vocab_size=50257,
+                     seq_length=2048, dropout=0.0, attention_dropout=0.0, name="gpt-175b")
+# Megatron-core README: GPT-175B strong scaling, 96 -> 4,608 H100s, 47 % -> 42 % MFU. The layout
+# is not in our reference; assumed: TP 4 x PP 8, 6 interleaved chunks of 2 layers per rank,
+# micro-batch 1, global batch 1152, sequence parallel, distributed optimizer (stage 1) with
+# its gradient reduce-scatter and parameter all-gather overlapped, no recompute, bf16
+MEGATRON_H100 = [(96, 0.47), (4608, 0.42)]
+MEGATRON_OVERLAP = {"reduce_scatter/dp": 1.0, "all_gather/dp": 1.0}
+
+
+def megatron_config(gpus: int) -> RunConfig:
+    cfg = RunConfig()
+    par = cfg.parallel
+    par.tp, par.pp, par.virtual_stages, par.sequence_parallel = 4, 8, 6, True
+    par.dp = gpus // (par.tp * par.pp)
+    cfg.training.micro_batch_size, cfg.training.global_batch_size = 1, 1152
+    cfg.training.precision = "bf16"
+    cfg.zero.stage, cfg.zero.overlap_comm = 1, True
+    return cfg
+
+
+def setups() -> dict[str, Path]:
+    """Every ZeRO-100B table config by name (table5/zero-100b ...), in table order."""
+    return {f"{folder}/{path.stem}": path for folder in ("table5", "table6", "table10")
+            for path in sorted((CONFIGS / folder).glob("*.yaml"))}
+
+
+def paper_rows() -> list[dict]:
+    out = []
+    for name, path in setups().items():
+        folder = name.split("/")[0]
+        text = path.read_text()
+        gpus = int(re.search(r"^# GPUs: (\d+)", text, re.M).group(1))
+        paper = float(re.search(r"~([\d.]+) TFLOPs/GPU", text).group(1))
+        cfg = parse_config(["--config", str(path)], world_size=gpus)
+        cfg.validate(gpus)
+        pred = step_model.predict(cfg, validate_model(cfg), gpus, V100_DGX2)
+        out.append({"name": name, "table": folder, "config": str(path.relative_to(ROOT)),
+                    "gpus": gpus, "tp": cfg.parallel.tp, "batch": cfg.training.micro_batch_size,
+                    "paper": paper, "predicted": pred.tflops_per_gpu, "pred": pred.as_dict()})
+    return out
+
+
+def megatron_rows() -> list[dict]:
+    out = []
+    for gpus, mfu in MEGATRON_H100:
+        pred = step_model.predict(megatron_config(gpus), GPT_175B, gpus, H100_DGX,
+                                  overlap=MEGATRON_OVERLAP)
+        out.append({"name": f"megatron/gpt-175b-{gpus}gpus", "table": "megatron", "gpus": gpus,
+                    "tp": 4, "batch": 1, "paper": mfu * 100, "predicted": pred.mfu * 100,
+                    "pred": pred.as_dict()})
+    return out
+
+
+def pairs(rows: list[dict], gap: float = 0.0) -> tuple[int, list[tuple[str, str]]]:
+    """Pairs whose published values differ by more than ``gap`` (relative), and those of them the
+    model orders the other way."""
+    count, bad = 0, []
+    for i, a in enumerate(rows):
+        for b in rows[i + 1:]:
+            if abs(a["paper"] - b["paper"]) <= gap * max(a["paper"], b["paper"]):  # unreadable
+                continue
+            count += 1
+            if (a["paper"] - b["paper"]) * (a["predicted"] - b["predicted"]) < 0:
+                bad.append((a["name"].split("/")[1], b["name"].split("/")[1]))
+    return count, bad
+
+
+def ranking(rows: list[dict]) -> str:
+    every, bad = pairs(rows)
+    clear, bad_clear = pairs(rows, 0.10)
+    listed = ", ".join(f"{x} / {y}" for x, y in bad_clear)
+    return (f"Ranking: {every - len(bad)} of {every} pairs ordered as published; of the {clear} "
+            f"pairs more than 10 % apart, {clear - len(bad_clear)}"
+            + (f" (reversed: {listed})." if bad_clear else "."))
+
+
+def term_summary(p: dict) -> str:
+    exposed = sorted(((s, g) for g, s in p["exposed_s"].items() if s > 0.005), reverse=True)
+    parts = [f"compute {p['compute_s']:.2f}"] + [f"{g} {s:.2f}" for s, g in exposed[:2]]
+    parts += [f"{k} {p[k + '_s']:.2f}" for k in ("bubble", "optimizer", "host_copy")
+              if p[k + "_s"] > 0.005]
+    return ", ".join(parts)
+
+
+def table(rows: list[dict], unit: str, tolerance: float) -> str:
+    head = ["setup", "GPUs", "MP", "batch", f"published {unit}", f"predicted {unit}", "ratio",
+            f"within {tolerance:.0%}", "step s", "terms (s)", "why off"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        ratio = r["predicted"] / r["paper"]
+        ok = abs(ratio - 1) <= tolerance
+        note = NOTES.get(r["name"], "" if ok else "not explained")
+        lines.append(f"| {r['name']} | {r['gpus']} | {r['tp']} | {r['batch']} | "
+                     f"{r['paper']:.1f} | {r['predicted']:.1f} | {ratio:.2f} | "
+                     f"{'yes' if ok else '**no**'} | {r['pred']['step_s']:.2f} | "
+                     f"{term_summary(r['pred'])} | {note} |")
+    return "\n".join(lines)
+
+
+def dry_run_check(names: list[str], rows: list[dict]) -> str:
+    """The prediction on a dry run's measured collectives beside the counted one."""
+    sys.path.insert(0, str(ROOT / "scripts" / "bench"))
+    from dry_run_sweep import dry_run_env
+
+    env, lines = dry_run_env(), ["| setup | counted TFLOPs/GPU | on the dry run's collectives |",
+                                 "|---|---|---|"]
+    for name in names:
+        r = next(x for x in rows if x["name"] == name)
+        cmd = [sys.executable, str(ROOT / "scripts" / "dry_run.py"), "--config", r["config"],
+               "--gpus", str(r["gpus"]), "--ranks", str(r["gpus"] - 1), "--json",
+               "--out", str(ROOT / "runs" / "step_time" / "dry_run")]
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
+        if proc.returncode != 0:
+            raise SystemExit(f"step_time_table: dry run of {name} failed: {proc.stderr[-500:]}")
+        measured = next(iter(json.loads(proc.stdout)["ranks"].values()))["predicted"]
+        lines.append(f"| {name} | {r['predicted']:.2f} | {measured['tflops_per_gpu']:.2f} |")
+        print(lines[-1], flush=True)
+    return "\n".join(lines)
+
+
+def main(argv=None) -> str:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="runs/step_time/step_time.md",
+                   help="the markdown page, under the repository root unless absolute")
+    p.add_argument("--dry-run", nargs="*", default=[], metavar="SETUP",
+                   help="also dry-run these setups (table6/zero-60b-64gpus ...) and compare")
+    a = p.parse_args(argv)
+    unknown = [n for n in a.dry_run if n not in setups()]
+    if unknown:
+        p.error(f"--dry-run {unknown}: not a setup; give names such as table5/zero-100b")
+    rows = paper_rows()
+    mega = megatron_rows()
+    parts = [INTRO]
+    for folder, title in (("table5", "ZeRO Table 5 (Figure 2): ZeRO vs Megatron-LM, V100 DGX-2"),
+                          ("table6", "ZeRO Table 6 (Figure 3): 60B on 64-400 GPUs"),
+                          ("table10", "ZeRO Table 10 (Figure 4): DP only")):
+        sub = [r for r in rows if r["table"] == folder]
+        within = sum(abs(r["predicted"] / r["paper"] - 1) <= TOLERANCE for r in sub)
+        parts += [f"## {title}", "", table(sub, "TFLOPs/GPU", TOLERANCE), "",
+                  f"{within} of {len(sub)} rows within {TOLERANCE:.0%}. {ranking(sub)}", ""]
+    parts += ["## Megatron-core on H100 (README): GPT-175B strong scaling", "", MEGATRON_NOTE, "",
+              table(mega, "MFU %", 0.20), ""]
+    if a.dry_run:
+        parts += ["## Counted against measured collectives", "",
+                  "The same prediction on the collectives a dry run of the last rank records "
+                  f"(`--dry-run {' '.join(a.dry_run)}`):", "", dry_run_check(a.dry_run, rows), ""]
+    text = "\n".join(parts)
+    out = Path(a.out) if Path(a.out).is_absolute() else ROOT / a.out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    print(text)
+    print(f"\nwritten: {out}", file=sys.stderr)
+    return text
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,26 @@
+"""docs/step_time.md shows what the step model predicts now: every row's predicted figure is the
+one ``scripts/bench/step_time_table.py`` computes from the configs (regenerate the page with the
+command it names after changing the model or a preset)."""
+
+import importlib.util
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_every_row_of_the_page_is_the_model_now():
+    spec = importlib.util.spec_from_file_location(
+        "step_time_table", ROOT / "scripts" / "bench" / "step_time_table.py")
+    table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table)
+    rows = {r["name"]: r for r in table.paper_rows() + table.megatron_rows()}
+    page = (ROOT / "docs" / "step_time.md").read_text()
+    # name | GPUs | MP | batch | published | predicted
+    row = re.compile(r"^\| ((?:table\d+|megatron)/[\w.-]+) \| \d+ \| \d+ \| \d+ \| "
+                     r"([\d.]+) \| ([\d.]+) \|", re.M)
+    shown = {m[0]: (float(m[1]), float(m[2])) for m in row.findall(page)}
+    assert set(shown) == set(rows)  # every config and Megatron row, no other
+    for name, (published, predicted) in shown.items():
+        assert published == round(rows[name]["paper"], 1), name
+        assert predicted == round(rows[name]["predicted"], 1), (name, rows[name]["predicted"])

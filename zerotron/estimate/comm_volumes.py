@@ -1,0 +1,90 @@
+"""The collectives one rank of a run issues per step, counted from its config (no dry run).
+
+The same ``{"op/group": {"calls", "bytes"}}`` a dry run measures (``parallel.comm_stats``: an
+all-reduce of Ψ bytes counts 2Ψ, a reduce-scatter or all-gather Ψ, a send what it moves), so
+``step_time.predict_step`` times either. Volumes follow the paper: Megatron-LM's TP all-reduces,
+2 per layer in forward and 2 in backward, 2 more with recompute ([Z] §8, [M] §3); Pa's one
+all-gather per layer before recompute ([Z] §8); ZeRO-DP's Ψ reduce-scatter plus Ψ all-gather at
+stages 1-2, 2Ψ all-reduce at stage 0, plus the forward and backward gathers at stage 3 ([Z]
+§7.2). ``tests/estimate/test_step_model.py`` holds these against a dry run of the same config.
+"""
+
+from __future__ import annotations
+
+import math
+
+from zerotron.model.config import GPTConfig
+
+DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
+
+
+def group_ranks(tp: int, pp: int, dp: int) -> dict[str, list[int]]:
+    """Rank 0's groups: TP innermost, then DP, then PP (rank = t + tp·(d + dp·p))."""
+    return {"tp": list(range(tp)), "dp": [tp * d for d in range(dp)],
+            "pp": [tp * dp * p for p in range(pp)], "embedding": [0, tp * dp * (pp - 1)],
+            "world": list(range(tp * dp * pp))}
+
+
+def rank_params(mcfg: GPTConfig, tp: int, pp: int) -> int:
+    """Parameters a rank of the last stage holds (the largest stage with the first).
+
+    Per block, the GEMM weights and the QKV and fc1 biases split over TP; both LayerNorms and
+    the two row-parallel biases (6h) are whole on every rank. The vocab-parallel embedding
+    (tied: the last stage holds a copy) splits over TP; the position table sits on the first
+    stage, the final LayerNorm on the last."""
+    h, f = mcfg.hidden_size, mcfg.ffn_size
+    block = (4 * h * h + 2 * h * f + 3 * h + f) // tp + 6 * h
+    table = mcfg.padded_vocab_size(tp) // tp * h
+    positions = mcfg.max_positions * h if pp == 1 else 0
+    return math.ceil(mcfg.num_layers / pp) * block + table + positions + 2 * h
+
+
+def _add(out: dict, key: str, calls: float, nbytes: float) -> None:
+    if calls > 0:
+        slot = out.setdefault(key, {"calls": 0, "bytes": 0})
+        slot["calls"] += calls
+        slot["bytes"] += nbytes
+
+
+def analytic_comm(cfg, mcfg: GPTConfig) -> dict[str, dict[str, float]]:
+    """Per step, for a rank of the last pipeline stage, keyed ``"op/group"``."""
+    par, z, ac = cfg.parallel, cfg.zero, cfg.activation_checkpointing
+    tp, pp, dp = par.tp, par.pp, par.dp
+    elem = DTYPE_BYTES[cfg.training.precision]
+    grad = DTYPE_BYTES[z.grad_accum(cfg.training.precision)]
+    micro = cfg.num_microbatches
+    tokens = cfg.training.micro_batch_size * mcfg.seq_length
+    layers = math.ceil(mcfg.num_layers / pp)
+    act = tokens * mcfg.hidden_size * elem  # one [s, b, h] activation
+    recompute = ac.checkpoint_activations
+    out: dict[str, dict[str, float]] = {}
+    if tp > 1:
+        per_layer = 4 + (2 if recompute else 0)
+        ends = 1 + (1 if pp == 1 else 0)  # the head's f backward; the embedding's g (1st stage)
+        calls = micro * (layers * per_layer + ends)
+        _add(out, "all_reduce/tp", calls, calls * 2 * act)
+        _add(out, "all_reduce/tp", 3 * micro, 3 * micro * 2 * tokens * 4)  # cross-entropy, fp32
+        if recompute and ac.partition_activations:
+            _add(out, "all_gather/tp", micro * layers, micro * layers * act)
+    if pp > 1:
+        chunks = par.virtual_stages
+        boundary = act // tp if par.sequence_parallel else act  # SP: each TP rank sends its s/t
+        _add(out, "send/pp", micro * chunks, micro * chunks * boundary)
+        _add(out, "recv/pp", micro * chunks, micro * chunks * boundary)
+        table = mcfg.padded_vocab_size(tp) // tp * mcfg.hidden_size
+        shard = dp if z.stage >= 2 else 1  # Pos+g reduces the tied gradient's shard (zero.plan)
+        _add(out, "all_reduce/embedding", 1, 2 * table // shard * grad)
+    if dp > 1:
+        params = rank_params(mcfg, tp, pp)
+        bucket = z.reduce_bucket_size or params
+        buckets = max(1, math.ceil(params / bucket)) + (1 if pp > 1 else 0)  # tied weight: its own
+        if z.stage == 0:
+            _add(out, "all_reduce/dp", buckets, 2 * params * grad)
+        else:
+            # Pos+g under a pipeline reduces each micro-batch's gradients as its backward ends
+            times = micro if z.stage >= 2 and pp > 1 else 1
+            _add(out, "reduce_scatter/dp", buckets * times, times * params * grad)
+            # stage 3 gathers again in forward, (recompute,) backward
+            gathers = 1 if z.stage < 3 else micro * (3 if recompute else 2)
+            _add(out, "all_gather/dp", buckets * gathers, gathers * params * elem)
+    return out

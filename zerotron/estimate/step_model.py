@@ -1,0 +1,181 @@
+"""A step's time from the config and the hardware's datasheet: compute, communication, optimizer,
+pipeline bubble and host copies, each its own term.
+
+    step = compute + bubble + exposed communication + optimizer + host copies
+
+* **compute** (``estimate.kernels``): per micro-batch and layer, every GEMM by its roofline,
+  the attention core by its kernel, element-wise and normalisation kernels by their HBM bytes;
+  backward's GEMMs are twice the forward's, its element-wise bytes twice too; full recompute runs
+  the forward once more ([Z] §6.1), selective recompute the attention core (Korthikanti et al.
+  2022 §5); the last stage adds the logit GEMM and the cross-entropy.
+* **communication** (``estimate.step_time.predict_step``): each collective on its links, as
+  measured by a dry run or counted from the config (``estimate.comm_volumes``), hidden behind
+  backward where zerotron overlaps it (``default_overlap``) -- except the last gradient bucket,
+  which has no backward left to hide behind, and at stage 3 the first unit's gather of each
+  forward and backward pass, which has nothing ahead of it to run behind.
+* **bubble**: 1F1B idles (p − 1) micro-batch slots of forward + backward per step, so the
+  bubble is (p − 1)/(m + p − 1) of the pipelined time (Narayanan et al. 2021 §2.2); with v
+  interleaved chunks per rank each slot is 1/v as long.
+* **optimizer**: Adam streams its states over HBM (on the device) or over the host's memory
+  with the gradients and weights crossing PCIe (ZeRO-Offload; ZeRO-Infinity's NVMe tier is
+  timed as host memory, its disk bandwidth not modelled).
+* **host copies**: Pa+cpu moves each layer's checkpoint to the host in forward and back before
+  its recompute ([Z] §6.1), over PCIe, not overlapped.
+
+What it still leaves out: contention between TP and DP on the same NVSwitch, NCCL's tree
+algorithms, kernel launch gaps, the memory allocator's stalls near a full device, stage 3's
+parameters fetched from host memory (``zero.offload_param_device``) and ZeRO++'s quantization
+kernels (their collectives are timed when a dry run measured them).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+from zerotron.estimate import kernels
+from zerotron.estimate.comm_volumes import DTYPE_BYTES, analytic_comm, group_ranks, rank_params
+from zerotron.estimate.hardware import Hardware
+from zerotron.estimate.step_time import BACKWARD_SHARE, default_overlap, predict_step
+from zerotron.model.config import GPTConfig
+from zerotron.model.flops import flops_per_iteration
+
+# Adam per parameter of the partition, bytes over memory: fp32 weight, momentum and variance
+# read and written (24), the fp32 gradient read for the norm and again for the update (8), the
+# 16-bit weight written (2)
+ADAM_BYTES_PER_PARAM = 24 + 8 + 2
+
+
+@dataclass
+class StepBreakdown:
+    """One predicted step of one rank, seconds per term; ``comm_s``/``exposed_s`` per group."""
+
+    hardware: str
+    gemm_s: float
+    attention_s: float
+    elementwise_s: float
+    compute_s: float
+    bubble_s: float
+    optimizer_s: float
+    host_copy_s: float
+    comm_s: dict[str, float]
+    exposed_s: dict[str, float]
+    exposed_comm_s: float
+    step_s: float
+    flops_per_gpu: float  # counted as the paper counts TFLOPs: recompute included
+    model_flops_per_gpu: float  # MFU's numerator: no recompute
+    tflops_per_gpu: float
+    mfu: float
+    detail: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def micro_batch_compute(cfg, mcfg: GPTConfig, hw: Hardware) -> dict[str, float]:
+    """Seconds of one micro-batch's forward + backward (+ recompute) on the last stage's rank."""
+    tp, pp = cfg.parallel.tp, cfg.parallel.pp
+    peak, eff = hw.peak(cfg.training.precision), hw.gemm_efficiency
+    hbm, elem = hw.hbm_gbps * 1e9, DTYPE_BYTES[cfg.training.precision]
+    b, s = cfg.training.micro_batch_size, mcfg.seq_length
+    tokens, layers = b * s, math.ceil(mcfg.num_layers / pp)
+    ac = cfg.activation_checkpointing
+    forwards = 2 if ac.checkpoint_activations else 1
+    core_again = 1 if ac.recompute_granularity == "selective" else 0  # attention core, once more
+
+    def roof(g):
+        return kernels.gemm_seconds(g, peak, eff, hbm, elem)
+
+    fwd = kernels.layer_gemms(mcfg, tokens, tp)
+    gemm = sum(roof(g) for g in fwd) * forwards + sum(roof(x) for g in fwd for x in g.backward())
+    attn = kernels.attention_core_seconds(mcfg, b, s, tp, hw.attention, peak, eff, hbm, elem)
+    attention = attn * (forwards + core_again + 2)  # backward: 2 GEMMs per GEMM, twice the streams
+    sp = cfg.parallel.sequence_parallel
+    moved = kernels.layer_elementwise_elements(mcfg, tokens, tp, sp) * elem
+    moved += kernels.dropout_mask_bytes(mcfg, tokens // tp if sp else tokens)
+    elementwise = moved * (forwards + 2) / hbm
+    vocab = mcfg.padded_vocab_size(tp) // tp
+    logits = kernels.Gemm("logits", tokens, vocab, mcfg.hidden_size)
+    head = roof(logits) + sum(roof(x) for x in logits.backward())
+    head_bytes = tokens * vocab * (elem + 4 * 4)  # the logits written; fp32 softmax r+w, fwd+bwd
+    return {"gemm": layers * gemm + head, "attention": layers * attention,
+            "elementwise": layers * elementwise + head_bytes / hbm}
+
+
+def optimizer_seconds(cfg, mcfg: GPTConfig, hw: Hardware) -> float:
+    """Adam over this rank's partition: on the device by HBM, offloaded by host memory + PCIe."""
+    par, z = cfg.parallel, cfg.zero
+    params = rank_params(mcfg, par.tp, par.pp) / (par.dp if z.stage >= 1 else 1)
+    if z.optimizer_offload == "none":
+        return params * ADAM_BYTES_PER_PARAM / (hw.hbm_gbps * 1e9)
+    grad = DTYPE_BYTES[z.grad_accum(cfg.training.precision)]
+    pcie = params * (grad + DTYPE_BYTES[cfg.training.precision]) / (hw.pcie_gbps * 1e9)
+    return params * ADAM_BYTES_PER_PARAM / (hw.host_memory_gbps * 1e9) + pcie
+
+
+def host_copy_seconds(cfg, mcfg: GPTConfig, hw: Hardware) -> float:
+    """Pa+cpu: each layer's checkpoint to the host and back, per micro-batch, over PCIe."""
+    ac, par = cfg.activation_checkpointing, cfg.parallel
+    if not (ac.checkpoint_activations and ac.cpu_checkpointing):
+        return 0.0
+    tokens = cfg.training.micro_batch_size * mcfg.seq_length
+    share = par.tp if ac.partition_activations else 1  # Pa keeps 1/MP of each checkpoint
+    per_layer = tokens * mcfg.hidden_size * DTYPE_BYTES[cfg.training.precision] / share
+    layers = math.ceil(mcfg.num_layers / par.pp)
+    return 2 * cfg.num_microbatches * layers * per_layer / (hw.pcie_gbps * 1e9)
+
+
+def bubble_fraction(pp: int, microbatches: int, virtual_stages: int = 1) -> float:
+    """Idle share of the pipelined time: (p − 1)/v ÷ (m + (p − 1)/v) (1F1B, interleaved)."""
+    idle = (pp - 1) / virtual_stages
+    return idle / (microbatches + idle)
+
+
+def predict(cfg, mcfg: GPTConfig, world_size: int, hw: Hardware, comm: dict | None = None,
+            ranks: dict[str, list[int]] | None = None,
+            overlap: dict[str, float] | None = None) -> StepBreakdown:
+    """The step of the slowest (last-stage) rank. ``comm``/``ranks``: a dry run's measured
+    collectives and this rank's groups; by default counted from the config. ``overlap``:
+    per ``"op/group"``, the share hidden behind compute, replacing zerotron's own (for a peer
+    that overlaps what zerotron does not, e.g. Megatron-core's ``--overlap-param-gather``)."""
+    par = cfg.parallel
+    if comm is None:
+        comm, ranks = analytic_comm(cfg, mcfg), group_ranks(par.tp, par.pp, par.dp)
+    micro = micro_batch_compute(cfg, mcfg, hw)
+    per_micro = sum(micro.values())
+    m = cfg.num_microbatches
+    compute = m * per_micro
+    bubble = compute * bubble_fraction(par.pp, m, par.virtual_stages) / (
+        1 - bubble_fraction(par.pp, m, par.virtual_stages))
+    recompute = cfg.activation_checkpointing.checkpoint_activations
+    overlap = default_overlap(cfg.zero.overlap_comm, cfg.zero.stage, microbatches=m,
+                              pipeline=par.pp > 1) | (overlap or {})
+    params = rank_params(mcfg, par.tp, par.pp)
+    bucket = cfg.zero.reduce_bucket_size or params
+    for key in ("reduce_scatter/dp", "all_reduce/dp"):  # the last bucket has no backward after it
+        if key in overlap:
+            overlap[key] *= max(0.0, 1 - bucket / params)
+    if cfg.zero.stage == 3:  # one unit a layer (and the embedding): the first of each pass waits
+        units = math.ceil(mcfg.num_layers / par.pp) + 1
+        for key in ("all_gather/dp", "all_gather/dp_inner"):
+            overlap[key] = overlap.get(key, 0.0) * (1 - 1 / units)
+    window = 0.75 if recompute else BACKWARD_SHARE  # recompute's forward runs inside backward
+    comm_part = predict_step(0.0, comm, ranks, link=hw.link(), overlap=overlap,
+                             overlap_window=window, compute_s=compute)
+    optimizer = optimizer_seconds(cfg, mcfg, hw)
+    host = host_copy_seconds(cfg, mcfg, hw)
+    step = compute + bubble + comm_part.exposed_comm_s + optimizer + host
+    t = cfg.training
+    batch, seq = t.global_batch_size, mcfg.seq_length
+    selective = cfg.activation_checkpointing.recompute_granularity == "selective"
+    flops = flops_per_iteration(mcfg, batch, seq, recompute=recompute, tp=par.tp,
+                                selective=selective) / world_size
+    model_flops = flops_per_iteration(mcfg, batch, seq, tp=par.tp) / world_size
+    peak = hw.peak(t.precision)
+    return StepBreakdown(
+        hardware=hw.name, gemm_s=m * micro["gemm"], attention_s=m * micro["attention"],
+        elementwise_s=m * micro["elementwise"], compute_s=compute, bubble_s=bubble,
+        optimizer_s=optimizer, host_copy_s=host, comm_s=comm_part.comm_s,
+        exposed_s=comm_part.exposed_s, exposed_comm_s=comm_part.exposed_comm_s, step_s=step,
+        flops_per_gpu=flops, model_flops_per_gpu=model_flops, tflops_per_gpu=flops / step / 1e12,
+        mfu=model_flops / step / peak, detail=comm_part.detail)
