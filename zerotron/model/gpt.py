@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from zerotron.model.block import TransformerBlock
-from zerotron.model.layernorm import make_layernorm
+from zerotron.model.layernorm import make_norm
 from zerotron.model.config import GPTConfig
 from zerotron.parallel.cross_entropy import vocab_parallel_cross_entropy
 from zerotron.parallel.grid import Grid
@@ -55,22 +55,27 @@ class Embedding(nn.Module):
         self.sequence_parallel, self.group, self.rng, self.tp_rank = sequence_parallel, grid.tp_group, rng, grid.tp_rank
         self.word = VocabParallelEmbedding(cfg.padded_vocab_size(grid.tp_size), cfg.hidden_size, grid,
                                            dtype=dtype, device=device, sequence_parallel=sequence_parallel)
-        self.position = tp_param((cfg.max_positions, cfg.hidden_size), None, grid.tp_size, dtype, device)
+        self.position = None  # RoPE: positions act inside attention, no table
+        if cfg.position_embedding_type == "learned":
+            self.position = tp_param((cfg.max_positions, cfg.hidden_size), None, grid.tp_size, dtype, device)
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
         s = input_ids.shape[1]
-        if s > self.max_positions:
+        if self.position is not None and s > self.max_positions:
             raise ValueError(f"input sequence length {s} exceeds the position table "
                              f"(model.max_position_embeddings={self.max_positions}); "
                              f"shorten the sequences or raise model.max_position_embeddings to >= {s}")
         if not self.sequence_parallel:
-            return self.dropout(self.word(input_ids) + self.position[:s])
+            x = self.word(input_ids)
+            return self.dropout(x if self.position is None else x + self.position[:s])
         check_sequence_length(s, self.group.size)
         lo, hi = self.tp_rank * (s // self.group.size), (self.tp_rank + 1) * (s // self.group.size)
-        x = self.word(input_ids.t()) + tp_summed(self.position[:s], self.group)[lo:hi].unsqueeze(1)
+        x = self.word(input_ids.t())
+        if self.position is not None:
+            x = x + tp_summed(self.position[:s], self.group)[lo:hi].unsqueeze(1)
         if not (self.training and self.dropout.p > 0):
             return x
         with self.rng.fork("sp"):  # this rank's tokens: its own mask
@@ -125,10 +130,13 @@ class GPT(nn.Module):
         # Replaces the plain block loop when set (activation checkpointing, ZeRO-R Pa/Pa+cpu/MD:
         # zerotron.activation.checkpoint.apply_activation_checkpointing); called as runner(blocks, x).
         self.block_runner = None
-        self.final_ln = (make_layernorm(config.hidden_size, config.layernorm_eps, dtype, device)
+        self.final_ln = (make_norm(config.normalization, config.hidden_size, config.layernorm_eps, dtype, device)
                          if post_process else None)
-        self.word_embedding_copy = None
-        if post_process and not pre_process:
+        self.word_embedding_copy = self.output_layer = None
+        if post_process and not config.tied:  # its own vocab-parallel weight, split as the embedding
+            self.output_layer = tp_param((self.padded_vocab_size // grid.tp_size, config.hidden_size), 0,
+                                         grid.tp_size, dtype, device)
+        elif post_process and not pre_process:
             self.word_embedding_copy = tp_param((self.padded_vocab_size // grid.tp_size, config.hidden_size), 0,
                                                 grid.tp_size, dtype, device, embedding_copy=True)
         self.init_weights(seed, layout_independent_init)
@@ -162,18 +170,23 @@ class GPT(nn.Module):
         cfg, grid = self.config, self.grid
         p = self.get_parameter(local_name)
         name = self.global_name(local_name)
-        if name.split(".")[-2:-1] in (["ln1"], ["ln2"], ["final_ln"]):  # LayerNorm: ones, zeros
+        if name.split(".")[-2:-1] in (["ln1"], ["ln2"], ["final_ln"], ["q_norm"], ["k_norm"]):  # norms: 1, 0
             out.fill_(1.0 if name.endswith("weight") else 0.0)
         elif p.ndim == 1:  # biases
             out.zero_()
         else:
             residual = name.endswith(TransformerBlock.residual_projections)
             std = cfg.init_std / math.sqrt(2.0 * cfg.num_layers) if residual else cfg.init_std
-            rows = cfg.vocab_size if name == WORD_EMBEDDING else None  # padding rows stay 0
+            rows = cfg.vocab_size if name in (WORD_EMBEDDING, "output_layer") else None  # padding rows stay 0
             init_sharded_(p, std, self.init_seed, name, grid.tp_rank, grid.tp_size, self.layout_independent_init,
                           rows, out=out)
 
     # the three pieces --------------------------------------------------------------------------
+    @property
+    def output_weight(self) -> nn.Parameter:
+        """This rank's vocab slice of the output layer: its own when untied, else the word embedding."""
+        return self.word_embedding_weight if self.output_layer is None else self.output_layer
+
     @property
     def word_embedding_weight(self) -> nn.Parameter:
         """This rank's vocab slice of the (tied) word embedding, the output layer's weight."""
@@ -207,14 +220,14 @@ class GPT(nn.Module):
         group = self.grid.tp_group
         if self.sequence_parallel:  # [s/t, b, h] → logits [s, b, V/t] (all-gathered into the GEMM)
             x = sequence_parallel_norm(self.final_ln, hidden, group)
-            logits = gather_linear(x, self.word_embedding_weight, None, group)
+            logits = gather_linear(x, self.output_weight, None, group)
             if labels is not None:  # the loss in the logits' own [s, b] order, returned [b, s]
                 return vocab_parallel_cross_entropy(logits, labels.t(), group, self.vocab_start, self.vocab_size,
                                                     ignore_index).t()
             logits = logits.transpose(0, 1)
         else:
             x = copy_to_tp_region(self.final_ln(hidden), group)  # f: grads all-reduced
-            logits = torch.matmul(x, self.word_embedding_weight.t())
+            logits = torch.matmul(x, self.output_weight.t())
         if labels is not None:
             return vocab_parallel_cross_entropy(logits, labels, self.grid.tp_group, self.vocab_start,
                                                 self.vocab_size, ignore_index)

@@ -208,11 +208,12 @@ class _Assembler:
 
 def check_shape(canon: str, saved: list[int], ours: list[int]) -> None:
     """Raise unless a checkpoint's global shape of ``canon`` fits ours. Only the word embedding's
-    rows may differ: its vocabulary padding depends on the TP size. Any other difference (a
+    (and an untied output layer's) rows may differ: its vocabulary padding depends on the TP size. Any other difference (a
     position table or MLP of another size) is another model, which cropping or zero-padding
     would load in silence."""
     saved, ours = list(saved), list(ours)
-    if saved == ours or (canon == WORD_EMBEDDING and len(saved) == len(ours) and saved[1:] == ours[1:]):
+    vocab_rows = canon in (WORD_EMBEDDING, "output_layer")  # both padded to the TP size
+    if saved == ours or (vocab_rows and len(saved) == len(ours) and saved[1:] == ours[1:]):
         return
     raise CheckpointError(f"checkpoint is of another model shape: {canon} is {saved} in the checkpoint but {ours} "
                           f"in this model; load a checkpoint of this model")
