@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 import torch
 
+from zerotron.model.config import GPT2_ARCH
 from zerotron.model.gpt import WORD_EMBEDDING
 from zerotron.parallel.shard_info import shard_info
 from zerotron.training import faults
@@ -150,6 +151,14 @@ def save_checkpoint(save: str, step: int, model, opt, grid, *, consumed_samples:
 def check_compatible(meta: dict, model_config: dict, names: dict[str, str]) -> None:
     """Raise (on every rank, before any collective) if the checkpoint's model differs from ours."""
     saved = meta.get("model", {})
+    arch = {k: saved.get(k, v) for k, v in GPT2_ARCH.items()}  # a field it lacks: written before it existed
+    ours = {k: model_config.get(k, v) for k, v in GPT2_ARCH.items()}
+    differ = [k for k in GPT2_ARCH if arch[k] != ours[k]]
+    if differ:
+        raise CheckpointError(f"checkpoint holds another architecture ({saved.get('architecture', 'gpt2')}): "
+                              + ", ".join(f"model.{k}={arch[k]!r} in the checkpoint, {ours[k]!r} in this run"
+                                          for k in differ)
+                              + "; load a checkpoint of this architecture or set those fields to the checkpoint's")
     for key in MODEL_FIELDS:
         if key in saved and key in model_config and saved[key] != model_config[key]:
             raise CheckpointError(f"checkpoint is of another model: model.{key}={saved[key]} in the checkpoint, "

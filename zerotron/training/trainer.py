@@ -121,8 +121,8 @@ class Trainer:
         if self.grid.rank == 0:
             print(text, flush=True)
 
-    def model_config_dict(self) -> dict:
-        return dataclasses.asdict(self.mcfg)
+    def model_config_dict(self) -> dict:  # with the family (gpt2 | llama), for a reader of metadata.json
+        return {**dataclasses.asdict(self.mcfg), "architecture": self.mcfg.architecture}
 
     def _on_sigterm(self, signum, frame) -> None:
         self._stop_requested = True
