@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from zerotron.model.config import GPTConfig
+from zerotron.model.documents import document_attention
 from zerotron.model.layernorm import make_norm
 from zerotron.model.rope import rotary_tables, rotate
 from zerotron.parallel import host_sync
@@ -95,13 +96,17 @@ class ParallelAttention(nn.Module):
         # Replaces the direct call of ``core`` when set (selective recompute:
         # zerotron.activation.selective); called as core_runner(core, q, k, v).
         self.core_runner = None
-        # Token positions [b, s] inside their documents while a packed batch runs (None: 0..s-1).
-        self.positions = None
+        # While a packed batch runs (model.documents): each token's position inside its document
+        # and its document's index, [b, s] (None: positions 0..s-1, one document).
+        self.positions = self.documents = None
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """QKᵀ, softmax, dropout, ·V over this rank's heads ([b, heads, s, head_dim]; k, v: groups)."""
         p = self.dropout_p if self.training else 0.0
         region = self.rng.fork() if p > 0 else contextlib.nullcontext()
+        fake_gpu = host_sync.simulated() and q.device.type != "cpu"  # a dry run: holds what flex would,
+        if self.documents is not None and not fake_gpu:  # O(s) per head as the fused causal kernel
+            return document_attention(q, k, v, self.documents)  # no dropout: refused at start-up
         with region:  # per-rank stream: each rank's heads get their own dropout masks
             return causal_attention(q, k, v, p)
 

@@ -49,6 +49,10 @@ class GPTConfig:
     add_qkv_bias: bool = False  # biases of q, k, v alone when add_bias_linear is false (Qwen2)
     untie_embeddings_and_output_weights: bool = False
     qk_layernorm: bool = False  # normalise each head's q and k (the normalization above) before RoPE
+    # document masking of packed samples (Megatron's names): attention and positions per document
+    reset_attention_mask: bool = False
+    reset_position_ids: bool = False
+    eod_token_id: int | None = None  # None: the tokenizer's end-of-document id (set by the trainer)
     paper_mp: int = 1
     name: str = ""
 
@@ -86,6 +90,10 @@ class GPTConfig:
     @property
     def tied(self) -> bool:
         return not self.untie_embeddings_and_output_weights
+
+    @property
+    def document_masking(self) -> bool:
+        return self.reset_attention_mask or self.reset_position_ids
 
     @property
     def architecture(self) -> str:
@@ -182,7 +190,7 @@ class GPTConfig:
             if getattr(self, field) not in allowed:
                 raise ValueError(f"model.{field}={getattr(self, field)!r}: use one of {', '.join(allowed)}")
         for field in ("add_bias_linear", "add_qkv_bias", "untie_embeddings_and_output_weights", "qk_layernorm",
-                      "rope_scaling"):
+                      "rope_scaling", "reset_attention_mask", "reset_position_ids"):
             if not isinstance(getattr(self, field), bool):
                 raise ValueError(f"model.{field}={getattr(self, field)!r}: give true or false")
         for field in ("rotary_base", "rope_scaling_factor", "rope_scaling_low_freq_factor",
@@ -193,6 +201,9 @@ class GPTConfig:
             raise ValueError(f"model.rope_scaling_high_freq_factor={self.rope_scaling_high_freq_factor} must exceed "
                              f"model.rope_scaling_low_freq_factor={self.rope_scaling_low_freq_factor} (Llama-3.1: 4 "
                              f"and 1)")
+        if self.reset_attention_mask and self.attention_dropout > 0:
+            raise ValueError(f"model.attention_dropout={self.attention_dropout} with model.reset_attention_mask: "
+                             f"the document-masked attention kernel has no dropout; set attention_dropout to 0")
         g, nh = self.query_groups, self.num_heads
         if not isinstance(g, int) or isinstance(g, bool) or g < 1 or nh % g:
             raise ValueError(f"model.num_query_groups={g!r}: must be a positive integer dividing model.num_heads="

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from zerotron.model.block import TransformerBlock
+from zerotron.model.documents import document_layout
 from zerotron.model.layernorm import make_norm
 from zerotron.model.config import GPTConfig
 from zerotron.parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -60,7 +61,8 @@ class Embedding(nn.Module):
             self.position = tp_param((cfg.max_positions, cfg.hidden_size), None, grid.tp_size, dtype, device)
         self.dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """``positions`` [b, s]: each token's position (document masking), else 0..s-1."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
         s = input_ids.shape[1]
@@ -70,12 +72,16 @@ class Embedding(nn.Module):
                              f"shorten the sequences or raise model.max_position_embeddings to >= {s}")
         if not self.sequence_parallel:
             x = self.word(input_ids)
-            return self.dropout(x if self.position is None else x + self.position[:s])
+            if self.position is not None:
+                x = x + (self.position[:s] if positions is None else self.position[positions])
+            return self.dropout(x)
         check_sequence_length(s, self.group.size)
         lo, hi = self.tp_rank * (s // self.group.size), (self.tp_rank + 1) * (s // self.group.size)
         x = self.word(input_ids.t())
-        if self.position is not None:
+        if self.position is not None and positions is None:
             x = x + tp_summed(self.position[:s], self.group)[lo:hi].unsqueeze(1)
+        elif self.position is not None:  # this rank's tokens, sequence-first
+            x = x + tp_summed(self.position, self.group)[positions.t()[lo:hi]]
         if not (self.training and self.dropout.p > 0):
             return x
         with self.rng.fork("sp"):  # this rank's tokens: its own mask
@@ -100,6 +106,11 @@ class GPT(nn.Module):
                  sequence_parallel: bool = False, chunk_sizes: list[int] | None = None):
         super().__init__()
         config.validate(grid.tp_size)
+        if config.document_masking and (config.eod_token_id is None or grid.pp_size > 1):
+            raise ValueError(f"model.reset_attention_mask/reset_position_ids need model.eod_token_id (the trainer "
+                             f"sets the tokenizer's) and parallel.pp=1 (the documents' layout does not travel "
+                             f"between pipeline stages yet); got eod_token_id={config.eod_token_id}, "
+                             f"pp={grid.pp_size}")
         if sequence_parallel:
             check_sequence_length(config.seq_length, grid.tp_size)
         self.sequence_parallel = sequence_parallel
@@ -206,7 +217,13 @@ class GPT(nn.Module):
         parallelism this rank's [s/t, b, h]."""
         if self.embedding is None:
             raise RuntimeError("embed() on a stage built with pre_process=False")
-        return self.embedding(input_ids)
+        if not self.config.document_masking:
+            return self.embedding(input_ids)
+        documents, positions = document_layout(input_ids, self.config.eod_token_id)
+        for block in self.blocks:  # read by attention in this forward and in a recompute before the next
+            block.attn.documents = documents if self.config.reset_attention_mask else None
+            block.attn.positions = positions if self.config.reset_position_ids else None
+        return self.embedding(input_ids, positions if self.config.reset_position_ids else None)
 
     def head(self, hidden: torch.Tensor, labels: torch.Tensor | None = None,
              ignore_index: int = -100) -> torch.Tensor:

@@ -64,7 +64,7 @@ class Trainer:
         self.data = prepare_data(cfg, grid, env.device)
         if self.resume.path is not None:
             resume.check_tokenizer(self.resume.path, self.data.tokenizer_path, cfg)
-        self.mcfg = model_config(cfg, self.data.vocab_size)
+        self.mcfg = model_config(cfg, self.data.vocab_size, self.data.tokenizer_path)
         t = cfg.training
         self.memory = StepMemory(cfg.logging.log_interval)
         self.phases = PhaseTimes(self.memory, env.device) if cfg.logging.wall_clock_breakdown else None
