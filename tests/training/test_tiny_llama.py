@@ -79,3 +79,29 @@ def test_a_checkpoint_refuses_another_architecture():
     assert saved_architecture(old) == "gpt2" and saved_architecture(meta["model"]) == "llama"
     with pytest.raises(CheckpointError, match="model.normalization='LayerNorm' in the checkpoint, 'RMSNorm'"):
         check_compatible({"model": old, "params": {}}, dataclasses.asdict(llama), {})
+
+
+def run_yaml_as_is(run_dir, cache, steps):
+    """configs/tiny-llama.yaml unchanged (TP 2 x DP 2, ZeRO-2, document masking on), ``steps`` steps."""
+    import math
+
+    import torch.distributed as dist
+
+    from zerotron.parallel.runtime import init_distributed
+    from zerotron.training.cli import parse_config
+    from zerotron.training.trainer import Trainer
+
+    argv = ["--config", str(ROOT / "configs" / "tiny-llama.yaml"), "--train-steps", str(steps), "--wandb-mode",
+            "disabled", "--eval-interval", "0", "--run-dir", str(run_dir), "--data.cache_dir", cache, "--save", "none"]
+    cfg = parse_config(argv).validate(dist.get_world_size())
+    trainer = Trainer(cfg, init_distributed())
+    m = trainer.mcfg
+    assert m.reset_attention_mask and m.reset_position_ids and m.eod_token_id == 2  # the built-in tokenizer's
+    losses = [float(trainer.train_step()["loss"]) for _ in range(steps)]
+    assert all(math.isfinite(x) for x in losses)
+    return losses
+
+
+def test_the_yaml_runs_as_written_on_four_ranks(zerotron_cache, tmp_path):
+    losses = spawn(run_yaml_as_is, 4, tmp_path, zerotron_cache, 3, timeout=240)
+    assert all(r == losses[0] for r in losses)  # every rank reports the same DP-averaged loss
