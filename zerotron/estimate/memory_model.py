@@ -174,10 +174,11 @@ def _norm_params(cfg: GPTConfig, width: int) -> int:
 
 def block_params_per_rank(cfg: GPTConfig, tp: int = 1) -> int:
     """One transformer block's parameters on a TP rank (a stage-3 unit)."""
-    h, f, qkv = cfg.hidden_size, cfg.ffn_size, cfg.hidden_size + 2 * cfg.kv_size  # GQA: smaller K, V
+    h, f = cfg.hidden_size, cfg.ffn_size
+    qkv = h + 2 * cfg.kv_size  # GQA: smaller K and V
     fc1 = 2 * f if cfg.gated else f  # SwiGLU: gate and up rows
     split = qkv * h + qkv * cfg.qkv_bias + h * h + h * fc1 + fc1 * cfg.add_bias_linear + f * h
-    replicated = 2 * h * cfg.add_bias_linear + 2 * _norm_params(cfg, h)  # proj, fc2 biases; two norms
+    replicated = 2 * h * cfg.add_bias_linear + 2 * _norm_params(cfg, h)  # proj/fc2 bias, 2 norms
     replicated += 2 * _norm_params(cfg, cfg.head_dim) if cfg.qk_layernorm else 0
     return split // tp + replicated
 

@@ -59,7 +59,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_
         if gqa:  # the named kernel takes one K/V head per query head
             k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
         return torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, dropout_p, True)[0]
-    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
+                                          enable_gqa=gqa)
 
 
 class ParallelAttention(nn.Module):
@@ -86,13 +87,15 @@ class ParallelAttention(nn.Module):
         self.dropout_p = cfg.attention_dropout
         self.rng = rng
         self.seq_first = sequence_parallel
-        self.qkv = ColumnParallelLinear(h, h + 2 * cfg.kv_size, grid, bias=cfg.qkv_bias, dtype=dtype,
-                                        device=device, sequence_parallel=sequence_parallel)
-        self.proj = RowParallelLinear(h, h, grid, bias=cfg.add_bias_linear, input_is_parallel=True, dtype=dtype,
-                                      device=device, sequence_parallel=sequence_parallel)
+        sp = sequence_parallel
+        self.qkv = ColumnParallelLinear(h, h + 2 * cfg.kv_size, grid, bias=cfg.qkv_bias,
+                                        dtype=dtype, device=device, sequence_parallel=sp)
+        self.proj = RowParallelLinear(h, h, grid, bias=cfg.add_bias_linear, input_is_parallel=True,
+                                      dtype=dtype, device=device, sequence_parallel=sp)
         if cfg.qk_layernorm:
-            self.q_norm = make_norm(cfg.normalization, cfg.head_dim, cfg.layernorm_eps, dtype, device)
-            self.k_norm = make_norm(cfg.normalization, cfg.head_dim, cfg.layernorm_eps, dtype, device)
+            d, eps = cfg.head_dim, cfg.layernorm_eps
+            self.q_norm = make_norm(cfg.normalization, d, eps, dtype, device)
+            self.k_norm = make_norm(cfg.normalization, d, eps, dtype, device)
         # Replaces the direct call of ``core`` when set (selective recompute:
         # zerotron.activation.selective); called as core_runner(core, q, k, v).
         self.core_runner = None
@@ -101,17 +104,19 @@ class ParallelAttention(nn.Module):
         self.positions = self.documents = None
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """QKᵀ, softmax, dropout, ·V over this rank's heads ([b, heads, s, head_dim]; k, v: groups)."""
+        """QKᵀ, softmax, dropout, ·V over this rank's heads ([b, heads, s, head_dim]; k, v:
+        [b, groups, s, head_dim])."""
         p = self.dropout_p if self.training else 0.0
         region = self.rng.fork() if p > 0 else contextlib.nullcontext()
-        fake_gpu = host_sync.simulated() and q.device.type != "cpu"  # a dry run: holds what flex would,
-        if self.documents is not None and not fake_gpu:  # O(s) per head as the fused causal kernel
+        # a dry run's fake GPU runs the fused causal kernel: O(s) per head, what flex would hold
+        fake_gpu = host_sync.simulated() and q.device.type != "cpu"
+        if self.documents is not None and not fake_gpu:
             return document_attention(q, k, v, self.documents)  # no dropout: refused at start-up
         with region:  # per-rank stream: each rank's heads get their own dropout masks
             return causal_attention(q, k, v, p)
 
     def split_heads(self, qkv: torch.Tensor):
-        """The fused GEMM's output → q [b, heads, s, d] and k, v [b, groups, s, d] of this rank."""
+        """The fused GEMM's output → this rank's q [b, heads, s, d] and k, v [b, groups, s, d]."""
         g, rep, d = self.groups_per_rank, self.heads_per_group, self.head_dim
         if self.seq_first:
             s, b = qkv.shape[:2]
@@ -125,12 +130,14 @@ class ParallelAttention(nn.Module):
         return q, qkv[rep], qkv[rep + 1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.split_heads(self.qkv(x))  # the GEMM's input gathered from the sequence pieces with SP
+        q, k, v = self.split_heads(self.qkv(x))  # with SP the GEMM's input is gathered first
         b, s, cfg = q.shape[0], q.shape[2], self.cfg
-        if cfg.qk_layernorm:
-            q, k = sequence_parallel_norm(self.q_norm, q, self.group), sequence_parallel_norm(self.k_norm, k, self.group)
+        if cfg.qk_layernorm:  # weights' gradients summed over TP: each rank normalises its heads
+            q = sequence_parallel_norm(self.q_norm, q, self.group)
+            k = sequence_parallel_norm(self.k_norm, k, self.group)
         if cfg.position_embedding_type == "rope":
-            positions = torch.arange(s, device=q.device) if self.positions is None else self.positions.unsqueeze(1)
+            positions = (torch.arange(s, device=q.device) if self.positions is None
+                         else self.positions.unsqueeze(1))  # [b, 1, s]: one table per sample
             cos, sin = rotary_tables(cfg, positions, q.dtype)
             q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         y = self.core(q, k, v) if self.core_runner is None else self.core_runner(self.core, q, k, v)
@@ -155,8 +162,9 @@ class ParallelMLP(nn.Module):
         super().__init__()
         self.gated = cfg.gated
         fc1_out = 2 * cfg.ffn_size if self.gated else cfg.ffn_size
-        self.fc1 = ColumnParallelLinear(cfg.hidden_size, fc1_out, grid, bias=cfg.add_bias_linear, dtype=dtype,
-                                        device=device, sequence_parallel=sequence_parallel)
+        self.fc1 = ColumnParallelLinear(cfg.hidden_size, fc1_out, grid, bias=cfg.add_bias_linear,
+                                        dtype=dtype, device=device,
+                                        sequence_parallel=sequence_parallel)
         self.fc2 = RowParallelLinear(cfg.ffn_size, cfg.hidden_size, grid, bias=cfg.add_bias_linear,
                                      input_is_parallel=True, dtype=dtype, device=device,
                                      sequence_parallel=sequence_parallel)
@@ -171,7 +179,8 @@ class ParallelMLP(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm block (GPT-2's, or Llama's with the architecture fields); ``layer_id`` is its global index (init seeds, pipeline stages)."""
+    """Pre-norm block (GPT-2's, or Llama's with the architecture fields); ``layer_id`` is its
+    global index (init seeds, pipeline stages)."""
 
     def __init__(self, cfg: GPTConfig, grid: Grid, rng: TPRNG, layer_id: int, dtype=torch.float32, device=None,
                  sequence_parallel: bool = False):

@@ -44,15 +44,15 @@ class GPTConfig:
     rope_scaling_original_max_position_embeddings: int = 8192
     normalization: str = "LayerNorm"  # LayerNorm | RMSNorm; epsilon: layernorm_eps
     activation: str = "gelu"  # gelu | swiglu (down(silu(gate(x)) * up(x)))
-    num_query_groups: int | None = None  # grouped-query attention; None: num_heads; 1: multi-query
+    num_query_groups: int | None = None  # grouped-query attention; None: num_heads; 1: MQA
     add_bias_linear: bool = True  # biases of every linear layer (Llama: false)
-    add_qkv_bias: bool = False  # biases of q, k, v alone when add_bias_linear is false (Qwen2)
+    add_qkv_bias: bool = False  # q, k, v biases when add_bias_linear is false (Qwen2)
     untie_embeddings_and_output_weights: bool = False
-    qk_layernorm: bool = False  # normalise each head's q and k (the normalization above) before RoPE
+    qk_layernorm: bool = False  # normalise each head's q and k before RoPE
     # document masking of packed samples (Megatron's names): attention and positions per document
     reset_attention_mask: bool = False
     reset_position_ids: bool = False
-    eod_token_id: int | None = None  # None: the tokenizer's end-of-document id (set by the trainer)
+    eod_token_id: int | None = None  # None: the tokenizer's end-of-document id (the trainer's)
     paper_mp: int = 1
     name: str = ""
 
@@ -151,7 +151,8 @@ class GPTConfig:
         if self.ffn_size % tp:
             raise ValueError(f"model.ffn_hidden_size={self.ffn_size} is not divisible by parallel.tp={tp}; "
                              f"use a tp that divides it")
-        if self.position_embedding_type == "learned" and self.max_positions < self.seq_length:
+        learned = self.position_embedding_type == "learned"
+        if learned and self.max_positions < self.seq_length:
             raise ValueError(f"model.seq_length={self.seq_length} exceeds the position table "
                              f"(model.max_position_embeddings={self.max_positions}); raise "
                              f"model.max_position_embeddings to >= {self.seq_length} or shorten model.seq_length")
@@ -178,50 +179,59 @@ class GPTConfig:
         mlp = h * fc1 + fc1 * bias + f * h + h * bias
         norm = h if self.normalization == "RMSNorm" else 2 * h  # RMSNorm has no bias
         qk_norm = 2 * (norm // h) * self.head_dim if self.qk_layernorm else 0
-        positions = self.max_positions * h if self.position_embedding_type == "learned" else 0
+        learned = self.position_embedding_type == "learned"
+        positions = self.max_positions * h if learned else 0
         head = self.padded_vocab_size(tp) * h if not self.tied else 0
-        return l * (attn + mlp + 2 * norm + qk_norm) + self.padded_vocab_size(tp) * h + positions + head + norm
-
+        vocab = self.padded_vocab_size(tp) * h
+        return l * (attn + mlp + 2 * norm + qk_norm) + vocab + positions + head + norm
 
     def _validate_architecture(self, tp: int) -> None:
-        choices = {"position_embedding_type": ("learned", "rope"), "normalization": ("LayerNorm", "RMSNorm"),
-                   "activation": ("gelu", "swiglu")}
-        for field, allowed in choices.items():
+        """The architecture fields (Megatron-core's names); errors name the field and the fix."""
+        for field, allowed in ARCH_CHOICES.items():
             if getattr(self, field) not in allowed:
-                raise ValueError(f"model.{field}={getattr(self, field)!r}: use one of {', '.join(allowed)}")
-        for field in ("add_bias_linear", "add_qkv_bias", "untie_embeddings_and_output_weights", "qk_layernorm",
-                      "rope_scaling", "reset_attention_mask", "reset_position_ids"):
+                raise ValueError(f"model.{field}={getattr(self, field)!r}: use one of "
+                                 f"{', '.join(allowed)}")
+        for field in ARCH_BOOLS:
             if not isinstance(getattr(self, field), bool):
                 raise ValueError(f"model.{field}={getattr(self, field)!r}: give true or false")
-        for field in ("rotary_base", "rope_scaling_factor", "rope_scaling_low_freq_factor",
-                      "rope_scaling_high_freq_factor", "rope_scaling_original_max_position_embeddings"):
+        for field in ARCH_POSITIVE:
             if getattr(self, field) <= 0:
                 raise ValueError(f"model.{field}={getattr(self, field)}: must be > 0")
-        if self.rope_scaling and self.rope_scaling_high_freq_factor <= self.rope_scaling_low_freq_factor:
-            raise ValueError(f"model.rope_scaling_high_freq_factor={self.rope_scaling_high_freq_factor} must exceed "
-                             f"model.rope_scaling_low_freq_factor={self.rope_scaling_low_freq_factor} (Llama-3.1: 4 "
-                             f"and 1)")
+        low, high = self.rope_scaling_low_freq_factor, self.rope_scaling_high_freq_factor
+        if self.rope_scaling and high <= low:
+            raise ValueError(f"model.rope_scaling_high_freq_factor={high} must exceed "
+                             f"model.rope_scaling_low_freq_factor={low} (Llama-3.1: 4 and 1)")
         if self.reset_attention_mask and self.attention_dropout > 0:
-            raise ValueError(f"model.attention_dropout={self.attention_dropout} with model.reset_attention_mask: "
-                             f"the document-masked attention kernel has no dropout; set attention_dropout to 0")
+            raise ValueError(f"model.attention_dropout={self.attention_dropout} with "
+                             f"model.reset_attention_mask: the document-masked attention kernel "
+                             f"has no dropout; set attention_dropout to 0")
         g, nh = self.query_groups, self.num_heads
         if not isinstance(g, int) or isinstance(g, bool) or g < 1 or nh % g:
-            raise ValueError(f"model.num_query_groups={g!r}: must be a positive integer dividing model.num_heads="
-                             f"{nh} (1: multi-query; null: one group per head)")
+            raise ValueError(f"model.num_query_groups={g!r}: must be a positive integer dividing "
+                             f"model.num_heads={nh} (1: multi-query; null: one group per head)")
         if g % tp:
-            raise ValueError(f"model.num_query_groups={g} is not divisible by parallel.tp={tp}: each TP rank holds "
-                             f"whole query groups (their K/V heads); use a tp that divides {g} or change "
-                             f"num_query_groups")
+            raise ValueError(f"model.num_query_groups={g} is not divisible by parallel.tp={tp}: "
+                             f"each TP rank holds whole query groups (their K/V heads); use a tp "
+                             f"that divides {g} or change num_query_groups")
         if self.position_embedding_type == "rope" and self.head_dim % 2:
-            raise ValueError(f"model.hidden_size/model.num_heads={self.head_dim}: RoPE rotates pairs of a head's "
-                             f"dimensions, so the head dimension must be even; change num_heads or hidden_size")
+            raise ValueError(f"model.hidden_size/model.num_heads={self.head_dim}: RoPE rotates "
+                             f"pairs of a head's dimensions, so the head dimension must be even; "
+                             f"change num_heads or hidden_size")
 
 
+ARCH_CHOICES = {"position_embedding_type": ("learned", "rope"),
+                "normalization": ("LayerNorm", "RMSNorm"), "activation": ("gelu", "swiglu")}
+ARCH_BOOLS = ("add_bias_linear", "add_qkv_bias", "untie_embeddings_and_output_weights",
+              "qk_layernorm", "rope_scaling", "reset_attention_mask", "reset_position_ids")
+ARCH_POSITIVE = ("rotary_base", "rope_scaling_factor", "rope_scaling_low_freq_factor",
+                 "rope_scaling_high_freq_factor", "rope_scaling_original_max_position_embeddings")
 GPT2_ARCH = {"position_embedding_type": "learned", "rotary_base": 10000.0, "rope_scaling": False,
-             "rope_scaling_factor": 8.0, "rope_scaling_low_freq_factor": 1.0, "rope_scaling_high_freq_factor": 4.0,
+             "rope_scaling_factor": 8.0, "rope_scaling_low_freq_factor": 1.0,
+             "rope_scaling_high_freq_factor": 4.0,
              "rope_scaling_original_max_position_embeddings": 8192, "normalization": "LayerNorm",
-             "activation": "gelu", "num_query_groups": None, "add_bias_linear": True, "add_qkv_bias": False,
-             "untie_embeddings_and_output_weights": False, "qk_layernorm": False}
+             "activation": "gelu", "num_query_groups": None, "add_bias_linear": True,
+             "add_qkv_bias": False, "untie_embeddings_and_output_weights": False,
+             "qk_layernorm": False}
 """GPT-2's value of every architecture field (``GPTConfig.arch_fields``)."""
 
 

@@ -1,4 +1,4 @@
-"""Document masking for packed samples: Megatron's ``reset_attention_mask`` / ``reset_position_ids``.
+"""Document masking of packed samples: Megatron's reset_attention_mask / reset_position_ids.
 
 A training sample packs several documents, each ended by the end-of-document token. With
 ``reset_attention_mask`` a token attends only to earlier tokens of its own document (the end
@@ -23,13 +23,16 @@ def document_layout(ids: torch.Tensor, eod: int) -> tuple[torch.Tensor, torch.Te
     ends = (ids == eod).long()
     doc = torch.cumsum(ends, dim=1) - ends  # the end token stays in the document it closes
     index = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
-    starts = torch.where(ends.bool(), index + 1, torch.zeros_like(index))  # where the next one starts
-    start = torch.cummax(torch.cat([torch.zeros_like(index[:, :1]), starts[:, :-1]], dim=1), dim=1).values
+    starts = torch.where(ends.bool(), index + 1, torch.zeros_like(index))  # the next one's start
+    starts = torch.cat([torch.zeros_like(index[:, :1]), starts[:, :-1]], dim=1)  # seen one later
+    start = torch.cummax(starts, dim=1).values  # each token's document start
     return doc, index - start
 
 
-def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc: torch.Tensor) -> torch.Tensor:
-    """Causal attention inside each document; q [b, heads, s, d], k and v [b, groups, s, d], doc [b, s]."""
+def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       doc: torch.Tensor) -> torch.Tensor:
+    """Causal attention inside each document; q [b, heads, s, d], k and v [b, groups, s, d],
+    doc [b, s]."""
     gqa = k.shape[1] != q.shape[1]
     if q.is_cuda:
         return _flex(q, k, v, doc, gqa)

@@ -9,8 +9,8 @@ vocabulary; a GEMM of m×k by k×n costs 2·m·k·n). One layer's forward over T
 the logit GEMM 2·T·h·V. The Llama family's layer (``GPTConfig``'s architecture fields): QKV
 2·T·h·(h + 2·kv) with kv = query_groups·head_dim (grouped-query attention's smaller K and V),
 SwiGLU's gate and up GEMM 2·T·h·2f; the scores are unchanged (every query head attends), an
-untied output layer costs what the tied one does. Backward costs twice the forward. So, with f = 4h as in GPT-2, the
-**model FLOPs** (no recompute; Korthikanti et al. 2022, App. A)
+untied output layer costs what the tied one does. Backward costs twice the forward. So, with
+f = 4h as in GPT-2, the **model FLOPs** (no recompute; Korthikanti et al. 2022, App. A)
 
     F = 3·l·T·(8h² + 4hf + 4sh) + 6·T·h·V = 72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h)),
 

@@ -43,6 +43,7 @@ from zerotron.parallel.tensor_parallel import VocabParallelEmbedding, init_shard
 from zerotron.parallel.tp_mappings import copy_to_tp_region
 
 WORD_EMBEDDING = "embedding.word.weight"
+NORMS = ("ln1", "ln2", "final_ln", "q_norm", "k_norm")  # norm modules: weight 1, bias 0 at init
 
 
 class Embedding(nn.Module):
@@ -58,10 +59,12 @@ class Embedding(nn.Module):
                                            dtype=dtype, device=device, sequence_parallel=sequence_parallel)
         self.position = None  # RoPE: positions act inside attention, no table
         if cfg.position_embedding_type == "learned":
-            self.position = tp_param((cfg.max_positions, cfg.hidden_size), None, grid.tp_size, dtype, device)
+            shape = (cfg.max_positions, cfg.hidden_size)
+            self.position = tp_param(shape, None, grid.tp_size, dtype, device)
         self.dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None
+                ) -> torch.Tensor:
         """``positions`` [b, s]: each token's position (document masking), else 0..s-1."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
@@ -107,10 +110,11 @@ class GPT(nn.Module):
         super().__init__()
         config.validate(grid.tp_size)
         if config.document_masking and (config.eod_token_id is None or grid.pp_size > 1):
-            raise ValueError(f"model.reset_attention_mask/reset_position_ids need model.eod_token_id (the trainer "
-                             f"sets the tokenizer's) and parallel.pp=1 (the documents' layout does not travel "
-                             f"between pipeline stages yet); got eod_token_id={config.eod_token_id}, "
-                             f"pp={grid.pp_size}")
+            raise ValueError(f"model.reset_attention_mask/reset_position_ids need "
+                             f"model.eod_token_id (the trainer sets the tokenizer's) and "
+                             f"parallel.pp=1 (the documents' layout does not travel between "
+                             f"pipeline stages yet); got "
+                             f"eod_token_id={config.eod_token_id}, pp={grid.pp_size}")
         if sequence_parallel:
             check_sequence_length(config.seq_length, grid.tp_size)
         self.sequence_parallel = sequence_parallel
@@ -141,12 +145,12 @@ class GPT(nn.Module):
         # Replaces the plain block loop when set (activation checkpointing, ZeRO-R Pa/Pa+cpu/MD:
         # zerotron.activation.checkpoint.apply_activation_checkpointing); called as runner(blocks, x).
         self.block_runner = None
-        self.final_ln = (make_norm(config.normalization, config.hidden_size, config.layernorm_eps, dtype, device)
-                         if post_process else None)
+        norm = config.normalization, config.hidden_size, config.layernorm_eps
+        self.final_ln = make_norm(*norm, dtype, device) if post_process else None
         self.word_embedding_copy = self.output_layer = None
-        if post_process and not config.tied:  # its own vocab-parallel weight, split as the embedding
-            self.output_layer = tp_param((self.padded_vocab_size // grid.tp_size, config.hidden_size), 0,
-                                         grid.tp_size, dtype, device)
+        vocab_slice = (self.padded_vocab_size // grid.tp_size, config.hidden_size)
+        if post_process and not config.tied:  # its own weight, vocab-parallel as the embedding
+            self.output_layer = tp_param(vocab_slice, 0, grid.tp_size, dtype, device)
         elif post_process and not pre_process:
             self.word_embedding_copy = tp_param((self.padded_vocab_size // grid.tp_size, config.hidden_size), 0,
                                                 grid.tp_size, dtype, device, embedding_copy=True)
@@ -181,21 +185,23 @@ class GPT(nn.Module):
         cfg, grid = self.config, self.grid
         p = self.get_parameter(local_name)
         name = self.global_name(local_name)
-        if name.split(".")[-2:-1] in (["ln1"], ["ln2"], ["final_ln"], ["q_norm"], ["k_norm"]):  # norms: 1, 0
+        if name.split(".")[-2:-1] in [[n] for n in NORMS]:  # a norm's weight 1, bias 0
             out.fill_(1.0 if name.endswith("weight") else 0.0)
         elif p.ndim == 1:  # biases
             out.zero_()
         else:
             residual = name.endswith(TransformerBlock.residual_projections)
             std = cfg.init_std / math.sqrt(2.0 * cfg.num_layers) if residual else cfg.init_std
-            rows = cfg.vocab_size if name in (WORD_EMBEDDING, "output_layer") else None  # padding rows stay 0
+            vocab_table = name in (WORD_EMBEDDING, "output_layer")
+            rows = cfg.vocab_size if vocab_table else None  # padding rows stay 0
             init_sharded_(p, std, self.init_seed, name, grid.tp_rank, grid.tp_size, self.layout_independent_init,
                           rows, out=out)
 
     # the three pieces --------------------------------------------------------------------------
     @property
     def output_weight(self) -> nn.Parameter:
-        """This rank's vocab slice of the output layer: its own when untied, else the word embedding."""
+        """This rank's vocab slice of the output layer: its own when untied, else the word
+        embedding."""
         return self.word_embedding_weight if self.output_layer is None else self.output_layer
 
     @property
@@ -220,7 +226,7 @@ class GPT(nn.Module):
         if not self.config.document_masking:
             return self.embedding(input_ids)
         documents, positions = document_layout(input_ids, self.config.eod_token_id)
-        for block in self.blocks:  # read by attention in this forward and in a recompute before the next
+        for block in self.blocks:  # read by attention in this forward, and in its recomputes
             block.attn.documents = documents if self.config.reset_attention_mask else None
             block.attn.positions = positions if self.config.reset_position_ids else None
         return self.embedding(input_ids, positions if self.config.reset_position_ids else None)

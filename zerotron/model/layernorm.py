@@ -57,8 +57,10 @@ class RMSNorm(nn.Module):
 
 def make_norm(kind: str, hidden: int, eps: float, dtype, device) -> nn.Module:
     """``model.normalization``'s module (LayerNorm or RMSNorm), its parameters TP-replicated."""
-    norm = RMSNorm(hidden, eps, dtype, device) if kind == "RMSNorm" else LayerNorm(hidden, eps=eps, dtype=dtype,
-                                                                                    device=device)
+    if kind == "RMSNorm":
+        norm = RMSNorm(hidden, eps, dtype, device)
+    else:
+        norm = LayerNorm(hidden, eps=eps, dtype=dtype, device=device)
     for p in norm.parameters():
         set_shard_info(p, ShardInfo(None, tuple(p.shape)))
     return norm

@@ -76,7 +76,7 @@ PRESETS: dict[str, GPTConfig] = {
 }
 
 
-# name: (layers, hidden, ffn, heads, kv heads, vocab, rope theta, llama-3 rope scaling factor or None, tied)
+# name: (layers, hidden, ffn, heads, kv heads, vocab, rope theta, Llama-3.1 scaling factor, tied)
 _LLAMA_SHAPES: dict[str, tuple] = {
     "llama3.2-1b": (16, 2048, 8192, 32, 8, 128256, 500000.0, 32.0, True),
     "llama3.2-3b": (28, 3072, 8192, 24, 8, 128256, 500000.0, 32.0, True),
@@ -93,19 +93,21 @@ _LLAMA_SHAPES: dict[str, tuple] = {
 def _llama(name: str, layers, hidden, ffn, heads, groups, vocab, theta, scaling, tied) -> GPTConfig:
     qwen = name.startswith("qwen")
     return GPTConfig(num_layers=layers, hidden_size=hidden, num_heads=heads, vocab_size=vocab,
-                     seq_length=4096 if qwen else 8192, ffn_hidden_size=ffn, num_query_groups=groups,
-                     position_embedding_type="rope", rotary_base=theta, rope_scaling=scaling is not None,
-                     rope_scaling_factor=scaling or 8.0, normalization="RMSNorm",
-                     layernorm_eps=1e-6 if qwen else 1e-5, activation="swiglu", add_bias_linear=False,
-                     add_qkv_bias=qwen, untie_embeddings_and_output_weights=not tied, name=name)
+                     seq_length=4096 if qwen else 8192, ffn_hidden_size=ffn,
+                     num_query_groups=groups, position_embedding_type="rope", rotary_base=theta,
+                     rope_scaling=scaling is not None, rope_scaling_factor=scaling or 8.0,
+                     normalization="RMSNorm", layernorm_eps=1e-6 if qwen else 1e-5,
+                     activation="swiglu", add_bias_linear=False, add_qkv_bias=qwen,
+                     untie_embeddings_and_output_weights=not tied, name=name)
 
 
 PRESETS.update({name: _llama(name, *shape) for name, shape in _LLAMA_SHAPES.items()})
 # CPU-sized: RoPE, RMSNorm, SwiGLU, GQA 2:1, untied; 2 query groups split over tp = 1 or 2
-PRESETS["tiny-llama"] = GPTConfig(num_layers=4, hidden_size=64, num_heads=4, num_query_groups=2, vocab_size=512,
-                                  seq_length=128, ffn_hidden_size=176, position_embedding_type="rope",
-                                  normalization="RMSNorm", activation="swiglu", add_bias_linear=False,
-                                  untie_embeddings_and_output_weights=True, name="tiny-llama")
+PRESETS["tiny-llama"] = GPTConfig(
+    num_layers=4, hidden_size=64, num_heads=4, num_query_groups=2, vocab_size=512, seq_length=128,
+    ffn_hidden_size=176, position_embedding_type="rope", normalization="RMSNorm",
+    activation="swiglu", add_bias_linear=False, untie_embeddings_and_output_weights=True,
+    name="tiny-llama")
 
 
 def get_preset(name: str, **overrides) -> GPTConfig:

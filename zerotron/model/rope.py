@@ -38,14 +38,15 @@ def inverse_frequencies(cfg: GPTConfig, device=None) -> torch.Tensor:
     return torch.where(in_between, between, stretched)
 
 
-def rotary_tables(cfg: GPTConfig, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [..., d] for integer ``positions`` [...] (each angle twice: both halves of a pair)."""
+def rotary_tables(cfg: GPTConfig, positions: torch.Tensor,
+                  dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [..., d] for integer ``positions`` [...] (each angle twice: a pair's halves)."""
     angles = positions.float().unsqueeze(-1) * inverse_frequencies(cfg, positions.device)
     angles = torch.cat((angles, angles), dim=-1)
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x · cos + rotate_half(x) · sin, where rotate_half(x1, x2) = (-x2, x1) over a head's halves."""
+    """x · cos + rotate_half(x) · sin, rotate_half(x1, x2) = (-x2, x1) over a head's halves."""
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin

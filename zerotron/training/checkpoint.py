@@ -151,14 +151,15 @@ def save_checkpoint(save: str, step: int, model, opt, grid, *, consumed_samples:
 def check_compatible(meta: dict, model_config: dict, names: dict[str, str]) -> None:
     """Raise (on every rank, before any collective) if the checkpoint's model differs from ours."""
     saved = meta.get("model", {})
-    arch = {k: saved.get(k, v) for k, v in GPT2_ARCH.items()}  # a field it lacks: written before it existed
+    arch = {k: saved.get(k, v) for k, v in GPT2_ARCH.items()}  # a field it lacks: GPT-2's
     ours = {k: model_config.get(k, v) for k, v in GPT2_ARCH.items()}
-    differ = [k for k in GPT2_ARCH if arch[k] != ours[k]]
+    differ = [f"model.{k}={arch[k]!r} in the checkpoint, {ours[k]!r} in this run"
+              for k in GPT2_ARCH if arch[k] != ours[k]]
     if differ:
-        raise CheckpointError(f"checkpoint holds another architecture ({saved.get('architecture', 'gpt2')}): "
-                              + ", ".join(f"model.{k}={arch[k]!r} in the checkpoint, {ours[k]!r} in this run"
-                                          for k in differ)
-                              + "; load a checkpoint of this architecture or set those fields to the checkpoint's")
+        family = saved.get("architecture", "gpt2")
+        raise CheckpointError(f"checkpoint holds another architecture ({family}): "
+                              f"{', '.join(differ)}; load a checkpoint of this architecture or set "
+                              f"those fields to the checkpoint's")
     for key in MODEL_FIELDS:
         if key in saved and key in model_config and saved[key] != model_config[key]:
             raise CheckpointError(f"checkpoint is of another model: model.{key}={saved[key]} in the checkpoint, "
@@ -217,7 +218,8 @@ class _Assembler:
 
 def check_shape(canon: str, saved: list[int], ours: list[int]) -> None:
     """Raise unless a checkpoint's global shape of ``canon`` fits ours. Only the word embedding's
-    (and an untied output layer's) rows may differ: its vocabulary padding depends on the TP size. Any other difference (a
+    (and an untied output layer's) rows may differ: the vocabulary padding depends on the TP
+    size. Any other difference (a
     position table or MLP of another size) is another model, which cropping or zero-padding
     would load in silence."""
     saved, ours = list(saved), list(ours)

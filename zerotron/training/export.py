@@ -190,7 +190,8 @@ def _require_transformers() -> None:
 
 
 def saved_architecture(model_meta: dict) -> str:
-    """The family a checkpoint's model metadata holds; fields it lacks (older checkpoints) are GPT-2's."""
+    """The family a checkpoint's model metadata holds; a field it lacks (older checkpoints)
+    is GPT-2's."""
     from zerotron.model.config import GPT2_ARCH
     return "gpt2" if all(model_meta.get(k, v) == v for k, v in GPT2_ARCH.items()) else "llama"
 
@@ -204,8 +205,9 @@ def export_hf_gpt2(checkpoint: str, out_dir: str, dtype: str = "fp32", tokenizer
     m, dt = meta["model"], _dtype(dtype)
     arch = saved_architecture(m)
     if arch != "gpt2":
-        raise CheckpointError(f"{checkpoint} holds a {arch}-family model; the Hugging Face export writes GPT-2 "
-                              f"(GPT2LMHeadModel) only: use --safetensors for zerotron's own names")
+        raise CheckpointError(f"{checkpoint} holds a {arch}-family model; the Hugging Face "
+                              f"export writes GPT-2 (GPT2LMHeadModel) only: use --safetensors for "
+                              f"zerotron's own names")
     heads, vocab = m["num_heads"], m["vocab_size"]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

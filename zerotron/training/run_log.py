@@ -229,8 +229,9 @@ def _family(m) -> str:
     """Nothing for plain GPT-2 (the line as it was), else the Llama-family parts the model has."""
     if m.architecture == "gpt2":
         return " (document masking)" if m.document_masking else ""
-    parts = [m.position_embedding_type == "rope" and "RoPE", m.normalization, m.activation == "swiglu" and "SwiGLU",
-             not m.tied and "untied", m.qk_layernorm and "qk-norm", m.document_masking and "document masking"]
+    parts = [m.position_embedding_type == "rope" and "RoPE", m.normalization,
+             m.activation == "swiglu" and "SwiGLU", not m.tied and "untied",
+             m.qk_layernorm and "qk-norm", m.document_masking and "document masking"]
     return " (Llama family: " + ", ".join(p for p in parts if p) + ")"
 
 

@@ -140,7 +140,8 @@ def _check_index(ds) -> None:
 
 def model_config(cfg: RunConfig, vocab_size: int, tokenizer_path: str | None = None):
     """The GPT configuration: the preset, with every field the run config sets overriding it; with
-    document masking on and no ``model.eod_token_id``, the end-of-document id of ``tokenizer_path``."""
+    document masking on and no ``model.eod_token_id``, the end-of-document id of
+    ``tokenizer_path``."""
     from zerotron.model import get_preset
 
     base = get_preset(cfg.model.preset)
@@ -179,13 +180,14 @@ def validate_model(cfg: RunConfig, vocab_size: int | None = None):
              or get_preset(cfg.model.preset).vocab_size)
     try:
         mcfg = model_config(cfg, vocab)
-        if mcfg.document_masking and mcfg.eod_token_id is None:  # read from the tokenizer at run time;
-            from zerotron.data.tokenizer import EOD_ID  # any id gives the same shapes before then
+        if mcfg.document_masking and mcfg.eod_token_id is None:  # the tokenizer's, at run time;
+            from zerotron.data.tokenizer import EOD_ID  # any id gives the same shapes till then
             mcfg.eod_token_id = EOD_ID
         if mcfg.document_masking and cfg.parallel.pp > 1:
-            raise ConfigError(f"model.reset_attention_mask/reset_position_ids with parallel.pp={cfg.parallel.pp}: "
-                              f"the packed documents' layout does not travel between pipeline stages yet; use "
-                              f"parallel.pp=1 or turn document masking off")
+            raise ConfigError(f"model.reset_attention_mask/reset_position_ids with "
+                              f"parallel.pp={cfg.parallel.pp}: the packed documents' layout does "
+                              f"not travel between pipeline stages yet; use parallel.pp=1 or turn "
+                              f"document masking off")
         split_layers(mcfg.num_layers, cfg.parallel.pp, virtual_stages=cfg.parallel.virtual_stages)
         check_number_checkpoints(cfg, mcfg.num_layers)
     except ConfigError:

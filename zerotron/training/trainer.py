@@ -121,7 +121,7 @@ class Trainer:
         if self.grid.rank == 0:
             print(text, flush=True)
 
-    def model_config_dict(self) -> dict:  # with the family (gpt2 | llama), for a reader of metadata.json
+    def model_config_dict(self) -> dict:  # with the family (gpt2 | llama), for metadata.json
         return {**dataclasses.asdict(self.mcfg), "architecture": self.mcfg.architecture}
 
     def _on_sigterm(self, signum, frame) -> None:
