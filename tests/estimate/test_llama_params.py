@@ -20,7 +20,7 @@ from zerotron.parallel import Grid, ParallelDims
 LLAMA = [n for n in PRESETS if n.startswith(("llama", "qwen", "mistral", "tiny-llama"))]
 
 
-def _small(cfg, **kw):  # the preset's architecture at 2 layers (meta tensors cost nothing, names do)
+def _small(cfg, **kw):  # the preset's architecture at 2 layers: fewer names to build
     return dataclasses.replace(cfg, num_layers=2, **kw)
 
 
@@ -34,6 +34,7 @@ def test_params_per_rank_counts_the_built_model(name):
         model = GPT(cfg, grid, device="meta")
         sizes = {n: p.numel() for n, p in model.named_parameters()}
         assert params_per_rank(cfg) == sum(sizes.values()) == cfg.exact_num_params(), cfg
-        assert block_params_per_rank(cfg) == sum(v for n, v in sizes.items() if n.startswith("blocks.0."))
+        block = sum(v for n, v in sizes.items() if n.startswith("blocks.0."))
+        assert block_params_per_rank(cfg) == block
         assert largest_param(cfg) == max(sizes.values())
     assert len(LLAMA) == 10

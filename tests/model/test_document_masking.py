@@ -20,18 +20,18 @@ from zerotron.model.documents import document_layout
 from zerotron.parallel import Grid, ParallelDims
 
 EOD, REL_TOL = 2, 1e-10
-LLAMA = dict(num_layers=2, hidden_size=48, num_heads=6, num_query_groups=2, vocab_size=97, seq_length=16,
-             make_vocab_size_divisible_by=8, ffn_hidden_size=44, position_embedding_type="rope",
+GPT2 = dict(num_layers=2, hidden_size=48, num_heads=6, vocab_size=97, seq_length=16,
+            make_vocab_size_divisible_by=8, eod_token_id=EOD)
+LLAMA = dict(GPT2, num_query_groups=2, ffn_hidden_size=44, position_embedding_type="rope",
              normalization="RMSNorm", activation="swiglu", add_bias_linear=False,
-             untie_embeddings_and_output_weights=True, eod_token_id=EOD)
-GPT2 = dict(num_layers=2, hidden_size=48, num_heads=6, vocab_size=97, seq_length=16, make_vocab_size_divisible_by=8,
-            eod_token_id=EOD)
+             untie_embeddings_and_output_weights=True)
 LENGTHS = (5, 7, 4)  # each document ends with EOD; they fill seq_length
 
 
 def packed_sample(seed=0):
     g = torch.Generator().manual_seed(seed)
-    docs = [torch.cat([torch.randint(3, 97, (n - 1,), generator=g), torch.tensor([EOD])]) for n in LENGTHS]
+    docs = [torch.cat([torch.randint(3, 97, (n - 1,), generator=g), torch.tensor([EOD])])
+            for n in LENGTHS]
     return torch.cat(docs).unsqueeze(0), docs
 
 
@@ -51,8 +51,8 @@ def test_packed_logits_equal_each_document_alone_in_float64(shape):
     grid = Grid(ParallelDims(), rank=0, world_size=1)
     masked = GPTConfig(**shape, reset_attention_mask=True, reset_position_ids=True)
     model = GPT(masked, grid, dtype=torch.float64, seed=3)
-    plain = GPT(dataclasses.replace(masked, reset_attention_mask=False, reset_position_ids=False), grid,
-                dtype=torch.float64, seed=3)
+    unmasked_cfg = dataclasses.replace(masked, reset_attention_mask=False, reset_position_ids=False)
+    plain = GPT(unmasked_cfg, grid, dtype=torch.float64, seed=3)
     ids, docs = packed_sample()
     v = masked.vocab_size  # the padded columns hold the lowest value
     with torch.no_grad():
@@ -70,7 +70,8 @@ def _tp2_sp(shape):
     grid = Grid(ParallelDims(tp=2))
     cfg = GPTConfig(**shape, reset_attention_mask=True, reset_position_ids=True)
     ids, _ = packed_sample()
-    ref = GPT(cfg, Grid(ParallelDims(), rank=0, world_size=1), dtype=torch.float64, seed=3)(ids).detach()
+    one = Grid(ParallelDims(), rank=0, world_size=1)
+    ref = GPT(cfg, one, dtype=torch.float64, seed=3)(ids).detach()
     local = GPT(cfg, grid, dtype=torch.float64, seed=3, sequence_parallel=True)(ids).detach()
     parts = [torch.empty_like(local) for _ in range(2)]
     torch.distributed.all_gather(parts, local.contiguous(), group=grid.tp_group.pg)

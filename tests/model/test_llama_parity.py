@@ -27,15 +27,17 @@ import torch.nn.functional as F
 from tests.harness import spawn
 
 REL_TOL = 1e-10
-SHAPE = dict(num_layers=4, hidden_size=48, num_heads=6, num_query_groups=2, vocab_size=97, seq_length=12,
-             make_vocab_size_divisible_by=8, ffn_hidden_size=44, position_embedding_type="rope",
-             normalization="RMSNorm", activation="swiglu", add_bias_linear=False)
+SHAPE = dict(num_layers=4, hidden_size=48, num_heads=6, num_query_groups=2, vocab_size=97,
+             seq_length=12, make_vocab_size_divisible_by=8, ffn_hidden_size=44,
+             position_embedding_type="rope", normalization="RMSNorm", activation="swiglu",
+             add_bias_linear=False)
+UNTIED = dict(untie_embeddings_and_output_weights=True)
 FAMILIES = {  # zerotron's fields for each reference family
     "llama": dict(rotary_base=500000.0, rope_scaling=True, rope_scaling_factor=8.0,
-                  rope_scaling_original_max_position_embeddings=512, untie_embeddings_and_output_weights=True),
+                  rope_scaling_original_max_position_embeddings=512, **UNTIED),
     "qwen2": dict(rotary_base=1e6, layernorm_eps=1e-6, add_qkv_bias=True),
-    "mistral": dict(rotary_base=1e6, untie_embeddings_and_output_weights=True),
-    "qwen3": dict(rotary_base=1e6, layernorm_eps=1e-6, qk_layernorm=True, untie_embeddings_and_output_weights=True),
+    "mistral": dict(rotary_base=1e6, **UNTIED),
+    "qwen3": dict(rotary_base=1e6, layernorm_eps=1e-6, qk_layernorm=True, **UNTIED),
 }
 # the TP split dimension of each parameter (None: every rank holds it whole)
 SPLIT = {"embedding.word.weight": 0, "output_layer": 0, "attn.qkv.weight": 0, "attn.qkv.bias": 0,
@@ -51,23 +53,28 @@ def hf_model(family):
     import transformers as tf
 
     s, f = SHAPE, FAMILIES[family]
-    common = dict(vocab_size=s["vocab_size"], hidden_size=s["hidden_size"], intermediate_size=s["ffn_hidden_size"],
-                  num_hidden_layers=s["num_layers"], num_attention_heads=s["num_heads"],
-                  num_key_value_heads=s["num_query_groups"], max_position_embeddings=64,
-                  rms_norm_eps=f.get("layernorm_eps", 1e-5), tie_word_embeddings=not f.get(
-                      "untie_embeddings_and_output_weights", False), attn_implementation="sdpa")
+    tied = not f.get("untie_embeddings_and_output_weights", False)
+    common = dict(vocab_size=s["vocab_size"], hidden_size=s["hidden_size"],
+                  intermediate_size=s["ffn_hidden_size"], num_hidden_layers=s["num_layers"],
+                  num_attention_heads=s["num_heads"], num_key_value_heads=s["num_query_groups"],
+                  max_position_embeddings=64, rms_norm_eps=f.get("layernorm_eps", 1e-5),
+                  tie_word_embeddings=tied, attn_implementation="sdpa")
     rope = {"rope_type": "default", "rope_theta": f["rotary_base"]}
     if family == "llama":
-        rope = {"rope_type": "llama3", "rope_theta": f["rotary_base"], "factor": 8.0, "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0, "original_max_position_embeddings": 512}
+        rope = {"rope_type": "llama3", "rope_theta": f["rotary_base"], "factor": 8.0,
+                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 512}
         cfg = tf.LlamaConfig(**common, rope_parameters=rope, attention_bias=False, mlp_bias=False)
         return tf.LlamaForCausalLM(cfg)
     if family == "qwen2":
-        return tf.Qwen2ForCausalLM(tf.Qwen2Config(**common, rope_parameters=rope, use_sliding_window=False))
+        cfg = tf.Qwen2Config(**common, rope_parameters=rope, use_sliding_window=False)
+        return tf.Qwen2ForCausalLM(cfg)
     if family == "mistral":
-        return tf.MistralForCausalLM(tf.MistralConfig(**common, rope_parameters=rope, sliding_window=None))
-    return tf.Qwen3ForCausalLM(tf.Qwen3Config(**common, rope_parameters=rope, head_dim=8, attention_bias=False,
-                                              use_sliding_window=False))
+        cfg = tf.MistralConfig(**common, rope_parameters=rope, sliding_window=None)
+        return tf.MistralForCausalLM(cfg)
+    cfg = tf.Qwen3Config(**common, rope_parameters=rope, head_dim=8, attention_bias=False,
+                         use_sliding_window=False)
+    return tf.Qwen3ForCausalLM(cfg)
 
 
 def float64_rmsnorm(self, x):
@@ -76,10 +83,12 @@ def float64_rmsnorm(self, x):
 
 
 def to_zerotron(sd, cfg):
-    """transformers' tensors (weights or gradients) under zerotron's global names, vocab unpadded."""
+    """transformers' tensors (weights or gradients) under zerotron's global names, vocabulary
+    unpadded."""
     h, g, d = cfg.hidden_size, cfg.query_groups, cfg.head_dim
     rep = cfg.num_heads // g
-    out = {"embedding.word.weight": sd["model.embed_tokens.weight"], "final_ln.weight": sd["model.norm.weight"]}
+    out = {"embedding.word.weight": sd["model.embed_tokens.weight"],
+           "final_ln.weight": sd["model.norm.weight"]}
     if cfg.untie_embeddings_and_output_weights:
         out["output_layer"] = sd["lm_head.weight"]
     for i in range(cfg.num_layers):
@@ -91,24 +100,26 @@ def to_zerotron(sd, cfg):
                 continue
             q, k, v = (sd[hf + f"self_attn.{n}_proj.{kind}"] for n in "qkv")
             rest = q.shape[1:]  # per group: its rep query heads, then its k head, then its v head
-            out[zt + f"attn.qkv.{kind}"] = torch.cat([q.reshape(g, rep * d, *rest), k.reshape(g, d, *rest),
-                                                      v.reshape(g, d, *rest)], dim=1).reshape(-1, *rest)
+            grouped = [q.reshape(g, rep * d, *rest), k.reshape(g, d, *rest), v.reshape(g, d, *rest)]
+            out[zt + f"attn.qkv.{kind}"] = torch.cat(grouped, dim=1).reshape(-1, *rest)
         out[zt + "attn.proj.weight"] = sd[hf + "self_attn.o_proj.weight"]
         if hf + "self_attn.q_norm.weight" in sd:
             out[zt + "attn.q_norm.weight"] = sd[hf + "self_attn.q_norm.weight"]
             out[zt + "attn.k_norm.weight"] = sd[hf + "self_attn.k_norm.weight"]
         gate, up = sd[hf + "mlp.gate_proj.weight"], sd[hf + "mlp.up_proj.weight"]
-        out[zt + "mlp.fc1.weight"] = torch.stack([gate, up], dim=1).reshape(-1, h)  # gate_0, up_0, gate_1, ...
+        fc1 = torch.stack([gate, up], dim=1).reshape(-1, h)  # rows gate_0, up_0, gate_1, ...
+        out[zt + "mlp.fc1.weight"] = fc1
         out[zt + "mlp.fc2.weight"] = sd[hf + "mlp.down_proj.weight"]
     return out
 
 
 def references():
-    """Per family: zerotron-named weights and gradients, logits, the batch. Checks TP 1 on the way."""
+    """Per family: zerotron-named weights and gradients, logits, the batch; checks TP 1."""
     import transformers as tf
 
-    for cls in (tf.models.llama.modeling_llama.LlamaRMSNorm, tf.models.qwen2.modeling_qwen2.Qwen2RMSNorm,
-                tf.models.mistral.modeling_mistral.MistralRMSNorm, tf.models.qwen3.modeling_qwen3.Qwen3RMSNorm):
+    m = tf.models
+    for cls in (m.llama.modeling_llama.LlamaRMSNorm, m.qwen2.modeling_qwen2.Qwen2RMSNorm,
+                m.mistral.modeling_mistral.MistralRMSNorm, m.qwen3.modeling_qwen3.Qwen3RMSNorm):
         cls.forward = float64_rmsnorm
     out = {}
     for i, family in enumerate(FAMILIES):
@@ -125,7 +136,8 @@ def references():
         F.cross_entropy(logits.reshape(-1, cfg.vocab_size), labels.reshape(-1)).backward()
         weights = to_zerotron({n: p.detach() for n, p in model.named_parameters()}, cfg)
         grads = to_zerotron({n: p.grad for n, p in model.named_parameters()}, cfg)
-        out[family] = dict(weights=weights, grads=grads, logits=logits.detach(), ids=ids, labels=labels)
+        out[family] = dict(weights=weights, grads=grads, logits=logits.detach(), ids=ids,
+                           labels=labels)
     for family, ref in out.items():
         check_layout(family, ref, tp=1, pp=1)
     return out
@@ -138,25 +150,30 @@ def rel_err(got, want):
 def local_shard(full, name, cfg, tp, rank):
     dim = next((d for k, d in SPLIT.items() if name.endswith(k)), None)
     if name in ("embedding.word.weight", "output_layer"):  # the vocabulary padded for this TP size
-        full = torch.cat([full, full.new_zeros(cfg.padded_vocab_size(tp) - full.shape[0], full.shape[1])])
+        pad = full.new_zeros(cfg.padded_vocab_size(tp) - full.shape[0], full.shape[1])
+        full = torch.cat([full, pad])
     return full if dim is None else full.chunk(tp, dim=dim)[rank]
 
 
 def check_layout(family, ref, tp, pp, v=1, sp=False, ac=None):
-    """Build this rank's piece of the layout, load the reference weights, compare logits and gradients."""
+    """Build this rank's piece of the layout, load the reference weights, compare logits and
+    gradients."""
     from zerotron.activation import ActivationCheckpointConfig, apply_activation_checkpointing
     from zerotron.model.stages import build_stage, pipeline_step
     from zerotron.parallel import Grid, ParallelDims
 
     cfg, what = gpt_config(family), f"{family} tp={tp} pp={pp} v={v} sp={sp} ac={ac}"
-    grid = Grid(ParallelDims(tp=tp, pp=pp, virtual_stages=v)) if tp * pp > 1 else Grid(ParallelDims(), 0, 1)
+    if tp * pp > 1:
+        grid = Grid(ParallelDims(tp=tp, pp=pp, virtual_stages=v))
+    else:
+        grid = Grid(ParallelDims(), 0, 1)
     model = build_stage(cfg, grid, dtype=torch.float64, sequence_parallel=sp)
     if ac:
         apply_activation_checkpointing(model, grid, ActivationCheckpointConfig(**ac).validate())
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.copy_(local_shard(ref["weights"][model.global_name(name)], model.global_name(name), cfg, tp,
-                                grid.tp_rank))
+            full = model.global_name(name)
+            p.copy_(local_shard(ref["weights"][full], full, cfg, tp, grid.tp_rank))
     logits = forward_logits(model, grid, ref["ids"], v)
     if logits is not None:
         err = rel_err(logits[..., :cfg.vocab_size], ref["logits"])
@@ -193,7 +210,10 @@ def forward_logits(model, grid, ids, v):
     if not grid.is_last_stage:
         return None
     parts = [torch.empty_like(x) for _ in range(grid.tp_size)]
-    dist.all_gather(parts, x.contiguous(), group=grid.tp_group.pg) if grid.tp_size > 1 else parts.__setitem__(0, x)
+    if grid.tp_size > 1:
+        dist.all_gather(parts, x.contiguous(), group=grid.tp_group.pg)
+    else:
+        parts[0] = x
     return torch.cat(parts, dim=-1)
 
 
@@ -217,6 +237,7 @@ def test_tp1_and_tp2_equal_transformers(refs):
 
 
 def test_tp2_pp2_and_interleaved_equal_transformers(refs):
-    layouts = [("llama", 2, 2, 1, True, None), ("llama", 2, 2, 2, False, None), ("qwen2", 2, 2, 2, True, None),
+    layouts = [("llama", 2, 2, 1, True, None), ("llama", 2, 2, 2, False, None),
+               ("qwen2", 2, 2, 2, True, None),
                ("mistral", 2, 2, 1, False, dict(recompute_granularity="selective"))]
     assert spawn(run_layouts, 4, refs, layouts, timeout=300) == [True] * 4

@@ -33,13 +33,15 @@ def run_llama(run_dir, cache, steps, flags):
     from zerotron.training.cli import parse_config
     from zerotron.training.trainer import Trainer
 
-    base = ["--config", str(ROOT / "configs" / "tiny-llama.yaml"), "--seq-length", "32", "--micro-batch-size", "2",
-            "--global-batch-size", "8", "--train-steps", str(steps), "--wandb-mode", "disabled",
-            "--log-interval", "100", "--eval-interval", "0", "--run-dir", str(run_dir), "--data.cache_dir", cache,
-            "--save", "none", "--optimizer.warmup_steps", "5", "--tp", "1", "--precision", "fp64"]
+    base = ["--config", str(ROOT / "configs" / "tiny-llama.yaml"), "--seq-length", "32",
+            "--micro-batch-size", "2", "--global-batch-size", "8", "--train-steps", str(steps),
+            "--wandb-mode", "disabled", "--log-interval", "100", "--eval-interval", "0",
+            "--run-dir", str(run_dir), "--data.cache_dir", cache, "--save", "none",
+            "--optimizer.warmup_steps", "5", "--tp", "1", "--precision", "fp64"]
     cfg = parse_config(base + [str(f) for f in flags]).validate(dist.get_world_size())
     trainer = Trainer(cfg, init_distributed())
-    assert trainer.mcfg.architecture == "llama" and {p.dtype for p in trainer.model.parameters()} == {torch.float64}
+    assert trainer.mcfg.architecture == "llama"
+    assert {p.dtype for p in trainer.model.parameters()} == {torch.float64}
     return [float(trainer.train_step()["loss"]) for _ in range(steps)]
 
 
@@ -50,16 +52,19 @@ UNMASKED = ["--model.reset_attention_mask", "false", "--model.reset_position_ids
 
 @pytest.fixture(scope="module")
 def single_process(tmp_path_factory, zerotron_cache):
-    return spawn(run_llama, 1, tmp_path_factory.mktemp("ref"), zerotron_cache, 20, UNMASKED, timeout=240)[0]
+    run_dir = tmp_path_factory.mktemp("ref")
+    return spawn(run_llama, 1, run_dir, zerotron_cache, 20, UNMASKED, timeout=240)[0]
 
 
-@pytest.mark.parametrize("flags", [["--tp", "2", "--zero-stage", "3"], ["--pp", "2", "--zero-stage", "1"]],
+@pytest.mark.parametrize("flags", [["--tp", "2", "--zero-stage", "3"],
+                                   ["--pp", "2", "--zero-stage", "1"]],
                          ids=["tp2-dp2-zero3", "pp2-dp2-zero1"])
 def test_layouts_give_the_single_process_losses(flags, single_process, zerotron_cache, tmp_path):
     assert single_process[-1] < single_process[0] - 0.5  # it learns
     runs = spawn(run_llama, 4, tmp_path, zerotron_cache, 20, flags + UNMASKED, timeout=240)
     for rank, losses in enumerate(runs):
-        assert_fp64(fp64(losses), fp64(single_process), FP64_TP_PP, f"{' '.join(flags)} rank {rank} losses")
+        what = f"{' '.join(flags)} rank {rank} losses"
+        assert_fp64(fp64(losses), fp64(single_process), FP64_TP_PP, what)
 
 
 def test_a_checkpoint_refuses_another_architecture():
@@ -71,18 +76,20 @@ def test_a_checkpoint_refuses_another_architecture():
 
     llama, gpt2 = get_preset("tiny-llama"), get_preset("tiny")
     meta = {"model": {**dataclasses.asdict(llama), "architecture": "llama"}, "params": {}}
-    with pytest.raises(CheckpointError, match=r"another architecture \(llama\): model.position_embedding_type="
-                                              r"'rope' in the checkpoint, 'learned' in this run"):
+    with pytest.raises(CheckpointError, match=r"another architecture \(llama\): "
+                       r"model.position_embedding_type='rope' in the checkpoint, 'learned' in"):
         check_compatible(meta, dataclasses.asdict(gpt2), {})
     check_compatible(meta, dataclasses.asdict(llama), {})
-    old = {k: v for k, v in dataclasses.asdict(gpt2).items() if k in ("num_layers", "hidden_size", "num_heads")}
+    shape = ("num_layers", "hidden_size", "num_heads")
+    old = {k: v for k, v in dataclasses.asdict(gpt2).items() if k in shape}
     assert saved_architecture(old) == "gpt2" and saved_architecture(meta["model"]) == "llama"
-    with pytest.raises(CheckpointError, match="model.normalization='LayerNorm' in the checkpoint, 'RMSNorm'"):
+    with pytest.raises(CheckpointError,
+                       match="model.normalization='LayerNorm' in the checkpoint, 'RMSNorm'"):
         check_compatible({"model": old, "params": {}}, dataclasses.asdict(llama), {})
 
 
 def run_yaml_as_is(run_dir, cache, steps):
-    """configs/tiny-llama.yaml unchanged (TP 2 x DP 2, ZeRO-2, document masking on), ``steps`` steps."""
+    """configs/tiny-llama.yaml as written (TP 2 x DP 2, ZeRO-2, document masking on)."""
     import math
 
     import torch.distributed as dist
@@ -91,12 +98,14 @@ def run_yaml_as_is(run_dir, cache, steps):
     from zerotron.training.cli import parse_config
     from zerotron.training.trainer import Trainer
 
-    argv = ["--config", str(ROOT / "configs" / "tiny-llama.yaml"), "--train-steps", str(steps), "--wandb-mode",
-            "disabled", "--eval-interval", "0", "--run-dir", str(run_dir), "--data.cache_dir", cache, "--save", "none"]
+    argv = ["--config", str(ROOT / "configs" / "tiny-llama.yaml"), "--train-steps", str(steps),
+            "--wandb-mode", "disabled", "--eval-interval", "0", "--run-dir", str(run_dir),
+            "--data.cache_dir", cache, "--save", "none"]
     cfg = parse_config(argv).validate(dist.get_world_size())
     trainer = Trainer(cfg, init_distributed())
     m = trainer.mcfg
-    assert m.reset_attention_mask and m.reset_position_ids and m.eod_token_id == 2  # the built-in tokenizer's
+    assert m.reset_attention_mask and m.reset_position_ids
+    assert m.eod_token_id == 2  # the built-in tokenizer's
     losses = [float(trainer.train_step()["loss"]) for _ in range(steps)]
     assert all(math.isfinite(x) for x in losses)
     return losses
