@@ -12,10 +12,10 @@ from zerotron.model import get_preset
 
 
 @pytest.mark.parametrize("change,tp,message", [
-    (dict(num_query_groups=6), 4, "model.num_query_groups=6 is not divisible by parallel.tp=4: each TP "
-                                  "rank holds whole query groups"),
-    (dict(num_query_groups=5), 1, "model.num_query_groups=5: must be a positive integer dividing "
-                                  "model.num_heads=24"),
+    (dict(num_query_groups=6), 4,
+     "model.num_query_groups=6 is not divisible by parallel.tp=4: each TP rank holds whole"),
+    (dict(num_query_groups=5), 1,
+     "model.num_query_groups=5: must be a positive integer dividing model.num_heads=24"),
     (dict(normalization="rmsnorm"), 1, "model.normalization='rmsnorm': use one of LayerNorm, RMSNorm"),
     (dict(activation="geglu"), 1, "model.activation='geglu': use one of gelu, swiglu"),
     (dict(rope_scaling=True, rope_scaling_high_freq_factor=1.0), 1,
