@@ -29,14 +29,6 @@ class LayerNorm(nn.LayerNorm):
         return super().forward(x)
 
 
-def make_layernorm(hidden: int, eps: float, dtype, device) -> nn.Module:
-    """A LayerNorm whose parameters are TP-replicated (every TP rank holds all of them)."""
-    ln = LayerNorm(hidden, eps=eps, dtype=dtype, device=device)
-    for p in ln.parameters():
-        set_shard_info(p, ShardInfo(None, tuple(p.shape)))
-    return ln
-
-
 class RMSNorm(nn.Module):
     """x / sqrt(mean(x²) + eps) · weight over the last dimension.
 
