@@ -32,6 +32,8 @@ def test_presets_match_papers_and_validate_at_their_mp():
         assert (c.num_layers, c.hidden_size, c.num_heads, c.paper_mp) == (l, h, nh, mp), name
     for name, c in PRESETS.items():
         c.validate(c.paper_mp)
+        if c.architecture != "gpt2":  # the Llama family: tests/estimate/test_llama_params.py
+            continue
         assert c.num_params() == pytest.approx(formula(c), rel=1e-12), name
         assert c.exact_num_params() == c.num_params() + 2 * c.hidden_size  # + final LayerNorm
 

@@ -67,3 +67,13 @@ def test_hfu_counts_the_selective_recompute(zerotron_cache, tmp_path):
     for rec in records:
         assert rec["tflops_per_device"] == pytest.approx(hw / rec["step_time_s"] / 1e12, rel=1e-9)
         assert rec["hfu"] > rec["mfu"]
+
+
+def test_mfu_of_the_llama_block_equals_the_count(zerotron_cache, tmp_path):
+    """tiny-llama: GQA's smaller K/V (2 query groups of 4 heads), SwiGLU's gate and up GEMM, the
+    untied output layer; MFU's FLOPs are the count of its real step."""
+    (model, records), = spawn(counted_run, 1, tmp_path / "llama", zerotron_cache, False,
+                              "--model.preset", "tiny-llama", timeout=120)
+    for rec in records:
+        counted = model / rec["step_time_s"] / 1e12 / PEAK
+        assert rec["mfu"] == rec["hfu"] == pytest.approx(counted, rel=1e-9)

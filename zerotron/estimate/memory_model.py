@@ -153,8 +153,8 @@ def setup_from_run_config(cfg, model: GPTConfig, gpus: int, backend: str = "nccl
 def largest_param(cfg: GPTConfig, tp: int = 1) -> int:
     """Elements of the largest parameter one TP rank holds: its word-embedding slice or a split GEMM
     (what a bucket size of 0 -- DeepSpeed's one parameter at a time -- comes to)."""
-    h = cfg.hidden_size
-    return max(cfg.padded_vocab_size(tp) * h // tp, 3 * h * h // tp, h * cfg.ffn_size // tp)
+    h, fc1 = cfg.hidden_size, (2 if cfg.gated else 1) * cfg.ffn_size
+    return max(cfg.padded_vocab_size(tp) * h // tp, (h + 2 * cfg.kv_size) * h // tp, h * fc1 // tp)
 
 
 def params_per_rank(cfg: GPTConfig, tp: int = 1) -> int:
@@ -162,23 +162,33 @@ def params_per_rank(cfg: GPTConfig, tp: int = 1) -> int:
 
     Megatron-LM §3 splits QKV and fc1 by columns (weights and biases) and proj and fc2 by rows
     (weights only: their biases, LayerNorms and the position table are replicated), and the word
-    embedding over the vocabulary. Equals ``ZeroOptimizer.num_params`` for a ``GPT``.
+    embedding (and an untied output layer) over the vocabulary. Equals ``ZeroOptimizer.num_params``
+    for a ``GPT``, of either architecture.
     """
     return cfg.num_layers * block_params_per_rank(cfg, tp) + root_params_per_rank(cfg, tp)
+
+
+def _norm_params(cfg: GPTConfig, width: int) -> int:
+    return width if cfg.normalization == "RMSNorm" else 2 * width  # RMSNorm: no bias
 
 
 def block_params_per_rank(cfg: GPTConfig, tp: int = 1) -> int:
     """One transformer block's parameters on a TP rank (a stage-3 unit)."""
     h, f = cfg.hidden_size, cfg.ffn_size
-    split = 3 * h * h + 3 * h + h * h + h * f + f + f * h
-    replicated = h + h + 4 * h  # proj bias, fc2 bias, two LayerNorms
+    qkv = h + 2 * cfg.kv_size  # GQA: smaller K and V
+    fc1 = 2 * f if cfg.gated else f  # SwiGLU: gate and up rows
+    split = qkv * h + qkv * cfg.qkv_bias + h * h + h * fc1 + fc1 * cfg.add_bias_linear + f * h
+    replicated = 2 * h * cfg.add_bias_linear + 2 * _norm_params(cfg, h)  # proj/fc2 bias, 2 norms
+    replicated += 2 * _norm_params(cfg, cfg.head_dim) if cfg.qk_layernorm else 0
     return split // tp + replicated
 
 
 def root_params_per_rank(cfg: GPTConfig, tp: int = 1) -> int:
-    """What is not in a block: word-embedding slice, position table, final LayerNorm (the root unit)."""
-    h = cfg.hidden_size
-    return cfg.padded_vocab_size(tp) * h // tp + cfg.max_positions * h + 2 * h
+    """What is not in a block: word-embedding slice (and an untied output layer's), a learned
+    position table, final norm (the root unit)."""
+    h, vocab_slice = cfg.hidden_size, cfg.padded_vocab_size(tp) * cfg.hidden_size // tp
+    positions = cfg.max_positions * h if cfg.position_embedding_type == "learned" else 0
+    return vocab_slice * (1 if cfg.tied else 2) + positions + _norm_params(cfg, h)
 
 
 def gathered_param_bytes(setup: "Setup", param_bytes: int) -> int:

@@ -1,7 +1,10 @@
-"""One GPT-2 transformer block, tensor-parallel the Megatron-LM way (§3, Fig. 3).
+"""One transformer block, tensor-parallel the Megatron-LM way (§3, Fig. 3).
 
     x = x + dropout(proj(attention(qkv(ln1(x)))))     # qkv column-, proj row-parallel
     x = x + dropout(fc2(gelu(fc1(ln2(x)))))            # fc1 column-, fc2 row-parallel
+
+GPT-2's by default; the Llama family's with the architecture fields (``GPTConfig``): RMSNorm for
+ln1/ln2, grouped-query attention with RoPE on q and k, SwiGLU in place of GeLU, no biases.
 
 Each TP rank holds num_heads/tp whole heads, so attention itself needs no communication; the
 only collectives are f before each column-parallel GEMM (all-reduce backward) and g after each
@@ -34,7 +37,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from zerotron.model.config import GPTConfig
-from zerotron.model.layernorm import make_layernorm
+from zerotron.model.documents import document_attention
+from zerotron.model.layernorm import make_norm
+from zerotron.model.rope import rotary_tables, rotate
 from zerotron.parallel import host_sync
 from zerotron.parallel.grid import Grid
 from zerotron.parallel.rng import TPRNG
@@ -47,10 +52,15 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_
     """``scaled_dot_product_attention``, causal. A GPU runs it as a fused kernel (flash on sm80+,
     memory-efficient on V100) that keeps O(s) state per head for backward, where the CPU's math
     kernel keeps the b·a·s² probabilities. A dry run's fake accelerator has no such dispatch, so
-    there the memory-efficient kernel is called by name: the dry run then holds what the GPU would."""
+    there the memory-efficient kernel is called by name: the dry run then holds what the GPU would.
+    Fewer K/V heads than query heads (grouped-query attention): each serves its group's queries."""
+    gqa = k.shape[1] != q.shape[1]
     if host_sync.simulated() and q.device.type != "cpu":
+        if gqa:  # the named kernel takes one K/V head per query head
+            k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
         return torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, dropout_p, True)[0]
-    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
+                                          enable_gqa=gqa)
 
 
 class ParallelAttention(nn.Module):
@@ -58,41 +68,80 @@ class ParallelAttention(nn.Module):
 
     SDPA dispatches to flash / memory-efficient kernels on GPU and to the math kernel on CPU.
     Input and output are [b, s, h], or sequence-first [s/t, b, h] with ``sequence_parallel``.
+
+    Grouped-query attention (Ainslie et al. 2023): the fused QKV rows are ordered (query group,
+    {the group's query heads, k, v}, head_dim) as Megatron-core lays them out, so a contiguous TP
+    split gives each rank whole groups; with one query head per group this is GPT-2's
+    (head, {q, k, v}, head_dim). ``qk_layernorm`` normalises each head's q and k (its weight's
+    gradient summed over TP, whose ranks hold different heads); RoPE then rotates them.
     """
 
     def __init__(self, cfg: GPTConfig, grid: Grid, rng: TPRNG, dtype, device, sequence_parallel: bool = False):
         super().__init__()
         h = cfg.hidden_size
+        self.cfg, self.group = cfg, grid.tp_group
+        self.groups_per_rank = cfg.query_groups // grid.tp_size
+        self.heads_per_group = cfg.num_heads // cfg.query_groups
         self.heads_per_rank = cfg.num_heads // grid.tp_size
         self.head_dim = cfg.head_dim
         self.dropout_p = cfg.attention_dropout
         self.rng = rng
         self.seq_first = sequence_parallel
-        self.qkv = ColumnParallelLinear(h, 3 * h, grid, dtype=dtype, device=device, sequence_parallel=sequence_parallel)
-        self.proj = RowParallelLinear(h, h, grid, input_is_parallel=True, dtype=dtype, device=device,
-                                      sequence_parallel=sequence_parallel)
+        sp = sequence_parallel
+        self.qkv = ColumnParallelLinear(h, h + 2 * cfg.kv_size, grid, bias=cfg.qkv_bias,
+                                        dtype=dtype, device=device, sequence_parallel=sp)
+        self.proj = RowParallelLinear(h, h, grid, bias=cfg.add_bias_linear, input_is_parallel=True,
+                                      dtype=dtype, device=device, sequence_parallel=sp)
+        if cfg.qk_layernorm:
+            d, eps = cfg.head_dim, cfg.layernorm_eps
+            self.q_norm = make_norm(cfg.normalization, d, eps, dtype, device)
+            self.k_norm = make_norm(cfg.normalization, d, eps, dtype, device)
         # Replaces the direct call of ``core`` when set (selective recompute:
         # zerotron.activation.selective); called as core_runner(core, q, k, v).
         self.core_runner = None
+        # While a packed batch runs (model.documents): each token's position inside its document
+        # and its document's index, [b, s] (None: positions 0..s-1, one document).
+        self.positions = self.documents = None
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """QKᵀ, softmax, dropout, ·V over this rank's heads ([b, heads_per_rank, s, head_dim])."""
+        """QKᵀ, softmax, dropout, ·V over this rank's heads ([b, heads, s, head_dim]; k, v:
+        [b, groups, s, head_dim])."""
         p = self.dropout_p if self.training else 0.0
         region = self.rng.fork() if p > 0 else contextlib.nullcontext()
+        # a dry run's fake GPU runs the fused causal kernel: O(s) per head, what flex would hold
+        fake_gpu = host_sync.simulated() and q.device.type != "cpu"
+        if self.documents is not None and not fake_gpu:
+            return document_attention(q, k, v, self.documents)  # no dropout: refused at start-up
         with region:  # per-rank stream: each rank's heads get their own dropout masks
             return causal_attention(q, k, v, p)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv(x)  # [b, s, 3h/t], or [s, b, 3h/t] gathered from the sequence pieces
-        heads, d = self.heads_per_rank, self.head_dim
+    def split_heads(self, qkv: torch.Tensor):
+        """The fused GEMM's output → this rank's q [b, heads, s, d] and k, v [b, groups, s, d]."""
+        g, rep, d = self.groups_per_rank, self.heads_per_group, self.head_dim
         if self.seq_first:
             s, b = qkv.shape[:2]
-            q, k, v = qkv.view(s, b, heads, 3, d).permute(3, 1, 2, 0, 4).unbind(0)
+            qkv = qkv.view(s, b, g, rep + 2, d).permute(3, 1, 2, 0, 4)  # [rep + 2, b, g, s, d]
         else:
             b, s = qkv.shape[:2]
-            q, k, v = qkv.view(b, s, heads, 3, d).permute(3, 0, 2, 1, 4).unbind(0)
-        # each [b, heads_per_rank, s, head_dim]
+            qkv = qkv.view(b, s, g, rep + 2, d).permute(3, 0, 2, 1, 4)
+        if rep == 1:
+            return qkv.unbind(0)
+        q = qkv[:rep].permute(1, 2, 0, 3, 4).reshape(b, g * rep, s, d)  # head = group · rep + i
+        return q, qkv[rep], qkv[rep + 1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.split_heads(self.qkv(x))  # with SP the GEMM's input is gathered first
+        b, s, cfg = q.shape[0], q.shape[2], self.cfg
+        if cfg.qk_layernorm:  # weights' gradients summed over TP: each rank normalises its heads
+            q = sequence_parallel_norm(self.q_norm, q, self.group)
+            k = sequence_parallel_norm(self.k_norm, k, self.group)
+        if cfg.position_embedding_type == "rope":
+            positions = (torch.arange(s, device=q.device) if self.positions is None
+                         else self.positions.unsqueeze(1))  # [b, 1, s]: one table per sample
+            cos, sin = rotary_tables(cfg, positions, q.dtype)
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         y = self.core(q, k, v) if self.core_runner is None else self.core_runner(self.core, q, k, v)
+        heads, d = self.heads_per_rank, self.head_dim
         if self.seq_first:
             y = y.permute(2, 0, 1, 3).reshape(s, b, heads * d)
         else:
@@ -101,31 +150,46 @@ class ParallelAttention(nn.Module):
 
 
 class ParallelMLP(nn.Module):
-    """h → ffn (column-parallel, GeLU locally) → h (row-parallel): Megatron-LM §3's MLP split."""
+    """h → ffn (column-parallel, GeLU locally) → h (row-parallel): Megatron-LM §3's MLP split.
+
+    SwiGLU (Shazeer 2020): down(silu(gate(x)) · up(x)), gate and up one column-parallel GEMM whose
+    rows alternate (gate_0, up_0, gate_1, up_1, ...): every contiguous TP split then holds the
+    gate rows and the up rows of the same ffn columns, whatever the TP size, so checkpoints
+    reshard along dim 0 as any column-parallel weight does.
+    """
 
     def __init__(self, cfg: GPTConfig, grid: Grid, dtype, device, sequence_parallel: bool = False):
         super().__init__()
-        self.fc1 = ColumnParallelLinear(cfg.hidden_size, cfg.ffn_size, grid, dtype=dtype, device=device,
+        self.gated = cfg.gated
+        fc1_out = 2 * cfg.ffn_size if self.gated else cfg.ffn_size
+        self.fc1 = ColumnParallelLinear(cfg.hidden_size, fc1_out, grid, bias=cfg.add_bias_linear,
+                                        dtype=dtype, device=device,
                                         sequence_parallel=sequence_parallel)
-        self.fc2 = RowParallelLinear(cfg.ffn_size, cfg.hidden_size, grid, input_is_parallel=True,
-                                     dtype=dtype, device=device, sequence_parallel=sequence_parallel)
+        self.fc2 = RowParallelLinear(cfg.ffn_size, cfg.hidden_size, grid, bias=cfg.add_bias_linear,
+                                     input_is_parallel=True, dtype=dtype, device=device,
+                                     sequence_parallel=sequence_parallel)
         self.approximate = cfg.gelu_approximate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(x), approximate=self.approximate))
+        y = self.fc1(x)
+        if self.gated:
+            gate, up = y.unflatten(-1, (-1, 2)).unbind(-1)
+            return self.fc2(F.silu(gate) * up)
+        return self.fc2(F.gelu(y, approximate=self.approximate))
 
 
 class TransformerBlock(nn.Module):
-    """Pre-LayerNorm GPT-2 block; ``layer_id`` is its global index (init seeds, pipeline stages)."""
+    """Pre-norm block (GPT-2's, or Llama's with the architecture fields); ``layer_id`` is its
+    global index (init seeds, pipeline stages)."""
 
     def __init__(self, cfg: GPTConfig, grid: Grid, rng: TPRNG, layer_id: int, dtype=torch.float32, device=None,
                  sequence_parallel: bool = False):
         super().__init__()
         self.layer_id = layer_id
         self.sequence_parallel, self.group, self.rng = sequence_parallel, grid.tp_group, rng
-        self.ln1 = make_layernorm(cfg.hidden_size, cfg.layernorm_eps, dtype, device)
+        self.ln1 = make_norm(cfg.normalization, cfg.hidden_size, cfg.layernorm_eps, dtype, device)
         self.attn = ParallelAttention(cfg, grid, rng, dtype, device, sequence_parallel)
-        self.ln2 = make_layernorm(cfg.hidden_size, cfg.layernorm_eps, dtype, device)
+        self.ln2 = make_norm(cfg.normalization, cfg.hidden_size, cfg.layernorm_eps, dtype, device)
         self.mlp = ParallelMLP(cfg, grid, dtype, device, sequence_parallel)
         self.dropout = nn.Dropout(cfg.dropout)  # shared stream on replicated activations; per rank with SP
 

@@ -1,7 +1,10 @@
 """GPT configuration: the model's shape, validated once against the tensor-parallel size.
 
-The architecture is GPT-2's (the family both the ZeRO paper §10.1 and Megatron-LM §5 train):
-learned positions, pre-LayerNorm blocks, a 4h GeLU MLP, tied input/output embeddings.
+The default architecture is GPT-2's (the family both the ZeRO paper §10.1 and Megatron-LM §5
+train): learned positions, pre-LayerNorm blocks, a 4h GeLU MLP, tied input/output embeddings.
+The architecture fields, named as Megatron-core's ``TransformerConfig`` names them, select the
+Llama family instead (RoPE, RMSNorm, SwiGLU, grouped-query attention, untied output layer);
+``architecture`` names which of the two a config holds (checkpoints record it).
 """
 
 from __future__ import annotations
@@ -31,6 +34,25 @@ class GPTConfig:
     ffn_hidden_size: int | None = None  # None: 4 * hidden_size (GPT-2)
     max_position_embeddings: int | None = None  # None: seq_length
     gelu_approximate: str = "tanh"  # GPT-2's "gelu_new"; "none" for the erf form
+    # architecture (Megatron-core TransformerConfig names); the defaults are GPT-2's
+    position_embedding_type: str = "learned"  # learned | rope
+    rotary_base: float = 10000.0  # RoPE's theta
+    rope_scaling: bool = False  # Llama-3.1's frequency scaling, with the four fields below
+    rope_scaling_factor: float = 8.0
+    rope_scaling_low_freq_factor: float = 1.0
+    rope_scaling_high_freq_factor: float = 4.0
+    rope_scaling_original_max_position_embeddings: int = 8192
+    normalization: str = "LayerNorm"  # LayerNorm | RMSNorm; epsilon: layernorm_eps
+    activation: str = "gelu"  # gelu | swiglu (down(silu(gate(x)) * up(x)))
+    num_query_groups: int | None = None  # grouped-query attention; None: num_heads; 1: MQA
+    add_bias_linear: bool = True  # biases of every linear layer (Llama: false)
+    add_qkv_bias: bool = False  # q, k, v biases when add_bias_linear is false (Qwen2)
+    untie_embeddings_and_output_weights: bool = False
+    qk_layernorm: bool = False  # normalise each head's q and k before RoPE
+    # document masking of packed samples (Megatron's names): attention and positions per document
+    reset_attention_mask: bool = False
+    reset_position_ids: bool = False
+    eod_token_id: int | None = None  # None: the tokenizer's end-of-document id (the trainer's)
     paper_mp: int = 1
     name: str = ""
 
@@ -45,6 +67,42 @@ class GPTConfig:
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
+
+    @property
+    def query_groups(self) -> int:
+        """K/V heads: ``num_query_groups``, or one per query head (multi-head attention)."""
+        return self.num_heads if self.num_query_groups is None else self.num_query_groups
+
+    @property
+    def kv_size(self) -> int:
+        """Width of K (and of V): query_groups · head_dim, ``hidden_size`` without GQA."""
+        return self.query_groups * self.head_dim
+
+    @property
+    def gated(self) -> bool:
+        """SwiGLU: the first MLP GEMM makes gate and up rows, 2·ffn outputs."""
+        return self.activation == "swiglu"
+
+    @property
+    def qkv_bias(self) -> bool:
+        return self.add_bias_linear or self.add_qkv_bias
+
+    @property
+    def tied(self) -> bool:
+        return not self.untie_embeddings_and_output_weights
+
+    @property
+    def document_masking(self) -> bool:
+        return self.reset_attention_mask or self.reset_position_ids
+
+    @property
+    def architecture(self) -> str:
+        """``gpt2`` for the defaults, else ``llama``: the family a checkpoint says it holds."""
+        return "gpt2" if self.arch_fields() == GPT2_ARCH else "llama"
+
+    def arch_fields(self) -> dict:
+        """The fields that change which weights a model has or what it computes with them."""
+        return {f: getattr(self, f) for f in GPT2_ARCH}
 
     def padded_vocab_size(self, tp: int = 1) -> int:
         """Vocabulary padded to a multiple of ``make_vocab_size_divisible_by * tp``.
@@ -89,10 +147,12 @@ class GPTConfig:
         if nh % tp:
             raise ValueError(f"model.num_heads={nh} is not divisible by parallel.tp={tp}: attention splits "
                              f"whole heads over TP ranks; use a tp that divides {nh} or change num_heads")
+        self._validate_architecture(tp)
         if self.ffn_size % tp:
             raise ValueError(f"model.ffn_hidden_size={self.ffn_size} is not divisible by parallel.tp={tp}; "
                              f"use a tp that divides it")
-        if self.max_positions < self.seq_length:
+        learned = self.position_embedding_type == "learned"
+        if learned and self.max_positions < self.seq_length:
             raise ValueError(f"model.seq_length={self.seq_length} exceeds the position table "
                              f"(model.max_position_embeddings={self.max_positions}); raise "
                              f"model.max_position_embeddings to >= {self.seq_length} or shorten model.seq_length")
@@ -103,15 +163,76 @@ class GPTConfig:
 
         V is the padded vocabulary at ``tp`` and s the position table. Equals 12lh² + 13lh +
         (V+s)h, i.e. every parameter except the final LayerNorm's 2h (see ``exact_num_params``).
+        Other architectures (the formula is GPT-2's): ``exact_num_params``.
         """
+        if self.architecture != "gpt2":
+            return self.exact_num_params(tp)
         l, h, s, v = self.num_layers, self.hidden_size, self.max_positions, self.padded_vocab_size(tp)
         return 12 * l * h * h + 13 * l * h + (v + s) * h  # the formula, expanded to stay exact
 
     def exact_num_params(self, tp: int = 1) -> int:
-        """Every parameter of ``GPT`` (tied embedding counted once), summed over TP ranks."""
-        l, h, f = self.num_layers, self.hidden_size, self.ffn_size
-        block = (3 * h * h + 3 * h) + (h * h + h) + (h * f + f) + (f * h + h) + 4 * h
-        return l * block + (self.padded_vocab_size(tp) + self.max_positions) * h + 2 * h
+        """Every parameter of ``GPT`` (a tied embedding counted once), summed over TP ranks."""
+        l, h, f, kv = self.num_layers, self.hidden_size, self.ffn_size, self.kv_size
+        fc1 = 2 * f if self.gated else f
+        bias = self.add_bias_linear
+        attn = (h + 2 * kv) * h + (h + 2 * kv) * self.qkv_bias + h * h + h * bias
+        mlp = h * fc1 + fc1 * bias + f * h + h * bias
+        norm = h if self.normalization == "RMSNorm" else 2 * h  # RMSNorm has no bias
+        qk_norm = 2 * (norm // h) * self.head_dim if self.qk_layernorm else 0
+        learned = self.position_embedding_type == "learned"
+        positions = self.max_positions * h if learned else 0
+        head = self.padded_vocab_size(tp) * h if not self.tied else 0
+        vocab = self.padded_vocab_size(tp) * h
+        return l * (attn + mlp + 2 * norm + qk_norm) + vocab + positions + head + norm
+
+    def _validate_architecture(self, tp: int) -> None:
+        """The architecture fields (Megatron-core's names); errors name the field and the fix."""
+        for field, allowed in ARCH_CHOICES.items():
+            if getattr(self, field) not in allowed:
+                raise ValueError(f"model.{field}={getattr(self, field)!r}: use one of "
+                                 f"{', '.join(allowed)}")
+        for field in ARCH_BOOLS:
+            if not isinstance(getattr(self, field), bool):
+                raise ValueError(f"model.{field}={getattr(self, field)!r}: give true or false")
+        for field in ARCH_POSITIVE:
+            if getattr(self, field) <= 0:
+                raise ValueError(f"model.{field}={getattr(self, field)}: must be > 0")
+        low, high = self.rope_scaling_low_freq_factor, self.rope_scaling_high_freq_factor
+        if self.rope_scaling and high <= low:
+            raise ValueError(f"model.rope_scaling_high_freq_factor={high} must exceed "
+                             f"model.rope_scaling_low_freq_factor={low} (Llama-3.1: 4 and 1)")
+        if self.reset_attention_mask and self.attention_dropout > 0:
+            raise ValueError(f"model.attention_dropout={self.attention_dropout} with "
+                             f"model.reset_attention_mask: the document-masked attention kernel "
+                             f"has no dropout; set attention_dropout to 0")
+        g, nh = self.query_groups, self.num_heads
+        if not isinstance(g, int) or isinstance(g, bool) or g < 1 or nh % g:
+            raise ValueError(f"model.num_query_groups={g!r}: must be a positive integer dividing "
+                             f"model.num_heads={nh} (1: multi-query; null: one group per head)")
+        if g % tp:
+            raise ValueError(f"model.num_query_groups={g} is not divisible by parallel.tp={tp}: "
+                             f"each TP rank holds whole query groups (their K/V heads); use a tp "
+                             f"that divides {g} or change num_query_groups")
+        if self.position_embedding_type == "rope" and self.head_dim % 2:
+            raise ValueError(f"model.hidden_size/model.num_heads={self.head_dim}: RoPE rotates "
+                             f"pairs of a head's dimensions, so the head dimension must be even; "
+                             f"change num_heads or hidden_size")
+
+
+ARCH_CHOICES = {"position_embedding_type": ("learned", "rope"),
+                "normalization": ("LayerNorm", "RMSNorm"), "activation": ("gelu", "swiglu")}
+ARCH_BOOLS = ("add_bias_linear", "add_qkv_bias", "untie_embeddings_and_output_weights",
+              "qk_layernorm", "rope_scaling", "reset_attention_mask", "reset_position_ids")
+ARCH_POSITIVE = ("rotary_base", "rope_scaling_factor", "rope_scaling_low_freq_factor",
+                 "rope_scaling_high_freq_factor", "rope_scaling_original_max_position_embeddings")
+GPT2_ARCH = {"position_embedding_type": "learned", "rotary_base": 10000.0, "rope_scaling": False,
+             "rope_scaling_factor": 8.0, "rope_scaling_low_freq_factor": 1.0,
+             "rope_scaling_high_freq_factor": 4.0,
+             "rope_scaling_original_max_position_embeddings": 8192, "normalization": "LayerNorm",
+             "activation": "gelu", "num_query_groups": None, "add_bias_linear": True,
+             "add_qkv_bias": False, "untie_embeddings_and_output_weights": False,
+             "qk_layernorm": False}
+"""GPT-2's value of every architecture field (``GPTConfig.arch_fields``)."""
 
 
 def _divisor_near(n: int, target: int) -> int:

@@ -6,8 +6,11 @@ vocabulary; a GEMM of m×k by k×n costs 2·m·k·n). One layer's forward over T
 * QKV 2·T·h·3h, attention output 2·T·h·h, fc1 2·T·h·f, fc2 2·T·f·h  → T·(8h² + 4hf);
 * scores QKᵀ and probabilities × V, 2·T·s·h each                    → 4·T·s·h;
 
-the logit GEMM 2·T·h·V. Backward costs twice the forward. So, with f = 4h as in GPT-2, the
-**model FLOPs** (no recompute; Korthikanti et al. 2022, App. A)
+the logit GEMM 2·T·h·V. The Llama family's layer (``GPTConfig``'s architecture fields): QKV
+2·T·h·(h + 2·kv) with kv = query_groups·head_dim (grouped-query attention's smaller K and V),
+SwiGLU's gate and up GEMM 2·T·h·2f; the scores are unchanged (every query head attends), an
+untied output layer costs what the tied one does. Backward costs twice the forward. So, with
+f = 4h as in GPT-2, the **model FLOPs** (no recompute; Korthikanti et al. 2022, App. A)
 
     F = 3·l·T·(8h² + 4hf + 4sh) + 6·T·h·V = 72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h)),
 
@@ -50,8 +53,9 @@ PEAK_TFLOPS: dict[str, dict[str, float]] = {
 
 def layer_forward_flops(cfg: GPTConfig, tokens: int, seq: int) -> int:
     """GEMM FLOPs of one transformer layer's forward over ``tokens`` tokens of sequences ``seq`` long."""
-    h, f = cfg.hidden_size, cfg.ffn_size
-    return tokens * (8 * h * h + 4 * h * f + 4 * seq * h)
+    h, f, kv = cfg.hidden_size, cfg.ffn_size, cfg.kv_size
+    up = 2 * f if cfg.gated else f  # SwiGLU: gate and up rows in one GEMM
+    return tokens * (2 * h * (h + 2 * kv) + 2 * h * h + 2 * h * up + 2 * f * h + 4 * seq * h)
 
 
 def flops_per_iteration(cfg: GPTConfig, batch: int, seq: int | None = None, recompute: bool = False,

@@ -31,7 +31,8 @@ import torch
 from torch import nn
 
 from zerotron.model.block import TransformerBlock
-from zerotron.model.layernorm import make_layernorm
+from zerotron.model.documents import document_layout
+from zerotron.model.layernorm import make_norm
 from zerotron.model.config import GPTConfig
 from zerotron.parallel.cross_entropy import vocab_parallel_cross_entropy
 from zerotron.parallel.grid import Grid
@@ -42,6 +43,7 @@ from zerotron.parallel.tensor_parallel import VocabParallelEmbedding, init_shard
 from zerotron.parallel.tp_mappings import copy_to_tp_region
 
 WORD_EMBEDDING = "embedding.word.weight"
+NORMS = ("ln1", "ln2", "final_ln", "q_norm", "k_norm")  # norm modules: weight 1, bias 0 at init
 
 
 class Embedding(nn.Module):
@@ -55,22 +57,34 @@ class Embedding(nn.Module):
         self.sequence_parallel, self.group, self.rng, self.tp_rank = sequence_parallel, grid.tp_group, rng, grid.tp_rank
         self.word = VocabParallelEmbedding(cfg.padded_vocab_size(grid.tp_size), cfg.hidden_size, grid,
                                            dtype=dtype, device=device, sequence_parallel=sequence_parallel)
-        self.position = tp_param((cfg.max_positions, cfg.hidden_size), None, grid.tp_size, dtype, device)
+        self.position = None  # RoPE: positions act inside attention, no table
+        if cfg.position_embedding_type == "learned":
+            shape = (cfg.max_positions, cfg.hidden_size)
+            self.position = tp_param(shape, None, grid.tp_size, dtype, device)
         self.dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """``positions`` [b, s]: each token's position (document masking), else 0..s-1."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
         s = input_ids.shape[1]
-        if s > self.max_positions:
+        if self.position is not None and s > self.max_positions:
             raise ValueError(f"input sequence length {s} exceeds the position table "
                              f"(model.max_position_embeddings={self.max_positions}); "
                              f"shorten the sequences or raise model.max_position_embeddings to >= {s}")
         if not self.sequence_parallel:
-            return self.dropout(self.word(input_ids) + self.position[:s])
+            x = self.word(input_ids)
+            if self.position is not None:
+                x = x + (self.position[:s] if positions is None else self.position[positions])
+            return self.dropout(x)
         check_sequence_length(s, self.group.size)
         lo, hi = self.tp_rank * (s // self.group.size), (self.tp_rank + 1) * (s // self.group.size)
-        x = self.word(input_ids.t()) + tp_summed(self.position[:s], self.group)[lo:hi].unsqueeze(1)
+        x = self.word(input_ids.t())
+        if self.position is not None and positions is None:
+            x = x + tp_summed(self.position[:s], self.group)[lo:hi].unsqueeze(1)
+        elif self.position is not None:  # this rank's tokens, sequence-first
+            x = x + tp_summed(self.position, self.group)[positions.t()[lo:hi]]
         if not (self.training and self.dropout.p > 0):
             return x
         with self.rng.fork("sp"):  # this rank's tokens: its own mask
@@ -95,6 +109,12 @@ class GPT(nn.Module):
                  sequence_parallel: bool = False, chunk_sizes: list[int] | None = None):
         super().__init__()
         config.validate(grid.tp_size)
+        if config.document_masking and (config.eod_token_id is None or grid.pp_size > 1):
+            raise ValueError(f"model.reset_attention_mask/reset_position_ids need "
+                             f"model.eod_token_id (the trainer sets the tokenizer's) and "
+                             f"parallel.pp=1 (the documents' layout does not travel between "
+                             f"pipeline stages yet); got "
+                             f"eod_token_id={config.eod_token_id}, pp={grid.pp_size}")
         if sequence_parallel:
             check_sequence_length(config.seq_length, grid.tp_size)
         self.sequence_parallel = sequence_parallel
@@ -125,10 +145,13 @@ class GPT(nn.Module):
         # Replaces the plain block loop when set (activation checkpointing, ZeRO-R Pa/Pa+cpu/MD:
         # zerotron.activation.checkpoint.apply_activation_checkpointing); called as runner(blocks, x).
         self.block_runner = None
-        self.final_ln = (make_layernorm(config.hidden_size, config.layernorm_eps, dtype, device)
-                         if post_process else None)
-        self.word_embedding_copy = None
-        if post_process and not pre_process:
+        norm = config.normalization, config.hidden_size, config.layernorm_eps
+        self.final_ln = make_norm(*norm, dtype, device) if post_process else None
+        self.word_embedding_copy = self.output_layer = None
+        vocab_slice = (self.padded_vocab_size // grid.tp_size, config.hidden_size)
+        if post_process and not config.tied:  # its own weight, vocab-parallel as the embedding
+            self.output_layer = tp_param(vocab_slice, 0, grid.tp_size, dtype, device)
+        elif post_process and not pre_process:
             self.word_embedding_copy = tp_param((self.padded_vocab_size // grid.tp_size, config.hidden_size), 0,
                                                 grid.tp_size, dtype, device, embedding_copy=True)
         self.init_weights(seed, layout_independent_init)
@@ -162,18 +185,25 @@ class GPT(nn.Module):
         cfg, grid = self.config, self.grid
         p = self.get_parameter(local_name)
         name = self.global_name(local_name)
-        if name.split(".")[-2:-1] in (["ln1"], ["ln2"], ["final_ln"]):  # LayerNorm: ones, zeros
+        if name.split(".")[-2:-1] in [[n] for n in NORMS]:  # a norm's weight 1, bias 0
             out.fill_(1.0 if name.endswith("weight") else 0.0)
         elif p.ndim == 1:  # biases
             out.zero_()
         else:
             residual = name.endswith(TransformerBlock.residual_projections)
             std = cfg.init_std / math.sqrt(2.0 * cfg.num_layers) if residual else cfg.init_std
-            rows = cfg.vocab_size if name == WORD_EMBEDDING else None  # padding rows stay 0
+            vocab_table = name in (WORD_EMBEDDING, "output_layer")
+            rows = cfg.vocab_size if vocab_table else None  # padding rows stay 0
             init_sharded_(p, std, self.init_seed, name, grid.tp_rank, grid.tp_size, self.layout_independent_init,
                           rows, out=out)
 
     # the three pieces --------------------------------------------------------------------------
+    @property
+    def output_weight(self) -> nn.Parameter:
+        """This rank's vocab slice of the output layer: its own when untied, else the word
+        embedding."""
+        return self.word_embedding_weight if self.output_layer is None else self.output_layer
+
     @property
     def word_embedding_weight(self) -> nn.Parameter:
         """This rank's vocab slice of the (tied) word embedding, the output layer's weight."""
@@ -193,7 +223,13 @@ class GPT(nn.Module):
         parallelism this rank's [s/t, b, h]."""
         if self.embedding is None:
             raise RuntimeError("embed() on a stage built with pre_process=False")
-        return self.embedding(input_ids)
+        if not self.config.document_masking:
+            return self.embedding(input_ids)
+        documents, positions = document_layout(input_ids, self.config.eod_token_id)
+        for block in self.blocks:  # read by attention in this forward, and in its recomputes
+            block.attn.documents = documents if self.config.reset_attention_mask else None
+            block.attn.positions = positions if self.config.reset_position_ids else None
+        return self.embedding(input_ids, positions if self.config.reset_position_ids else None)
 
     def head(self, hidden: torch.Tensor, labels: torch.Tensor | None = None,
              ignore_index: int = -100) -> torch.Tensor:
@@ -207,14 +243,14 @@ class GPT(nn.Module):
         group = self.grid.tp_group
         if self.sequence_parallel:  # [s/t, b, h] → logits [s, b, V/t] (all-gathered into the GEMM)
             x = sequence_parallel_norm(self.final_ln, hidden, group)
-            logits = gather_linear(x, self.word_embedding_weight, None, group)
+            logits = gather_linear(x, self.output_weight, None, group)
             if labels is not None:  # the loss in the logits' own [s, b] order, returned [b, s]
                 return vocab_parallel_cross_entropy(logits, labels.t(), group, self.vocab_start, self.vocab_size,
                                                     ignore_index).t()
             logits = logits.transpose(0, 1)
         else:
             x = copy_to_tp_region(self.final_ln(hidden), group)  # f: grads all-reduced
-            logits = torch.matmul(x, self.word_embedding_weight.t())
+            logits = torch.matmul(x, self.output_weight.t())
         if labels is not None:
             return vocab_parallel_cross_entropy(logits, labels, self.grid.tp_group, self.vocab_start,
                                                 self.vocab_size, ignore_index)

@@ -1,4 +1,5 @@
-"""LayerNorm that runs apex's fused kernel on CUDA tensors when apex is importable.
+"""The normalisations: LayerNorm (GPT-2), with apex's fused kernel on CUDA tensors when apex is
+importable, and RMSNorm (the Llama family: Zhang & Sennrich 2019, no mean, no bias).
 
 The kernel is chosen per call from the input's device, not when the module is built: the model
 is built on the meta device (parameters get their storage from the ZeRO optimizer later), so a
@@ -28,9 +29,30 @@ class LayerNorm(nn.LayerNorm):
         return super().forward(x)
 
 
-def make_layernorm(hidden: int, eps: float, dtype, device) -> nn.Module:
-    """A LayerNorm whose parameters are TP-replicated (every TP rank holds all of them)."""
-    ln = LayerNorm(hidden, eps=eps, dtype=dtype, device=device)
-    for p in ln.parameters():
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x²) + eps) · weight over the last dimension.
+
+    16-bit inputs are normalised in fp32 and rounded back before the weight (as Llama's reference
+    code); fp32 and float64 inputs at their own precision, so a float64 run stays float64.
+    """
+
+    def __init__(self, hidden: int, eps: float, dtype=None, device=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(hidden, dtype=dtype, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        wide = x.float() if x.element_size() < 4 else x  # bf16/fp16: statistics in fp32
+        normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+def make_norm(kind: str, hidden: int, eps: float, dtype, device) -> nn.Module:
+    """``model.normalization``'s module (LayerNorm or RMSNorm), its parameters TP-replicated."""
+    if kind == "RMSNorm":
+        norm = RMSNorm(hidden, eps, dtype, device)
+    else:
+        norm = LayerNorm(hidden, eps=eps, dtype=dtype, device=device)
+    for p in norm.parameters():
         set_shard_info(p, ShardInfo(None, tuple(p.shape)))
-    return ln
+    return norm

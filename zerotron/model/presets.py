@@ -11,6 +11,10 @@ Sources:
   baselines (``zero-dp-baseline-*``).
 * ``megatron-*``: Megatron-LM Table 1 (weak scaling, 96 hidden per head) and Table 2's 355M.
 
+* Llama family (``llama3.*``, ``qwen2.5-*``, ``mistral-7b``): the published ``config.json`` shapes
+  (``shared/reference/modern_gpt.md``), sequence length the pretraining context (Llama-3 and
+  Mistral 8192, Qwen2.5 4096); ``tiny-llama`` the CPU-sized one of ``configs/tiny-llama.yaml``.
+
 The papers do not state the sequence length of these runs; 1024 (the only one [Z] names, §6.1,
 and Megatron's) is used. Vocabulary is GPT-2's 50,257, padded at run time
 (``GPTConfig.padded_vocab_size``).
@@ -70,6 +74,40 @@ PRESETS: dict[str, GPTConfig] = {
         for name, (l, h, nh, mp) in _PAPER_SHAPES.items()
     },
 }
+
+
+# name: (layers, hidden, ffn, heads, kv heads, vocab, rope theta, Llama-3.1 scaling factor, tied)
+_LLAMA_SHAPES: dict[str, tuple] = {
+    "llama3.2-1b": (16, 2048, 8192, 32, 8, 128256, 500000.0, 32.0, True),
+    "llama3.2-3b": (28, 3072, 8192, 24, 8, 128256, 500000.0, 32.0, True),
+    "llama3.1-8b": (32, 4096, 14336, 32, 8, 128256, 500000.0, 8.0, False),
+    "llama3.1-70b": (80, 8192, 28672, 64, 8, 128256, 500000.0, 8.0, False),
+    "llama3.1-405b": (126, 16384, 53248, 128, 8, 128256, 500000.0, 8.0, False),
+    "qwen2.5-0.5b": (24, 896, 4864, 14, 2, 151936, 1e6, None, True),
+    "qwen2.5-7b": (28, 3584, 18944, 28, 4, 152064, 1e6, None, False),
+    "qwen2.5-72b": (80, 8192, 29568, 64, 8, 152064, 1e6, None, False),
+    "mistral-7b": (32, 4096, 14336, 32, 8, 32768, 1e6, None, False),
+}
+
+
+def _llama(name: str, layers, hidden, ffn, heads, groups, vocab, theta, scaling, tied) -> GPTConfig:
+    qwen = name.startswith("qwen")
+    return GPTConfig(num_layers=layers, hidden_size=hidden, num_heads=heads, vocab_size=vocab,
+                     seq_length=4096 if qwen else 8192, ffn_hidden_size=ffn,
+                     num_query_groups=groups, position_embedding_type="rope", rotary_base=theta,
+                     rope_scaling=scaling is not None, rope_scaling_factor=scaling or 8.0,
+                     normalization="RMSNorm", layernorm_eps=1e-6 if qwen else 1e-5,
+                     activation="swiglu", add_bias_linear=False, add_qkv_bias=qwen,
+                     untie_embeddings_and_output_weights=not tied, name=name)
+
+
+PRESETS.update({name: _llama(name, *shape) for name, shape in _LLAMA_SHAPES.items()})
+# CPU-sized: RoPE, RMSNorm, SwiGLU, GQA 2:1, untied; 2 query groups split over tp = 1 or 2
+PRESETS["tiny-llama"] = GPTConfig(
+    num_layers=4, hidden_size=64, num_heads=4, num_query_groups=2, vocab_size=512, seq_length=128,
+    ffn_hidden_size=176, position_embedding_type="rope", normalization="RMSNorm",
+    activation="swiglu", add_bias_linear=False, untie_embeddings_and_output_weights=True,
+    name="tiny-llama")
 
 
 def get_preset(name: str, **overrides) -> GPTConfig:

@@ -101,8 +101,9 @@ def sync_embedding_grads(model: GPT, optimizer=None) -> None:
     in fp32, where ``.grad`` is empty; the reduced shard at stage 2); without one, on ``.grad``.
     """
     group = model.grid.embedding_group
-    if group is None or group.size == 1 or not (model.pre_process or model.post_process):
-        return
+    ends = model.pre_process or model.post_process
+    if group is None or group.size == 1 or not ends or not model.config.tied:
+        return  # untied (model.untie_embeddings_and_output_weights): two weights, nothing to sum
     weight = model.word_embedding_weight
     if hasattr(optimizer, "tied_grad"):
         C.all_reduce(optimizer.tied_grad(weight), group)

@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 import torch
 
+from zerotron.model.config import GPT2_ARCH
 from zerotron.model.gpt import WORD_EMBEDDING
 from zerotron.parallel.shard_info import shard_info
 from zerotron.training import faults
@@ -150,6 +151,15 @@ def save_checkpoint(save: str, step: int, model, opt, grid, *, consumed_samples:
 def check_compatible(meta: dict, model_config: dict, names: dict[str, str]) -> None:
     """Raise (on every rank, before any collective) if the checkpoint's model differs from ours."""
     saved = meta.get("model", {})
+    arch = {k: saved.get(k, v) for k, v in GPT2_ARCH.items()}  # a field it lacks: GPT-2's
+    ours = {k: model_config.get(k, v) for k, v in GPT2_ARCH.items()}
+    differ = [f"model.{k}={arch[k]!r} in the checkpoint, {ours[k]!r} in this run"
+              for k in GPT2_ARCH if arch[k] != ours[k]]
+    if differ:
+        family = saved.get("architecture", "gpt2")
+        raise CheckpointError(f"checkpoint holds another architecture ({family}): "
+                              f"{', '.join(differ)}; load a checkpoint of this architecture or set "
+                              f"those fields to the checkpoint's")
     for key in MODEL_FIELDS:
         if key in saved and key in model_config and saved[key] != model_config[key]:
             raise CheckpointError(f"checkpoint is of another model: model.{key}={saved[key]} in the checkpoint, "
@@ -208,11 +218,13 @@ class _Assembler:
 
 def check_shape(canon: str, saved: list[int], ours: list[int]) -> None:
     """Raise unless a checkpoint's global shape of ``canon`` fits ours. Only the word embedding's
-    rows may differ: its vocabulary padding depends on the TP size. Any other difference (a
+    (and an untied output layer's) rows may differ: the vocabulary padding depends on the TP
+    size. Any other difference (a
     position table or MLP of another size) is another model, which cropping or zero-padding
     would load in silence."""
     saved, ours = list(saved), list(ours)
-    if saved == ours or (canon == WORD_EMBEDDING and len(saved) == len(ours) and saved[1:] == ours[1:]):
+    vocab_rows = canon in (WORD_EMBEDDING, "output_layer")  # both padded to the TP size
+    if saved == ours or (vocab_rows and len(saved) == len(ours) and saved[1:] == ours[1:]):
         return
     raise CheckpointError(f"checkpoint is of another model shape: {canon} is {saved} in the checkpoint but {ours} "
                           f"in this model; load a checkpoint of this model")

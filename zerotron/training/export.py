@@ -48,11 +48,14 @@ def full_tensors(checkpoint: str) -> Iterator[tuple[str, torch.Tensor]]:
     for name in sorted(meta["params"]):
         info = meta["params"][name]
         t = asm.local(name, "master", info["global_shape"], info["tp_split_dim"])
-        yield name, (t[:vocab] if name == WORD else t)
+        yield name, (t[:vocab] if name in VOCAB_ROWS else t)
+
+
+VOCAB_ROWS = (WORD, "output_layer")  # the tables padded to the TP size (an untied output layer too)
 
 
 def _shape_without_padding(name: str, shape: list[int], vocab: int) -> list[int]:
-    return [vocab, *shape[1:]] if name == WORD else list(shape)
+    return [vocab, *shape[1:]] if name in VOCAB_ROWS else list(shape)
 
 
 def export_safetensors(checkpoint: str, out: str, dtype: str = "fp32") -> Path:
@@ -186,6 +189,13 @@ def _require_transformers() -> None:
                               "pip install -U 'transformers>=5'")
 
 
+def saved_architecture(model_meta: dict) -> str:
+    """The family a checkpoint's model metadata holds; a field it lacks (older checkpoints)
+    is GPT-2's."""
+    from zerotron.model.config import GPT2_ARCH
+    return "gpt2" if all(model_meta.get(k, v) == v for k, v in GPT2_ARCH.items()) else "llama"
+
+
 def export_hf_gpt2(checkpoint: str, out_dir: str, dtype: str = "fp32", tokenizer: str | None = None) -> Path:
     """A directory that ``GPT2LMHeadModel.from_pretrained`` (tied lm_head) and ``AutoTokenizer.from_pretrained``
     load, with ``generation_config.json``; ``tokenizer`` only for checkpoints that record none."""
@@ -193,6 +203,11 @@ def export_hf_gpt2(checkpoint: str, out_dir: str, dtype: str = "fp32", tokenizer
     _require_transformers()
     meta, _, _ = _open(checkpoint)
     m, dt = meta["model"], _dtype(dtype)
+    arch = saved_architecture(m)
+    if arch != "gpt2":
+        raise CheckpointError(f"{checkpoint} holds a {arch}-family model; the Hugging Face "
+                              f"export writes GPT-2 (GPT2LMHeadModel) only: use --safetensors for "
+                              f"zerotron's own names")
     heads, vocab = m["num_heads"], m["vocab_size"]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -108,7 +108,8 @@ class RunLog:
         lines = [
             f"world {g.world_size} = TP {g.tp_size} x PP {g.pp_size} x DP {g.dp_size} | {zero} | precision "
             f"{t.precision} (gradients accumulate in {acc}) | {env.device.type}, {env.backend}",
-            f"model {cfg.model.preset}: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_heads} heads, vocab "
+            f"model {cfg.model.preset}{_family(m)}: {m.num_layers} layers, hidden {m.hidden_size}, "
+            f"{m.num_heads} heads{_groups(m)}, vocab "
             f"{m.vocab_size} (padded {m.padded_vocab_size(g.tp_size)}), seq {m.seq_length} | parameters "
             f"{count(self.params_total)} total, {per_rank} per rank (its TP x PP slice)",
             self._memory_line(),
@@ -222,3 +223,17 @@ class RunLog:
         e = self.prediction
         predicted = (f"; predicted {mib(e['before_margin'])} before margin" if isinstance(e, dict) else "")
         return f"peak memory per rank ({ranks}): {', '.join(parts)}{predicted}"
+
+
+def _family(m) -> str:
+    """Nothing for plain GPT-2 (the line as it was), else the Llama-family parts the model has."""
+    if m.architecture == "gpt2":
+        return " (document masking)" if m.document_masking else ""
+    parts = [m.position_embedding_type == "rope" and "RoPE", m.normalization,
+             m.activation == "swiglu" and "SwiGLU", not m.tied and "untied",
+             m.qk_layernorm and "qk-norm", m.document_masking and "document masking"]
+    return " (Llama family: " + ", ".join(p for p in parts if p) + ")"
+
+
+def _groups(m) -> str:
+    return f" ({m.query_groups} query groups)" if m.query_groups != m.num_heads else ""

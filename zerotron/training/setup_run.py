@@ -138,8 +138,10 @@ def _check_index(ds) -> None:
                              f"scripts/preprocess_data.py")
 
 
-def model_config(cfg: RunConfig, vocab_size: int):
-    """The GPT configuration: the preset, with every field the run config sets overriding it."""
+def model_config(cfg: RunConfig, vocab_size: int, tokenizer_path: str | None = None):
+    """The GPT configuration: the preset, with every field the run config sets overriding it; with
+    document masking on and no ``model.eod_token_id``, the end-of-document id of
+    ``tokenizer_path``."""
     from zerotron.model import get_preset
 
     base = get_preset(cfg.model.preset)
@@ -147,6 +149,9 @@ def model_config(cfg: RunConfig, vocab_size: int):
                  if k != "preset" and v is not None and hasattr(base, k)}
     overrides["vocab_size"] = vocab_size
     mcfg = dataclasses.replace(base, **overrides)
+    if mcfg.document_masking and mcfg.eod_token_id is None and tokenizer_path is not None:
+        from zerotron.data.tokenizer import Tokenizer
+        mcfg.eod_token_id = Tokenizer.load(str(tokenizer_path)).eod_id
     mcfg.validate(cfg.parallel.tp)
     return mcfg
 
@@ -175,6 +180,14 @@ def validate_model(cfg: RunConfig, vocab_size: int | None = None):
              or get_preset(cfg.model.preset).vocab_size)
     try:
         mcfg = model_config(cfg, vocab)
+        if mcfg.document_masking and mcfg.eod_token_id is None:  # the tokenizer's, at run time;
+            from zerotron.data.tokenizer import EOD_ID  # any id gives the same shapes till then
+            mcfg.eod_token_id = EOD_ID
+        if mcfg.document_masking and cfg.parallel.pp > 1:
+            raise ConfigError(f"model.reset_attention_mask/reset_position_ids with "
+                              f"parallel.pp={cfg.parallel.pp}: the packed documents' layout does "
+                              f"not travel between pipeline stages yet; use parallel.pp=1 or turn "
+                              f"document masking off")
         split_layers(mcfg.num_layers, cfg.parallel.pp, virtual_stages=cfg.parallel.virtual_stages)
         check_number_checkpoints(cfg, mcfg.num_layers)
     except ConfigError:

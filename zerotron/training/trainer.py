@@ -65,7 +65,7 @@ class Trainer:
         self.data = prepare_data(cfg, grid, env.device)
         if self.resume.path is not None:
             resume.check_tokenizer(self.resume.path, self.data.tokenizer_path, cfg)
-        self.mcfg = model_config(cfg, self.data.vocab_size)
+        self.mcfg = model_config(cfg, self.data.vocab_size, self.data.tokenizer_path)
         t = cfg.training
         self.memory = StepMemory(cfg.logging.log_interval)
         self.phases = PhaseTimes(self.memory, env.device) if cfg.logging.wall_clock_breakdown else None
@@ -122,8 +122,8 @@ class Trainer:
         if self.grid.rank == 0:
             print(text, flush=True)
 
-    def model_config_dict(self) -> dict:
-        return dataclasses.asdict(self.mcfg)
+    def model_config_dict(self) -> dict:  # with the family (gpt2 | llama), for metadata.json
+        return {**dataclasses.asdict(self.mcfg), "architecture": self.mcfg.architecture}
 
     def _on_sigterm(self, signum, frame) -> None:
         self._stop_requested = True

@@ -55,8 +55,9 @@ def tied_index(model, params, grid) -> int | None:
     It is a layout group of its own, the first: every stage then partitions it alike, so the
     shards stage 2 reduced per micro-batch line up across the group (``tied_grad``)."""
     group = grid.embedding_group
-    if group is None or group.size == 1:
-        return None
+    tied = getattr(getattr(model, "config", None), "tied", True)
+    if group is None or group.size == 1 or not tied:
+        return None  # an untied output layer is no copy of the embedding
     try:
         weight = model.word_embedding_weight
     except (AttributeError, RuntimeError):
