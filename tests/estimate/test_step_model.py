@@ -149,3 +149,20 @@ def test_h100_constant_reproduces_megatron_175b_on_96_gpus():
     overlap = {"reduce_scatter/dp": 1.0, "all_gather/dp": 1.0}
     pred = step_model.predict(cfg, gpt, 96, H100_DGX, overlap=overlap)
     assert pred.mfu == pytest.approx(0.47, abs=0.005)  # Megatron-core README
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "llama3.1-8b", "qwen2.5-7b"])
+def test_llama_block_gemms_and_params_are_the_model_counts(preset):
+    """GQA's smaller K/V and SwiGLU's gate GEMM: the step model's layer GEMMs equal the FLOP count
+    held to FlopCounterMode (model/flops.py), its per-rank parameters the memory model's (held to
+    the built model), untied output layer and RMSNorm included."""
+    from zerotron.estimate.comm_volumes import rank_params
+    from zerotron.estimate.memory_model import params_per_rank
+    from zerotron.model.flops import layer_forward_flops
+    from zerotron.model.presets import get_preset
+
+    cfg = get_preset(preset)
+    tokens, seq = 2 * cfg.seq_length, cfg.seq_length
+    gemms = kernels.layer_gemms(cfg, tokens, 1) + kernels.attention_gemms(cfg, 2, seq, 1)
+    assert sum(g.flops for g in gemms) == layer_forward_flops(cfg, tokens, seq)
+    assert rank_params(cfg, tp=1, pp=1) == params_per_rank(cfg, 1)

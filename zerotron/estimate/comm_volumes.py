@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 
+from zerotron.estimate.memory_model import block_params_per_rank
 from zerotron.model.config import GPTConfig
 
 DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
@@ -28,15 +29,18 @@ def group_ranks(tp: int, pp: int, dp: int) -> dict[str, list[int]]:
 def rank_params(mcfg: GPTConfig, tp: int, pp: int) -> int:
     """Parameters a rank of the last stage holds (the largest stage with the first).
 
-    Per block, the GEMM weights and the QKV and fc1 biases split over TP; both LayerNorms and
-    the two row-parallel biases (6h) are whole on every rank. The vocab-parallel embedding
-    (tied: the last stage holds a copy) splits over TP; the position table sits on the first
-    stage, the final LayerNorm on the last."""
-    h, f = mcfg.hidden_size, mcfg.ffn_size
-    block = (4 * h * h + 2 * h * f + 3 * h + f) // tp + 6 * h
+    Per block, ``memory_model.block_params_per_rank`` (GEMMs split over TP, norms and row-parallel
+    biases whole). The vocab-parallel embedding splits over TP; the last stage holds the output
+    layer (tied: a copy of the embedding), and with one stage the untied embedding besides; the
+    learned position table sits on the first stage, the final norm on the last."""
+    h = mcfg.hidden_size
     table = mcfg.padded_vocab_size(tp) // tp * h
-    positions = mcfg.max_positions * h if pp == 1 else 0
-    return math.ceil(mcfg.num_layers / pp) * block + table + positions + 2 * h
+    tables = 2 if pp == 1 and not mcfg.tied else 1
+    learned = mcfg.position_embedding_type == "learned"
+    positions = mcfg.max_positions * h if pp == 1 and learned else 0
+    final_norm = h if mcfg.normalization == "RMSNorm" else 2 * h
+    block = block_params_per_rank(mcfg, tp)
+    return math.ceil(mcfg.num_layers / pp) * block + tables * table + positions + final_norm
 
 
 def _add(out: dict, key: str, calls: float, nbytes: float) -> None:

@@ -67,10 +67,10 @@ def layer_gemms(cfg: GPTConfig, tokens: int, tp: int) -> list[Gemm]:
     QKV and fc1 are column-parallel (n split), the attention output projection and fc2
     row-parallel (k split)."""
     h, f = cfg.hidden_size, cfg.ffn_size
-    kv_width = h  # grouped-query attention: num_query_groups · head_dim
-    return [Gemm("qkv", tokens, (h + 2 * kv_width) // tp, h),
+    fc1 = 2 * f if cfg.gated else f  # SwiGLU: gate and up rows in one column-parallel GEMM
+    return [Gemm("qkv", tokens, (h + 2 * cfg.kv_size) // tp, h),  # GQA: K and V of the groups
             Gemm("proj", tokens, h, h // tp),
-            Gemm("fc1", tokens, f // tp, h),  # SwiGLU: a second fc1-shaped GEMM (the gate)
+            Gemm("fc1", tokens, fc1 // tp, h),
             Gemm("fc2", tokens, h, f // tp)]
 
 
@@ -87,11 +87,12 @@ def layer_elementwise_elements(cfg: GPTConfig, tokens: int, tp: int,
 
     Per token: LayerNorm 1 and 2 (read h, write h: 2h each), each residual dropout (read h,
     write h: 2h, twice) and residual add (read 2h, write h: 3h, twice), GeLU (read and write
-    f/t) = 14h + 2f/t. Sequence parallelism gives each TP rank s/t of the tokens for the
+    f/t; SwiGLU reads 2f/t and writes f/t) = 14h + 2f/t. Sequence parallelism gives each TP rank s/t of the tokens for the
     first 14h. Dropout masks (1 byte per element) are ``dropout_mask_bytes``."""
     h, f = cfg.hidden_size, cfg.ffn_size
     replicated = tokens // tp if sequence_parallel else tokens
-    return float(replicated * 14 * h + tokens * 2 * f // tp)
+    act = 3 * f if cfg.gated else 2 * f  # SwiGLU reads gate and up, writes their product
+    return float(replicated * 14 * h + tokens * act // tp)
 
 
 def dropout_mask_bytes(cfg: GPTConfig, tokens: int) -> float:
