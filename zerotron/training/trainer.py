@@ -89,8 +89,8 @@ class Trainer:
             self.eval_ds = GPTDataset(self.data.eval_prefixes, None, num_samples=n_eval, **ds_args)
         self.batches, self.eval_batches = (
             BatchLoader(ds, t.micro_batch_size, t.global_batch_size, cfg.num_microbatches, grid.dp_rank,
-                        grid.dp_size, env.device, depth=cfg.data.prefetch) if ds is not None else None
-            for ds in (self.train_ds, self.eval_ds))
+                        grid.dp_size, env.device, depth=cfg.data.prefetch, vocab_size=self.data.vocab_size)
+            if ds is not None else None for ds in (self.train_ds, self.eval_ds))
         self.step, self.consumed = 0, 0
         if self.resume.path is not None:
             state = ckpt.load_checkpoint(str(self.resume.path), self.model, self.opt, grid,
