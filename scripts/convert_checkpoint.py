@@ -6,7 +6,8 @@
 Streams one tensor at a time: memory is bounded by the largest tensor, not the model. The --hf
 directory also holds the run's tokenizer (tokenizer.json, tokenizer_config.json, tokenizer.model)
 and generation_config.json, so AutoTokenizer.from_pretrained and generate work on it as they are.
-Exit codes: 0 written, 2 a bad checkpoint or tokenizer (the message says which and the fix).
+Exit codes: 0 written, 2 a bad checkpoint or tokenizer, an output that cannot be written (a device
+node such as /dev/full, a full disk): the message says which and the fix.
 """
 
 import argparse
@@ -29,6 +30,9 @@ def check_output(flag: str, out: str, directory: bool) -> None:
         raise ConfigError(f"{flag} {out} is a file; the Hugging Face export is a directory: name a new one")
     if not directory and path.is_dir():
         raise ConfigError(f"{flag} {out} is a directory; give the path of the .safetensors file to write")
+    if not directory and path.exists() and not path.is_file():  # /dev/full, a FIFO: never replaced
+        raise ConfigError(f"{flag} {out} exists and is not a regular file (a device, FIFO or "
+                          f"socket); give the path of a .safetensors file to write")
     for above in [path, *path.parents] if directory else path.parents:
         if (above / "metadata.json").is_file() or STEP_DIR.match(above.name) or PARTIAL_STEP_DIR.match(above.name):
             raise ConfigError(f"{flag} {out} is inside the checkpoint {above}; write the export elsewhere")
@@ -70,6 +74,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {export_safetensors(str(path), args.safetensors, args.dtype)} (from {path})")
         if args.hf:
             print(f"wrote {export_hf_gpt2(str(path), args.hf, args.dtype, args.tokenizer)} (from {path})")
+    except OSError as e:  # a full disk, a quota, a file system gone read-only: one line, exit 2
+        where = e.filename or "no file named"
+        print(f"error: cannot write the export: {e.strerror or e} ({where}); free space or write "
+              f"elsewhere", file=sys.stderr)
+        return 2
     except (CheckpointError, ConfigError) as e:
         text = str(e)
         if text.endswith(LOAD_EARLIER) and path is not None:
