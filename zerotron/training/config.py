@@ -102,6 +102,7 @@ class TrainingSection:
     precision: str = "fp32"
     seed: int = 1234
     compile: bool = False  # torch.compile each transformer block's forward (parallelize.compile_blocks)
+    skip_memory_check: bool = False  # start although the memory model says a rank cannot fit
 
 
 @dataclass

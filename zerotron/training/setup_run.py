@@ -8,6 +8,7 @@ training collective.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,7 +61,7 @@ def check_data(cfg: RunConfig, tokenizer_path: str | None, train: list[str], eva
     a crash mid-run. A file must hold at least one sample (``seq_length + 1`` tokens: the inputs
     and their shifted labels).
     """
-    from zerotron.data import IndexedTokenDataset, Tokenizer
+    from zerotron.data import IndexedTokenDataset, Tokenizer, fingerprint
 
     if tokenizer_path and not Path(tokenizer_path).is_file():
         raise ConfigError(f"data.tokenizer={tokenizer_path}: file not found; train one with "
@@ -85,6 +86,10 @@ def check_data(cfg: RunConfig, tokenizer_path: str | None, train: list[str], eva
                                      f"data.tokenizer={tokenizer_path} has {tok_vocab} tokens; set data.tokenizer "
                                      f"to the tokenizer it was made with, or re-run scripts/preprocess_data.py "
                                      f"with this one")
+                other = fingerprint.mismatch(prefix, tokenizer_path) if tokenizer_path else None
+                if other:  # the record beside the files names another tokenizer
+                    raise ValueError(f"{other}; set data.tokenizer to the tokenizer it was made "
+                                     f"with, or re-run scripts/preprocess_data.py with this one")
                 if seq is not None and ds.num_tokens < seq + 1:
                     raise ValueError(f"holds {ds.num_tokens} tokens, fewer than model.seq_length + 1 = {seq + 1} "
                                      f"(one sample); use a larger corpus or a shorter model.seq_length")
@@ -186,13 +191,23 @@ def validate_model(cfg: RunConfig, vocab_size: int | None = None):
 
 def preflight(cfg: RunConfig) -> None:
     """Everything checkable before ``init_process_group`` beyond ``RunConfig.validate``: the model,
-    the user's data files (the built-in corpus is built after start-up by rank 0) and the
-    checkpoint directory. Raises ``ConfigError``."""
+    the user's data files (the built-in corpus is built after start-up by rank 0), whether a
+    rank can hold the run (``fit_check.py``) and the run and checkpoint directories. Raises
+    ``ConfigError``."""
     vocab = None
     if cfg.data.data_path:
         vocab = check_data(cfg, cfg.data.tokenizer, list(cfg.data.data_path), list(cfg.data.eval_path))
     mcfg = validate_model(cfg, vocab)
+    from zerotron.training.fit_check import check_fit
+
+    check_fit(cfg, mcfg, int(os.environ.get("WORLD_SIZE", 1)))  # cannot fit: refused in seconds
     writable_dir("logging.run_dir", cfg.logging.run_dir, "the run's metrics and config")  # before a save dir in it
+    from zerotron.training.run_lock import RunLockError, check_free
+
+    try:  # a live run's run directory: refused now, not after init_process_group (locked there)
+        check_free(cfg.logging.run_dir, "logging.run_dir")
+    except RunLockError as e:
+        raise ConfigError(str(e)) from None
     check_save_dir(cfg, mcfg)
     writable_dir("data.cache_dir", cfg.data.cache_dir, "the built-in corpus and the sample-index caches")
 

@@ -1,8 +1,8 @@
 """The pretraining loop: micro-batches accumulated to the global batch, schedule, eval, logging,
 checkpoints and a graceful stop on SIGTERM (checkpoint, then exit) for preemptible clusters.
 
-Before any work the run takes its checkpoint directory's lock and decides which checkpoint it
-continues from (``resume.py``), so a refused or already finished run stops in seconds.
+Before any work the run takes its run and checkpoint directories' locks and decides which
+checkpoint it continues from (``resume.py``), so a refused or finished run stops in seconds.
 
 The step itself (``training.step.run_step``) reads nothing on the host, and neither does the
 trainer around it: the loss stays a device tensor, the first non-finite loss is remembered on
@@ -47,10 +47,9 @@ class Trainer:
         self.cfg, self.env = cfg, env
         self.grid = grid = build_grid(cfg)
         self.run_id = resume.run_id(cfg)
-        self.lock = None
-        try:  # the directory is ours and the checkpoint to continue from known before any work
-            if cfg.checkpoint.save:
-                self.lock = resume.take_lock(cfg.checkpoint.save, self.run_id, grid, env.device, self.log)
+        self.locks = []
+        try:  # the run and checkpoint directories ours, the checkpoint to continue known
+            self.locks = resume.take_locks(cfg, self.run_id, grid, env.device, self.log)
             self.resume = resume.plan_resume(cfg, grid, env.device, self.log)
             self._build(cfg, env, grid)
         except BaseException:
@@ -109,23 +108,20 @@ class Trainer:
         self._bad_step = torch.full((), -1.0, dtype=torch.float64, device=env.device)
         self._bad_loss = torch.zeros((), dtype=torch.float64, device=env.device)
         self._bad_norm = torch.zeros((), dtype=torch.float64, device=env.device)
-        signal.signal(signal.SIGTERM, self._on_sigterm)
+        signal.signal(signal.SIGTERM, lambda signum, frame: setattr(self, "_stop_requested", True))
 
     def release_lock(self) -> None:
-        """Give the checkpoint directory back (rank 0; a file removal, safe after a failed collective)."""
-        if self.lock is not None:
-            self.lock.release()
+        """Give the run and checkpoint directories back (rank 0; safe after a failed collective)."""
+        for lock in self.locks:
+            if lock is not None:
+                lock.release()
 
-    # helpers ---------------------------------------------------------------------------------
     def log(self, text: str) -> None:
         if self.grid.rank == 0:
             print(text, flush=True)
 
     def model_config_dict(self) -> dict:
         return dataclasses.asdict(self.mcfg)
-
-    def _on_sigterm(self, signum, frame) -> None:
-        self._stop_requested = True
 
     def _rng_states(self) -> dict[str, torch.Tensor]:
         states = {"torch_cpu": torch.get_rng_state()}
@@ -150,7 +146,6 @@ class Trainer:
         C.all_reduce(x, self.grid.dp_group, op="sum")
         return x[0] / self.grid.dp_size
 
-    # reliability ------------------------------------------------------------------
     MAX_SKIPS_AT_MIN_SCALE = 8  # consecutive overflowed (skipped) steps at the loss-scale floor
 
     def _inject_faults(self, step: int) -> None:
@@ -278,10 +273,15 @@ class Trainer:
         return path
 
     def _stop_agreed(self) -> bool:
-        """Whether any rank got SIGTERM: the one host read of a bf16/fp32 step (``"stop"``)."""
-        flag = torch.full((1,), 1.0 if self._stop_requested else 0.0, device=self.env.device)
+        """Whether any rank got SIGTERM: the one host read of a bf16/fp32 step (``"stop"``). Its
+        flag also carries rank 0's failure to write the run directory: every rank names that."""
+        flag = 2.0 if self.logger.failed else float(self._stop_requested)
+        flag = torch.full((1,), flag, device=self.env.device)
         C.all_reduce(flag, self.grid.world_group, op="max")
-        return host_sync.read(flag, "stop", placeholder=0.0) > 0
+        if (value := host_sync.read(flag, "stop", placeholder=0.0)) >= 2:
+            run_dir = self.cfg.logging.run_dir
+            raise TrainingStopped(self.logger.failed or f"rank 0 cannot write logging.run_dir={run_dir}")
+        return value > 0
 
     def _record(self, out: dict, window: int) -> dict:
         """One metrics.jsonl object: loss, schedule, throughput, memory, comm bytes per step."""
