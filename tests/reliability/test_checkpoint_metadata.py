@@ -242,3 +242,15 @@ def test_convert_never_replaces_a_device_node_and_a_write_error_is_one_line(chec
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "No space left on device" in err and "Traceback" not in err, err
     assert not out.exists()
+
+
+def test_the_disk_space_check_matches_a_real_checkpoint(checkpoint, zerotron_cache, tmp_path):
+    """``checkpoint_bytes`` (the start-up disk-space check) against the shards on disk: it counted
+    16 bytes a parameter where an fp32 checkpoint holds 12."""
+    from tests.training.test_trainer import make_config
+    from zerotron.training.setup_run import checkpoint_bytes, validate_model
+
+    cfg = make_config(tmp_path, zerotron_cache)
+    need = checkpoint_bytes(cfg, validate_model(cfg))[0]
+    shards = sum(p.stat().st_size for p in checkpoint.glob("rank_*.safetensors"))
+    assert need <= shards <= need * 1.02 + 65536, (need, shards)  # headers and RNG states on top

@@ -34,9 +34,9 @@ def predicted_bytes(cfg, mcfg, world_size: int, device_type: str, backend: str) 
     try:
         setup = memory_model.setup_from_run_config(cfg, mcfg, world_size, backend=backend,
                                                    device=device_type)
-    except ValueError:
+        return memory_model.estimate(setup)["before_margin"]
+    except (ValueError, ArithmeticError, TypeError):  # a setup outside the model: not checked
         return None
-    return memory_model.estimate(setup)["before_margin"]
 
 
 def _nearest_fix(cfg, mcfg, world_size: int, device_type: str, backend: str, room: int) -> str:

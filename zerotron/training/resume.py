@@ -265,11 +265,31 @@ def plan_resume(cfg, grid, device, log: Callable[[str], None] = print) -> Resume
             raise CheckpointError(_schedule_refusal(asked, chosen, diffs))
         if diffs:
             log(f"[checkpoint] checkpoint.override_schedule=true: continuing with {_fields(diffs)}")
+        _note_stretch(meta, cfg, log)
     if save is not None:
         _check_save_dir(save, chosen, step, rid, skipped, asked, log)
     files = frozenset(meta["files"]) if chosen is not None else frozenset()
     consumed = int(meta["consumed_samples"]) if chosen is not None else 0
     return ResumePlan(chosen, step, files, consumed)
+
+
+def _note_stretch(meta: dict, cfg, log) -> None:
+    """Say so when a new ``training.train_steps`` stretches a decay over ``train_steps`` (no
+    ``optimizer.schedule_steps``): the next step's rate changes (issue 46: 6.95e-4 -> 2.07e-3)."""
+    from zerotron.training.schedule import lr_at
+
+    o, old = cfg.optimizer, flatten(meta.get("config", {})).get("training.train_steps")
+    new = cfg.training.train_steps
+    fixed = o.schedule_steps is not None or o.schedule == "onecycle"
+    if fixed or not isinstance(old, int) or old == new:
+        return
+    nxt = int(meta.get("adam_step", meta["step"]))
+    was, now = lr_at(nxt, o, old), lr_at(nxt, o, new)
+    if was != now:
+        log(f"[checkpoint] training.train_steps={old} in the checkpoint, {new} in this run: the "
+            f"learning-rate schedule ({o.decay} decay over train_steps) is stretched, so the next "
+            f"step's rate is {now:.3g} where the checkpoint's run would use {was:.3g}; to keep its "
+            f"schedule pass --optimizer.schedule_steps {old} --checkpoint.override_schedule true")
 
 
 def check_tokenizer(path: Path, tokenizer: str | None, cfg) -> None:
