@@ -58,3 +58,15 @@ def test_clean_files_load_the_same_with_the_check(tmp_path):
         for (x, y), (px, py) in zip(checked.get(step * GLOBAL), plain.get(step * GLOBAL)):
             assert torch.equal(x, px) and torch.equal(y, py)
     checked.close(), plain.close()
+
+
+def test_a_token_file_cut_short_under_the_run_is_named_not_a_sigbus(tmp_path):
+    prefix = _corpus(tmp_path, poison=False)
+    ds = GPTDataset(prefix, None, SEQ, 8 * GLOBAL, seed=1, cache_dir=str(tmp_path))
+    loader = BatchLoader(ds, MICRO, GLOBAL, GLOBAL // MICRO, 0, 1, torch.device("cpu"), depth=0,
+                         vocab_size=VOCAB)
+    loader.get(0)
+    with open(prefix + ".bin", "r+b") as f:  # rewritten in place, shorter, as a new preprocess run
+        f.truncate(100)
+    with pytest.raises(TokenIdError, match=f"token file {prefix}.bin changed while the run reads it"):
+        loader.get(GLOBAL)

@@ -177,6 +177,11 @@ class GPTDataset:
             return self.datasets[0][i]
         return self.datasets[int(self.dataset_index[i])][int(self.dataset_sample_index[i])]
 
+    def check_unchanged(self) -> None:
+        """Raise ``ValueError`` naming a token file that changed since it was opened."""
+        for d in self.datasets:
+            d.tokens.check_unchanged()
+
     def locate(self, i: int, position: int) -> tuple[str, int]:
         """``(token file prefix, document number)`` of token ``position`` of sample ``i``."""
         d, k = (0, i) if self.dataset_index is None else (int(self.dataset_index[i]),

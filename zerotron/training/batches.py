@@ -35,7 +35,8 @@ from zerotron.training.config import ConfigError
 
 
 class TokenIdError(ConfigError):
-    """A token file holds an id outside the model's vocabulary (found when its batch is read)."""
+    """A token file holds an id outside the model's vocabulary, or changed under the run (found
+    when a batch is read)."""
 
 
 class BatchLoader:
@@ -66,6 +67,11 @@ class BatchLoader:
     def host_tokens(self, consumed: int) -> list[torch.Tensor]:
         """Each micro-batch as one int64 ``[micro, seq + 1]`` host tensor, pinned when it feeds a GPU."""
         pin = host_sync.pinned(self.device)
+        if hasattr(self.dataset, "check_unchanged"):  # a file cut short under us: named, not a SIGBUS
+            try:
+                self.dataset.check_unchanged()
+            except ValueError as e:
+                raise TokenIdError(str(e)) from None
         out = []
         for ix in self.indices(consumed):
             tokens = torch.from_numpy(np.stack([self.dataset[i] for i in ix]).astype(np.int64))
