@@ -12,6 +12,7 @@ node such as /dev/full, a full disk): the message says which and the fix.
 
 import argparse
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -41,6 +42,22 @@ def check_output(flag: str, out: str, directory: bool) -> None:
         raise ConfigError(f"{flag} {out}: {where} is a file, not a directory; write the export elsewhere")
     if write_probe(where) is not None:
         raise ConfigError(f"{flag} {out}: cannot write in {where}; choose a writable directory")
+
+
+def export_hf(checkpoint: str, out: str, dtype: str, tokenizer: str | None) -> Path:
+    """``export_hf_gpt2`` into ``out``; a new directory is built under ``<out>.partial`` and renamed
+    when complete, so a failure (a full disk, a bad tokenizer) leaves no half-written model."""
+    final = Path(out)
+    if final.exists():  # the user's own directory: written into, as before
+        return export_hf_gpt2(checkpoint, out, dtype, tokenizer)
+    tmp = final.with_name(final.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        export_hf_gpt2(checkpoint, str(tmp), dtype, tokenizer)
+        tmp.rename(final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
 
 
 def earlier(path: Path) -> str:
@@ -73,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.safetensors:
             print(f"wrote {export_safetensors(str(path), args.safetensors, args.dtype)} (from {path})")
         if args.hf:
-            print(f"wrote {export_hf_gpt2(str(path), args.hf, args.dtype, args.tokenizer)} (from {path})")
+            print(f"wrote {export_hf(str(path), args.hf, args.dtype, args.tokenizer)} (from {path})")
     except OSError as e:  # a full disk, a quota, a file system gone read-only: one line, exit 2
         where = e.filename or "no file named"
         print(f"error: cannot write the export: {e.strerror or e} ({where}); free space or write "

@@ -254,3 +254,23 @@ def test_the_disk_space_check_matches_a_real_checkpoint(checkpoint, zerotron_cac
     need = checkpoint_bytes(cfg, validate_model(cfg))[0]
     shards = sum(p.stat().st_size for p in checkpoint.glob("rank_*.safetensors"))
     assert need <= shards <= need * 1.02 + 65536, (need, shards)  # headers and RNG states on top
+
+
+def test_a_failed_hf_export_leaves_no_half_written_directory(checkpoint, tmp_path, capsys,
+                                                            monkeypatch):
+    import os
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    import convert_checkpoint
+
+    from zerotron.training import export
+
+    def full_disk(model, out, max_length):
+        raise OSError(28, os.strerror(28), str(Path(out) / "tokenizer.json"))
+
+    monkeypatch.setattr(export, "write_hf_tokenizer", full_disk)  # after the weights are written
+    out = tmp_path / "hf"
+    assert convert_checkpoint.main([str(checkpoint), "--hf", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "No space left on device" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # neither hf nor hf.partial
