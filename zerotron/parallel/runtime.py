@@ -159,9 +159,12 @@ def memory_available(device: torch.device, local_ranks: int = 1) -> tuple[int, s
     """``(bytes, where they were read)`` one rank can count on before it starts: the GPU's free
     memory, or on CPU the host's available memory -- within a cgroup's limit when the job runs
     under one (a container, a SLURM ``--mem``) -- shared by the ``local_ranks`` of this node."""
-    if device.type == "cuda":
+    if device.type == "cuda":  # more ranks than GPUs share theirs (pick_device: local_rank % count)
         free, _ = torch.cuda.mem_get_info(device)
-        return int(free), f"free on {torch.cuda.get_device_name(device)} ({device})"
+        sharing = max(1, -(-local_ranks // torch.cuda.device_count()))
+        share = f", shared by {sharing} ranks" if sharing > 1 else ""
+        name = torch.cuda.get_device_name(device)
+        return int(free) // sharing, f"free on {name} ({device}){share}"
     avail, where = _meminfo_available(), "MemAvailable in /proc/meminfo"
     limit = _cgroup_room()
     if limit is not None and (avail is None or limit[0] < avail):
