@@ -99,3 +99,12 @@ def test_a_full_run_directory_is_named_by_every_rank_not_blamed_on_a_dead_one(ze
     assert got[0].startswith("step 1: cannot write") and "No space left on device" in got[0], got
     assert "logging.run_dir" in got[0]
     assert got[1] == f"step 1: rank 0 cannot write logging.run_dir={tmp_path / 'run'}", got
+
+
+def test_a_run_whose_checkpoints_go_into_its_run_directory_itself_holds_one_lock(zerotron_cache,
+                                                                                tmp_path):
+    res = run(tiny(zerotron_cache) + ["--run-dir", str(tmp_path), "--save", str(tmp_path),
+                                      "--train-steps", "1"], world=1)
+    assert res[0][0] == 0, res[0][2]
+    assert (tmp_path / "step_00000001" / "metadata.json").is_file()
+    assert not (tmp_path / LOCK_NAME).exists()

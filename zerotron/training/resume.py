@@ -107,9 +107,10 @@ def share(text: str, grid, device) -> str:
 def take_locks(cfg, rid: str, grid, device, log: Callable[[str], None]) -> list[RunLock | None]:
     """The run directory's lock, then the checkpoint directory's (when set): one owner for each."""
     locks = [take_lock(cfg.logging.run_dir, rid, grid, device, log, "logging.run_dir")]
-    try:
-        if cfg.checkpoint.save:
-            locks.append(take_lock(cfg.checkpoint.save, rid, grid, device, log))
+    save, run_dir = cfg.checkpoint.save, Path(cfg.logging.run_dir).resolve()
+    try:  # one lock file serves both when they are the same directory
+        if save and Path(save).resolve() != run_dir:
+            locks.append(take_lock(save, rid, grid, device, log))
     except BaseException:
         if locks[0] is not None:
             locks[0].release()
@@ -283,8 +284,7 @@ def _note_stretch(meta: dict, cfg, log) -> None:
     fixed = o.schedule_steps is not None or o.schedule == "onecycle"
     if fixed or not isinstance(old, int) or old == new:
         return
-    nxt = int(meta.get("adam_step", meta["step"]))
-    was, now = lr_at(nxt, o, old), lr_at(nxt, o, new)
+    was, now = (lr_at(int(meta.get("adam_step", meta["step"])), o, n) for n in (old, new))
     if was != now:
         log(f"[checkpoint] training.train_steps={old} in the checkpoint, {new} in this run: the "
             f"learning-rate schedule ({o.decay} decay over train_steps) is stretched, so the next "
