@@ -101,9 +101,14 @@ def check_metadata(meta: Any, path: Path) -> dict:
     meta = _dict(meta, "metadata.json", path)
     got = meta.get(SEAL)
     if not isinstance(got, str) or hashlib.sha256(canonical(meta)).hexdigest() != got:
-        what = ("it carries no checksum" if got is None
-                else "its checksum does not match its contents")
-        raise _error(path, f"{what} ({SEAL}; it was edited or damaged after it was written)")
+        if got is None:  # no earlier checkpoint of that zerotron is sealed either: another fix
+            from zerotron.training.checkpoint_io import CheckpointError
+
+            raise CheckpointError(f"{path}/metadata.json carries no checksum ({SEAL}): written "
+                                  f"before checkpoints were sealed, or edited; if you trust it, "
+                                  f"add one with zerotron.training.checkpoint_schema.seal")
+        raise _error(path, f"its checksum does not match its contents ({SEAL}; it was edited or "
+                           f"damaged after it was written)")
     if meta.get("format_version") != FORMAT_VERSION:
         from zerotron.training.checkpoint_io import CheckpointError
 
@@ -208,8 +213,8 @@ def _check_files(files: dict, params: dict, layout: dict, path: Path) -> None:
     if set(files) != want:
         odd = sorted(set(files) ^ want)[:3]
         last = layout["world_size"] - 1
-        raise _error(path, f"files must name rank_00000.safetensors .. "
-                           f"rank_{last:05d}.safetensors, one per rank of layout.world_size; {odd!r} do not fit")
+        raise _error(path, f"files must name rank_00000.safetensors .. rank_{last:05d}"
+                           f".safetensors, one per rank of layout.world_size; {odd!r} do not fit")
     covered: dict[tuple[str, int], int] = {}
     tp = layout["tp"]
     for filename, entry in files.items():
