@@ -6,11 +6,13 @@
 Streams one tensor at a time: memory is bounded by the largest tensor, not the model. The --hf
 directory also holds the run's tokenizer (tokenizer.json, tokenizer_config.json, tokenizer.model)
 and generation_config.json, so AutoTokenizer.from_pretrained and generate work on it as they are.
-Exit codes: 0 written, 2 a bad checkpoint or tokenizer (the message says which and the fix).
+Exit codes: 0 written, 2 a bad checkpoint or tokenizer, an output that cannot be written (a device
+node such as /dev/full, a full disk): the message says which and the fix.
 """
 
 import argparse
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -29,6 +31,9 @@ def check_output(flag: str, out: str, directory: bool) -> None:
         raise ConfigError(f"{flag} {out} is a file; the Hugging Face export is a directory: name a new one")
     if not directory and path.is_dir():
         raise ConfigError(f"{flag} {out} is a directory; give the path of the .safetensors file to write")
+    if not directory and path.exists() and not path.is_file():  # /dev/full, a FIFO: never replaced
+        raise ConfigError(f"{flag} {out} exists and is not a regular file (a device, FIFO or "
+                          f"socket); give the path of a .safetensors file to write")
     for above in [path, *path.parents] if directory else path.parents:
         if (above / "metadata.json").is_file() or STEP_DIR.match(above.name) or PARTIAL_STEP_DIR.match(above.name):
             raise ConfigError(f"{flag} {out} is inside the checkpoint {above}; write the export elsewhere")
@@ -37,6 +42,22 @@ def check_output(flag: str, out: str, directory: bool) -> None:
         raise ConfigError(f"{flag} {out}: {where} is a file, not a directory; write the export elsewhere")
     if write_probe(where) is not None:
         raise ConfigError(f"{flag} {out}: cannot write in {where}; choose a writable directory")
+
+
+def export_hf(checkpoint: str, out: str, dtype: str, tokenizer: str | None) -> Path:
+    """``export_hf_gpt2`` into ``out``; a new directory is built under ``<out>.partial`` and renamed
+    when complete, so a failure (a full disk, a bad tokenizer) leaves no half-written model."""
+    final = Path(out)
+    if final.exists():  # the user's own directory: written into, as before
+        return export_hf_gpt2(checkpoint, out, dtype, tokenizer)
+    tmp = final.with_name(final.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        export_hf_gpt2(checkpoint, str(tmp), dtype, tokenizer)
+        tmp.rename(final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
 
 
 def earlier(path: Path) -> str:
@@ -69,7 +90,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.safetensors:
             print(f"wrote {export_safetensors(str(path), args.safetensors, args.dtype)} (from {path})")
         if args.hf:
-            print(f"wrote {export_hf_gpt2(str(path), args.hf, args.dtype, args.tokenizer)} (from {path})")
+            print(f"wrote {export_hf(str(path), args.hf, args.dtype, args.tokenizer)} (from {path})")
+    except OSError as e:  # a full disk, a quota, a file system gone read-only: one line, exit 2
+        where = e.filename or "no file named"
+        print(f"error: cannot write the export: {e.strerror or e} ({where}); free space or write "
+              f"elsewhere", file=sys.stderr)
+        return 2
     except (CheckpointError, ConfigError) as e:
         text = str(e)
         if text.endswith(LOAD_EARLIER) and path is not None:

@@ -1,6 +1,6 @@
 """Reliability drill: inject faults into real multi-process runs (torchrun) and check nothing is lost.
 
-    .venv/bin/python scripts/drill.py                          # 22 scenarios x 4 layouts
+    .venv/bin/python scripts/drill.py                          # 24 scenarios x 4 layouts
     # (~35 min on 2 cores for the first three; the 8-rank fourth adds more, not timed whole)
     .venv/bin/python scripts/drill.py --only kill9,sigstop --layouts tp2xpp2
     .venv/bin/python scripts/drill.py --list
@@ -16,8 +16,9 @@ middle of a checkpoint; ``torchrun --max-restarts 1`` restarting itself after a 
 bit-identical to an uninterrupted run); an fp16 overflow storm; a NaN loss; a full disk during a
 save (one rank's, injected with ``ZEROTRON_FAULT=enospc``, and a real one: a small tmpfs, which
 needs root); broken token files; an oversized tokenizer; a read-only save directory; bad config
-values; a second run on a held save directory; a corrupt newest checkpoint; a resume with another
-lr or global batch; a run already complete; SIGTERM with and without a save directory.
+values; a second run on a held save directory or run directory; token ids past the vocabulary;
+a corrupt newest checkpoint; a resume with another lr or global batch; a run already complete;
+SIGTERM with and without a save directory.
 Collectives time out after ``--timeout`` s (``ZEROTRON_COLLECTIVE_TIMEOUT``); a frozen rank must
 be named within that + 10 s. Prints one line per scenario as it ends, then the table; exits 1 if
 any scenario went undetected or lost data.
@@ -73,6 +74,9 @@ SCENARIOS = {  # key: (what is done, how)
     "bad_config": ("bad config values (8 cases)", I.bad_config),
     "read_only": ("checkpoint.save on a read-only file system", I.read_only),
     "lock": ("second run on the same checkpoint.save while the first trains", O.second_run),
+    "run_dir": ("second run in the same logging.run_dir (no checkpoints) while the first trains",
+                O.second_run_dir),
+    "oov": ("token ids past the vocabulary under a clean .idx header", I.out_of_vocabulary),
     "corrupt_newest": ("newest checkpoint corrupt (bytes of a shard zeroed)", O.corrupt_newest),
     "resume_lr": ("resume with 10x the lr", P(O.changed_schedule, name="resume_lr", flags=["--lr", "0.03"],
                                               field="optimizer.lr")),

@@ -26,7 +26,7 @@ import sys
 
 from zerotron.data import Tokenizer, iter_texts, load_source
 from zerotron.data.atomic import check_output_prefix
-from zerotron.data.preprocess import tokenize_to_file
+from zerotron.data.preprocess import WorkerDied, tokenize_to_file
 from zerotron.data.sources import known_rows
 
 
@@ -62,7 +62,7 @@ def main(argv=None) -> int:
                                  workers=args.workers, append_eod=not args.no_eod,
                                  batch_size=args.batch_size, progress=not args.no_progress,
                                  total_docs=known_rows(ds))
-    except (FileNotFoundError, KeyError, ValueError, TypeError) as exc:
+    except (OSError, KeyError, ValueError, TypeError, WorkerDied) as exc:  # OSError: a full disk
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.json:

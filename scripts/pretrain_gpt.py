@@ -70,8 +70,12 @@ def main(argv: list[str] | None = None) -> int:
         trainer = Trainer(cfg, env)
         if env.rank == 0:
             run_dir = Path(cfg.logging.run_dir)
-            run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+            try:
+                run_dir.mkdir(parents=True, exist_ok=True)
+                (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+            except OSError as e:  # a full or read-only run directory: every rank stops naming it
+                trainer.logger.failed = (f"cannot write {run_dir / 'config.yaml'} ({e.strerror or e});"
+                                         f" free space there or give the run another logging.run_dir")
         result = trainer.train()
     except AlreadyComplete as e:
         if env.rank == 0:

@@ -4,12 +4,14 @@ gives the same texts; bad input fails with a clear error and the scripts write n
 from __future__ import annotations
 
 import json
+import re
 import os
 import sys
 
 import pytest
 
 from zerotron.data import IndexedTokenDataset, iter_texts, load_source
+from zerotron.data.sources import SourceError
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
 import preprocess_data  # noqa: E402
@@ -51,7 +53,8 @@ def test_bad_sources(tmp_path, corpus):
         with pytest.raises(KeyError, match=r"text field 'text' not found .*\['id', 'content'\].*--text-field"):
             load_source(src, "text", streaming=streaming, cache_dir=str(tmp_path / "hf"))
     ds = load_source(src, "id", cache_dir=str(tmp_path / "hf"))
-    with pytest.raises(TypeError, match="row 0: text field 'id' holds int"):
+    want = f"row 1 of {src} (counting from 1): text field 'id' holds int"
+    with pytest.raises(TypeError, match=re.escape(want)):
         list(iter_texts(ds, "id"))
     (tmp_path / "x.csvx").write_text("a")
     with pytest.raises(ValueError, match="cannot tell the format"):
@@ -144,3 +147,14 @@ def test_a_missing_text_field_prints_as_written(tmp_path, corpus, capsys):
     assert train_tokenizer.main([src, "--text-field", "body", "--model-prefix", str(tmp_path / "t"),
                                  "--vocab-size", "400"]) == 2
     assert capsys.readouterr().err.startswith("error: text field 'body' not found")  # not a KeyError's repr
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_txt_file_not_utf8_is_named_with_its_line_not_blamed_on_the_field(tmp_path, streaming):
+    txt = tmp_path / "latin1.txt"
+    txt.write_bytes("first line\nsecond line\ncaf\xe9 au lait\n".encode("latin1"))
+    with pytest.raises(SourceError) as err:
+        ds = load_source(str(txt), "text", streaming=streaming, cache_dir=str(tmp_path / "hf"))
+        list(iter_texts(ds, "text"))
+    text = str(err.value)
+    assert f"{txt}:3: not UTF-8 text" in text and "--text-field" not in text, text

@@ -40,7 +40,7 @@ def test_text_to_token_file_round_trip(tmp_path, tokenizer, corpus, workers):
         assert ids[-1] == tokenizer.eod_id
         assert tokenizer.decode(ids[:-1]) == text
     assert np.array_equal(np.diff(ds.offsets), ds.sizes)
-    assert _outputs(tmp_path) == ["c.bin", "c.idx"]
+    assert _outputs(tmp_path) == ["c.bin", "c.idx", "c.tokenizer.json"]  # its tokenizer, recorded
 
 
 @pytest.mark.parametrize("vocab,dtype", [(256, np.uint8), (300, np.uint16), (65536, np.uint16),

@@ -212,7 +212,7 @@ def test_save_dir_without_room_for_one_checkpoint_is_refused(run_main, tmp_path,
     monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=1 << 20))  # 1 MiB free
     code, err = run_main(["--save", str(tmp_path / "ck" / "deeper")])
     assert code == 2, err
-    assert "checkpoint.save=" in err and "one checkpoint needs about" in err and "16 bytes" in err, err
+    assert "checkpoint.save=" in err and "one checkpoint needs about" in err and "12 bytes" in err, err
     assert "has 1.0 MiB free" in err and "unset checkpoint.save" in err, err
     assert not (tmp_path / "ck").exists()  # judged by its parent, nothing created
 
@@ -223,7 +223,7 @@ def test_checkpoint_size_estimate_counts_every_rank():
     cfg = parse_config(BASE + ["--precision", "bf16"]).validate(1)
     mcfg = validate_model(cfg)
     need, n, per = checkpoint_bytes(cfg, mcfg)
-    assert per == 14 and n == mcfg.exact_num_params(1) and need == 14 * n
+    assert per == 12 and n == mcfg.exact_num_params(1) and need == 12 * n  # what a shard holds
     cfg = parse_config(BASE + ["--pp", "2"]).validate(2)
     _, n_pp, per = checkpoint_bytes(cfg, validate_model(cfg))
-    assert per == 16 and n_pp == n + mcfg.padded_vocab_size(1) * mcfg.hidden_size  # tied embedding twice
+    assert per == 12 and n_pp == n + mcfg.padded_vocab_size(1) * mcfg.hidden_size  # tied embedding twice

@@ -20,6 +20,7 @@ import pytest
 
 from tests.harness import spawn
 from tests.training.test_trainer import run_steps
+from zerotron.training.checkpoint_schema import seal
 from zerotron.data.tokenizer import BOS_ID
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
@@ -128,14 +129,14 @@ def test_hf_export_of_a_checkpoint_without_its_tokenizer_names_the_fix(checkpoin
     shutil.copytree(checkpoint, old)
     meta = json.loads((old / "metadata.json").read_text())
     recorded = meta.pop("tokenizer")
-    (old / "metadata.json").write_text(json.dumps(meta))  # as a checkpoint that predates the record
+    (old / "metadata.json").write_text(json.dumps(seal(meta)))  # as a checkpoint without the record
     assert convert_checkpoint.main([str(old), "--hf", str(tmp_path / "hf")]) == 2
     assert "--tokenizer PATH" in capsys.readouterr().err
     assert not (tmp_path / "hf").exists()  # the error comes before anything is written
     assert tokenizer_model(str(old), recorded["path"]) == Path(recorded["path"])
 
     meta["tokenizer"] = recorded
-    (old / "metadata.json").write_text(json.dumps(meta))
+    (old / "metadata.json").write_text(json.dumps(seal(meta)))
     wrong = tmp_path / "other.model"
     wrong.write_bytes(b"another tokenizer")
     with pytest.raises(CheckpointError, match="is not the tokenizer .* was trained with"):

@@ -10,8 +10,10 @@ system). A crash leaves only ``*.tmp-*`` debris, which is never mistaken for a f
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
+import stat
 import tempfile
 from typing import Iterator
 
@@ -41,10 +43,25 @@ def tmp_name(path: str) -> str:
 
 
 def publish(tmp: str, path: str) -> None:
-    """fsync ``tmp`` and atomically rename it onto ``path``."""
+    """fsync ``tmp`` and atomically rename it onto ``path``. Only a regular file is replaced: a
+    rename onto ``/dev/full`` (or a FIFO, a socket) would swap the device node for our file."""
     fsync_path(tmp)
+    refuse_special(path)
     os.replace(tmp, path)
     fsync_path(os.path.dirname(os.path.abspath(path)))
+
+
+def refuse_special(path: str | os.PathLike) -> None:
+    """Raise ``IsADirectoryError`` / ``OSError`` if ``path`` exists and is not a regular file."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(mode):
+        raise IsADirectoryError(errno.EISDIR, "is a directory, not replaced", str(path))
+    if not stat.S_ISREG(mode):
+        raise OSError(errno.EEXIST, "is not a regular file (a device, FIFO or socket), not "
+                      "replaced", str(path))
 
 
 def save_npy(path: str, array: np.ndarray) -> None:

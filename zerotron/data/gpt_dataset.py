@@ -114,6 +114,19 @@ class PackedDataset:
     def __len__(self) -> int:
         return self.num_samples
 
+    def locate(self, i: int, position: int) -> int:
+        """The document (number in this token file) that token ``position`` of sample ``i`` comes
+        from: the walk of ``__getitem__``, so a bad id can be reported where it lies on disk."""
+        j = int(self.shuffle[i])
+        order = self.doc_order[j // self.samples_per_epoch]
+        pos, offset = int(self.sample_doc[j]), int(self.sample_offset[j])
+        while True:
+            doc = int(order[pos])
+            left = int(self.tokens.sizes[doc]) - offset
+            if position < left:
+                return doc
+            position, pos, offset = position - max(left, 0), pos + 1, 0
+
     def __getitem__(self, i: int) -> np.ndarray:
         if not 0 <= i < self.num_samples:
             raise IndexError(f"sample {i} out of range [0, {self.num_samples})")
@@ -163,6 +176,17 @@ class GPTDataset:
         if self.dataset_index is None:
             return self.datasets[0][i]
         return self.datasets[int(self.dataset_index[i])][int(self.dataset_sample_index[i])]
+
+    def check_unchanged(self) -> None:
+        """Raise ``ValueError`` naming a token file that changed since it was opened."""
+        for d in self.datasets:
+            d.tokens.check_unchanged()
+
+    def locate(self, i: int, position: int) -> tuple[str, int]:
+        """``(token file prefix, document number)`` of token ``position`` of sample ``i``."""
+        d, k = (0, i) if self.dataset_index is None else (int(self.dataset_index[i]),
+                                                           int(self.dataset_sample_index[i]))
+        return self.prefixes[d], self.datasets[d].locate(k, position)
 
 
 def prepare_dataset_index(prefixes: str | Sequence[str], weights: Sequence[float] | None,

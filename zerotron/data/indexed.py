@@ -162,6 +162,11 @@ class IndexedTokenWriter:
             self.abort()
 
 
+def _identity(path: str) -> tuple:
+    st = os.stat(path)
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
 class IndexedTokenDataset:
     """Read-only, memory-mapped view of ``<prefix>.bin/.idx``; opening costs O(1) I/O."""
 
@@ -199,6 +204,21 @@ class IndexedTokenDataset:
             raise ValueError(f"{idx_path}: last offset {int(self.offsets[-1])} != num_tokens "
                              f"{self.num_tokens}; {_FIX}")
         self.tokens = np.memmap(bin_path, self.dtype, "r", shape=(self.num_tokens,))
+        self._identity = {p: _identity(p) for p in (bin_path, idx_path)}
+
+    def check_unchanged(self) -> None:
+        """Raise ``ValueError`` naming the file if ``.bin`` or ``.idx`` was replaced, truncated or
+        rewritten since it was opened: reading a memory-mapped file cut short under a running job
+        is a SIGBUS that names nothing; a ``stat`` before each read names the file instead."""
+        for path, seen in self._identity.items():
+            try:
+                now = _identity(path)
+            except OSError as e:
+                now = (None, str(e))
+            if now != seen:
+                raise ValueError(f"token file {path} changed while the run reads it (replaced, "
+                                 f"truncated or rewritten since start-up); restore it, or restart "
+                                 f"the run on the new file")
 
     def __len__(self) -> int:
         return len(self.sizes)

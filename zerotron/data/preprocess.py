@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import collections
 import multiprocessing as mp
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 import resource
 import time
 from typing import Iterable, Iterator
 
 import numpy as np
 
+from zerotron.data import fingerprint
 from zerotron.data.indexed import IndexedTokenWriter
 from zerotron.data.progress import Progress
 from zerotron.data.tokenizer import Tokenizer
@@ -61,6 +64,10 @@ def peak_rss_mb() -> tuple[float, float]:
     return own, child
 
 
+class WorkerDied(RuntimeError):
+    """A tokenizer worker process was killed; the pool cannot finish the file."""
+
+
 def tokenize_to_file(texts: Iterable[str], tokenizer: Tokenizer, output_prefix: str,
                      workers: int = 1, append_eod: bool = True, batch_size: int = 256,
                      progress: bool = True, total_docs: int | None = None) -> dict:
@@ -72,10 +79,14 @@ def tokenize_to_file(texts: Iterable[str], tokenizer: Tokenizer, output_prefix: 
     """
     bar = Progress(f"tokenizing -> {output_prefix}", total=total_docs, unit="doc", enabled=progress)
     start = time.perf_counter()
-    pool = mp.get_context("fork").Pool(workers, _init_worker, (tokenizer,)) if workers > 1 else None
+    # an executor, not a Pool: a worker that dies (the OOM killer, kill -9) breaks it and every
+    # pending result raises, where a Pool would wait forever for the lost task
+    pool = (ProcessPoolExecutor(workers, mp.get_context("fork"), _init_worker, (tokenizer,))
+            if workers > 1 else None)
     if pool is None:
         _init_worker(tokenizer)
     docs = content = 0
+    fingerprint.forget(output_prefix)  # the files are about to change; the record comes after them
     try:
         with IndexedTokenWriter(output_prefix, tokenizer.vocab_size) as writer:
             pending: collections.deque = collections.deque()
@@ -83,14 +94,19 @@ def tokenize_to_file(texts: Iterable[str], tokenizer: Tokenizer, output_prefix: 
             def drain_one() -> None:
                 nonlocal docs, content
                 result = pending.popleft()
-                flat, sizes, n_content = result.get() if pool is not None else result
+                try:
+                    flat, sizes, n_content = result.result() if pool is not None else result
+                except BrokenProcessPool:
+                    raise WorkerDied(f"a tokenizer worker process died (killed, perhaps by the "
+                                     f"OOM killer); nothing was written to {output_prefix}: "
+                                     f"rerun with fewer --workers or more memory") from None
                 writer.add_documents(flat, sizes)
                 content += n_content
                 docs += len(sizes)
                 bar.update(len(sizes), tokens=len(flat))
 
             for batch in _batches(texts, batch_size):
-                pending.append(pool.apply_async(_encode, (batch, append_eod)) if pool
+                pending.append(pool.submit(_encode, batch, append_eod) if pool
                                else _encode(batch, append_eod))
                 while len(pending) > (2 * workers if pool else 0):
                     drain_one()
@@ -100,11 +116,12 @@ def tokenize_to_file(texts: Iterable[str], tokenizer: Tokenizer, output_prefix: 
                 raise ValueError(f"empty corpus: the {docs} input documents hold no text, nothing "
                                  f"written to {output_prefix}; check the inputs and the text field")
             tokens = writer.num_tokens
+        if tokenizer.model_path:
+            fingerprint.record(output_prefix, tokenizer.model_path)
     finally:
         bar.close()
         if pool is not None:
-            pool.close()
-            pool.join()
+            pool.shutdown(wait=True, cancel_futures=True)
     seconds = time.perf_counter() - start
     own, child = peak_rss_mb()
     return {"documents": docs, "tokens": tokens, "seconds": seconds,

@@ -123,8 +123,25 @@ def _bad_json_line(path: str) -> tuple[int, str, str] | None:
     return None
 
 
+def _bad_text_line(path: str) -> tuple[int, str] | None:
+    """``(line number, why)`` of a plain-text file's first line that is not UTF-8, else None."""
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                return number, f"not UTF-8 text ({e.reason} at byte {e.start} of the line)"
+    return None
+
+
 def _read_error(files: Sequence[str], names: Sequence[str], exc: BaseException) -> SourceError:
     """What ``datasets`` raised, as an error naming the file, the line and the fix."""
+    for path in files:
+        if os.path.splitext(path)[1].lower() in (".txt", ".text"):
+            bad = _bad_text_line(path)
+            if bad is not None:  # not a --text-field matter: the bytes are not text
+                return SourceError(f"{path}:{bad[0]}: {bad[1]}; convert the file to UTF-8 (e.g. "
+                                   f"iconv -f latin1 -t utf-8) or fix that line")
     for path in files:
         if os.path.splitext(path)[1].lower() in (".json", ".jsonl"):
             bad = _bad_json_line(path)
@@ -262,12 +279,14 @@ def _iter_texts(ds, text_field: str, batch_size: int) -> Iterator[str]:
     else:
         batches = ({text_field: [row[text_field]]} for row in ds)
     row = 0
+    files = getattr(ds, "zerotron_files", None)
+    where = f" of {', '.join(files)}" if files else ""
     for batch in batches:
         for text in batch[text_field]:
-            if not isinstance(text, str):
-                raise TypeError(f"row {row}: text field {text_field!r} holds "
-                                f"{type(text).__name__}, not a string; choose a text column with "
-                                f"--text-field")
+            if not isinstance(text, str):  # rows counted from 1, as a JSON Lines file's lines are
+                raise TypeError(f"row {row + 1}{where} (counting from 1): text field "
+                                f"{text_field!r} holds {type(text).__name__}, not a string; choose a "
+                                f"text column with --text-field")
             row += 1
             yield text
 

@@ -153,3 +153,49 @@ def shutdown() -> None:
     """Tear the default group down; safe to call twice."""
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def memory_available(device: torch.device, local_ranks: int = 1) -> tuple[int, str]:
+    """``(bytes, where they were read)`` one rank can count on before it starts: the GPU's free
+    memory, or on CPU the host's available memory -- within a cgroup's limit when the job runs
+    under one (a container, a SLURM ``--mem``) -- shared by the ``local_ranks`` of this node."""
+    if device.type == "cuda":  # more ranks than GPUs share theirs (pick_device: local_rank % count)
+        free, _ = torch.cuda.mem_get_info(device)
+        sharing = max(1, -(-local_ranks // torch.cuda.device_count()))
+        share = f", shared by {sharing} ranks" if sharing > 1 else ""
+        name = torch.cuda.get_device_name(device)
+        return int(free) // sharing, f"free on {name} ({device}){share}"
+    avail, where = _meminfo_available(), "MemAvailable in /proc/meminfo"
+    limit = _cgroup_room()
+    if limit is not None and (avail is None or limit[0] < avail):
+        avail, where = limit
+    if avail is None:
+        return 0, ""
+    share = f", shared by {local_ranks} ranks on this host" if local_ranks > 1 else ""
+    return avail // max(1, local_ranks), where + share
+
+
+def _meminfo_available() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _cgroup_room() -> tuple[int, str] | None:
+    """Limit minus usage of this process's memory cgroup (v2, else v1); None when unlimited."""
+    v1 = ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")
+    for limit_file, usage_file in (("memory.max", "memory.current"), v1):
+        base = Path("/sys/fs/cgroup")
+        try:
+            raw = (base / limit_file).read_text().strip()
+            if raw == "max" or int(raw) >= 2**60:
+                continue
+            used = int((base / usage_file).read_text().strip())
+        except (OSError, ValueError):
+            continue
+        return max(0, int(raw) - used), f"the cgroup limit {base / limit_file} less its usage"
+    return None

@@ -35,7 +35,7 @@ def corpus(d: Drill) -> Path:
     train, tok, _ = build_default_corpus(str(ROOT / ".cache" / "zerotron"), vocab_size=1024)
     dst.mkdir(parents=True, exist_ok=True)
     shutil.copy(tok, dst / "tokenizer.model")
-    for kind in ("train", "truncated", "badidx"):
+    for kind in ("train", "truncated", "badidx", "oov"):
         for ext in (".bin", ".idx"):
             shutil.copy(train + ext, dst / f"{kind}{ext}")
     with open(dst / "truncated.bin", "r+b") as f:
@@ -45,6 +45,10 @@ def corpus(d: Drill) -> Path:
     idx = np.memmap(dst / "badidx.idx", np.uint8, "r+")
     idx[48 + 8 * (n_docs + 1):48 + 8 * (n_docs + 1) + 4 * n_docs].view(np.int32)[n_docs // 2] += 3
     idx.flush()
+    oov = np.memmap(dst / "oov.bin", np.uint16, "r+")  # the header still says max id < 1024
+    oov[::7] = 5000
+    oov.flush()
+    del oov
     with IndexedTokenWriter(str(dst / "short"), 1024) as w:
         w.add_document(list(range(1, 11)))  # 10 tokens; a sample of seq 64 needs 65
     (dst / "empty.yaml").write_text("# an empty run config\n")
@@ -78,6 +82,23 @@ def data_fault(d: Drill, name: str, prefix: str, field: str, extra: tuple[str, .
     text = d.short(_reason(hit[1].split("config error: ", 1)[1]) if hit else "NOT REFUSED", 120) + \
         (f" ({who}, before init_process_group)" if ok else f" (NOT REFUSED AS EXPECTED: {who})")
     return Row(text, (job.end - job.start), job.exit_text(code), "none (refused at start-up)", ok)
+
+
+def out_of_vocabulary(d: Drill, name: str = "oov") -> Row:
+    """Every 7th id of a corpus copy set to 5000 under an ``.idx`` header that still says < 1024:
+    the first step reads one, and the run stops (exit 2) naming the token file and the document
+    before the model sees it (it trained on in silence at TP 2 and crashed at TP 1)."""
+    c = corpus(d)
+    job = d.job(d.argv(name, 4, None, "--data.tokenizer", str(c / "tokenizer.model"),
+                       "--data.data_path", str(c / "oov")))
+    code = job.wait(JOB_S)
+    hit = job.first(r"token id 5000 in .*oov\.bin, document \d+")
+    ok = hit is not None and job.exited(2) and not job.first(r"\| loss ")
+    named = hit[1].split("token id ", 1)[1].split(", read for")[0] if hit else ""
+    text = (d.short("stopped naming token id " + named, 120)
+            if hit else "NOT DETECTED: the run trained on, or died without naming the file")
+    took = (hit[0] - job.start) if hit else None
+    return Row(text, took, job.exit_text(code), "none (stopped before any step trained on it)", ok)
 
 
 def _reason(message: str) -> str:

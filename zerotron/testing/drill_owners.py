@@ -9,6 +9,7 @@ run's checkpoints must stay intact; every message must be true of what is on dis
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 
@@ -49,6 +50,40 @@ def second_run(d: Drill, name: str = "lock") -> Row:
     lost = (f"none (first run finished: step_{want[0]}, step_{want[1]} verified)" if ok1 else
             f"FIRST RUN HURT: exit {code1}, checkpoints {steps} {problems[:2]}")
     return Row(text, took, f"{second.exit_text(code2)}; first 0" if code1 == 0 else f"first {code1}", lost, ok)
+
+
+def second_run_dir(d: Drill, name: str = "run_dir") -> Row:
+    """Two runs in one ``--run-dir`` without checkpoints: the second must exit 2 naming the first
+    (``logging.run_dir``, host and pid) in < 15 s, before touching its ``config.yaml`` or
+    ``metrics.jsonl``; the first must finish with one metrics record per step."""
+    release = d.root / name / "release"
+    argv = d.argv(name, FIRST_STEPS, None, "--log-interval", "1")
+    first = d.job(argv, {"ZEROTRON_FAULT": "pause@step=6", "ZEROTRON_FAULT_STALL_S": "600",
+                         "ZEROTRON_FAULT_PAUSE_FILE": str(release)})
+    if first.wait_for(r"\[fault\] .*pause", JOB_S) is None:
+        first.kill()
+        why = f"DRILL FAILED: the first run never paused (exit {first.wait(10)})"
+        return Row(why, None, "-", "-", False)
+    holder = first.worker_pid(0)
+    run_dir = d.root / name / "run"
+    config = (run_dir / "config.yaml").read_text()
+    second = d.job(argv[:-2] + ["--lr", "0.001", "--log-interval", "1"])  # another run, same dir
+    code2 = second.wait(JOB_S)
+    same_config = (run_dir / "config.yaml").read_text() == config
+    release.write_text("")
+    refusal = second.first(r"logging\.run_dir=.* is in use by another run")
+    took = (refusal[0] if refusal else second.end) - second.start
+    names_holder = bool(refusal and f"pid {holder}," in refusal[1])
+    code1 = first.wait(JOB_S)
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    steps = [json.loads(line).get("step") for line in lines]
+    ok1 = code1 == 0 and steps == list(range(1, FIRST_STEPS + 1)) and same_config
+    ok = names_holder and second.exited(2) and took < LOCK_BOUND_S and ok1
+    text = (f"second run refused before init_process_group, naming logging.run_dir and the holder "
+            f"(pid {holder})" if names_holder else "second run NOT refused naming the holder")
+    lost = (f"none (config.yaml unchanged, metrics.jsonl steps 1..{FIRST_STEPS})" if ok1 else
+            f"FIRST RUN HURT: exit {code1}, config kept {same_config}, steps {steps[:3]}..")
+    return Row(text, took, f"{second.exit_text(code2)}; first {code1}", lost, ok)
 
 
 def corrupt_newest(d: Drill, name: str = "corrupt_newest") -> Row:

@@ -12,6 +12,12 @@ exact -- a prefetched step that is not the one asked for is dropped and the aske
 in the caller's thread. What is read is the sampler's (``data.sampler``) and is stacked and
 split into (inputs, labels) exactly as without read-ahead, so batches are bitwise the same.
 A read error is raised by the step that needs the batch, not by the read-ahead.
+
+Every micro-batch's ids are checked against the model's vocabulary here, on the host, before
+they reach the device (no device sync): a token file's header is only a claim, and an id past
+the vocabulary would index the embedding out of range (TP 1) or be masked to a zero embedding
+and a zero target logit by the vocab-parallel layers (TP > 1), training on in silence. The
+error names the token file and the document that holds the id.
 """
 
 from __future__ import annotations
@@ -25,17 +31,25 @@ import torch
 
 from zerotron.data import PretrainSampler
 from zerotron.parallel import host_sync
+from zerotron.training.config import ConfigError
+
+
+class TokenIdError(ConfigError):
+    """A token file holds an id outside the model's vocabulary, or changed under the run (found
+    when a batch is read)."""
 
 
 class BatchLoader:
     """``get(consumed)``: this DP rank's ``(inputs, labels)`` device pairs of the step that starts at
-    ``consumed`` samples; the next ``depth`` steps are read ahead (0: none, no thread)."""
+    ``consumed`` samples; the next ``depth`` steps are read ahead (0: none, no thread).
+    ``vocab_size``: ids must lie in ``[0, vocab_size)`` (None: not checked)."""
 
     def __init__(self, dataset, micro_batch_size: int, global_batch_size: int, num_microbatches: int,
-                 dp_rank: int, dp_size: int, device: torch.device, depth: int = 2):
+                 dp_rank: int, dp_size: int, device: torch.device, depth: int = 2,
+                 vocab_size: int | None = None):
         if depth < 0:
             raise ValueError(f"data.prefetch={depth}: must be >= 0 (0 reads each step when it starts)")
-        self.dataset, self.device, self.depth = dataset, device, depth
+        self.dataset, self.device, self.depth, self.vocab_size = dataset, device, depth, vocab_size
         self.micro, self.global_batch, self.num_micro = micro_batch_size, global_batch_size, num_microbatches
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self._pending: dict[int, Future] = {}
@@ -53,11 +67,36 @@ class BatchLoader:
     def host_tokens(self, consumed: int) -> list[torch.Tensor]:
         """Each micro-batch as one int64 ``[micro, seq + 1]`` host tensor, pinned when it feeds a GPU."""
         pin = host_sync.pinned(self.device)
+        if hasattr(self.dataset, "check_unchanged"):  # a file cut short under us: named, not a SIGBUS
+            try:
+                self.dataset.check_unchanged()
+            except ValueError as e:
+                raise TokenIdError(str(e)) from None
         out = []
         for ix in self.indices(consumed):
             tokens = torch.from_numpy(np.stack([self.dataset[i] for i in ix]).astype(np.int64))
+            self._check_ids(tokens, ix, consumed)
             out.append(tokens.pin_memory() if pin else tokens)
         return out
+
+    def _check_ids(self, tokens: torch.Tensor, ix: list[int], consumed: int) -> None:
+        """Raise ``TokenIdError`` if an id of this host micro-batch is outside the vocabulary,
+        naming the token file and document it came from (``dataset.locate``, when it can)."""
+        if self.vocab_size is None or tokens.numel() == 0:
+            return
+        bad = (tokens >= self.vocab_size) | (tokens < 0)
+        if not bool(bad.any()):
+            return
+        row, position = (int(v) for v in bad.nonzero()[0])
+        token, sample = int(tokens[row, position]), ix[row]
+        where = f"sample {sample}"
+        if hasattr(self.dataset, "locate"):
+            prefix, doc = self.dataset.locate(sample, position)
+            where = f"{prefix}.bin, document {doc} (sample {sample})"
+        raise TokenIdError(f"token id {token} in {where}, read for the step at consumed samples "
+                           f"{consumed}, is outside the model's vocabulary [0, {self.vocab_size}); the "
+                           f"file's .idx header does not describe its tokens: re-create it with "
+                           f"scripts/preprocess_data.py and the model's tokenizer")
 
     def get(self, consumed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         fut = self._pending.pop(consumed, None)

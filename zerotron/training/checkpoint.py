@@ -29,12 +29,12 @@ from zerotron.model.gpt import WORD_EMBEDDING
 from zerotron.parallel.shard_info import shard_info
 from zerotron.training import faults
 from zerotron.training.checkpoint_agree import agree
+from zerotron.training.checkpoint_schema import TOKENIZER_FILE, seal
 from zerotron.training.checkpoint_io import (FORMAT_VERSION, OWNER, CheckpointError, ShardReader, atomic_write_bytes,
                                              atomic_write_json, prune, read_metadata, resolve_load_path, step_dir,
                                              write_shard)
 
 MODEL_FIELDS = ("num_layers", "hidden_size", "num_heads", "vocab_size", "seq_length")
-TOKENIZER_FILE = "tokenizer.model"
 
 
 def _keep_tokenizer(tokenizer: str, directory: Path) -> dict[str, str]:
@@ -122,14 +122,14 @@ def save_checkpoint(save: str, step: int, model, opt, grid, *, consumed_samples:
                 entry = json.loads(side.read_text())
                 params.update(entry.pop("params"))
                 files[f"rank_{r:05d}.safetensors"] = entry
-            atomic_write_json(tmp / "metadata.json", {
+            atomic_write_json(tmp / "metadata.json", seal({
                 "format_version": FORMAT_VERSION, "step": step, "consumed_samples": consumed_samples, "run_id": run_id,
                 "adam_step": int(state.get("step", step)), "loss_scaler": state.get("loss_scaler"),
                 "layout": {"tp": grid.tp_size, "pp": grid.pp_size, "dp": grid.dp_size, "stage": opt.stage,
                            "virtual_stages": getattr(grid.dims, "virtual_stages", 1),
                            "world_size": grid.world_size},
                 "model": model_config, "config": run_config, "params": params, "files": files,
-                "tokenizer": _keep_tokenizer(tokenizer, tmp) if tokenizer else None})
+                "tokenizer": _keep_tokenizer(tokenizer, tmp) if tokenizer else None}))
             for r in range(grid.world_size):
                 (tmp / f"rank_{r:05d}.json").unlink()
             (tmp / OWNER).unlink()  # metadata.json names the run from here on

@@ -8,6 +8,7 @@ one. Shards are safetensors files (no pickle: loading can never run code).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -83,9 +84,11 @@ class ShardReader:
         self.directory, self.files, self._verified = directory, files, set(verified)
 
     def _verified_path(self, filename: str) -> str:
+        from zerotron.training.checkpoint_schema import inside
+
         if filename not in self.files:
             raise CheckpointError(f"{self.directory}: shard {filename} is not listed in metadata.json")
-        path = self.directory / filename
+        path = inside(self.directory, filename, "files")
         if filename not in self._verified:  # hash each shard once, before its first use
             verify_file(path, self.files[filename]["sha256"])
             self._verified.add(filename)
@@ -93,13 +96,35 @@ class ShardReader:
 
     def read(self, filename: str, key: str, start: int, end: int) -> torch.Tensor:
         """Elements ``[start, end)`` of the flat tensor ``key``, read without loading the rest."""
-        with safe_open(self._verified_path(filename), framework="pt") as f:
-            return f.get_slice(key)[start:end]
+        with self._open(filename) as f:
+            try:
+                out = f.get_slice(key)[start:end]
+            except SafetensorError as e:
+                raise self._corrupt(filename, f"no tensor {key!r} ({e})") from None
+        if out.numel() != end - start:  # the index points past the tensor the shard holds
+            raise self._corrupt(filename, f"{key} holds fewer elements than the index names")
+        return out
 
     def tensors_with_prefix(self, filename: str, prefix: str) -> dict[str, torch.Tensor]:
         """Every tensor of a shard whose key starts with ``prefix``, keyed without the prefix."""
-        with safe_open(self._verified_path(filename), framework="pt") as f:
+        with self._open(filename) as f:
             return {k[len(prefix):]: f.get_tensor(k) for k in f.keys() if k.startswith(prefix)}
+
+    @contextlib.contextmanager
+    def _open(self, filename: str):
+        """The shard opened with safetensors; a file that is not one (a pickle whose SHA-256 was
+        written into metadata.json) is named corrupt, never parsed further."""
+        path = self._verified_path(filename)
+        try:
+            handle = safe_open(path, framework="pt")
+        except (SafetensorError, OSError, ValueError) as e:
+            raise self._corrupt(filename, f"not a safetensors file ({e})") from None
+        with handle as f:
+            yield f
+
+    def _corrupt(self, filename: str, why: str) -> CheckpointError:
+        return CheckpointError(f"checkpoint shard {self.directory / filename} is corrupt: {why}"
+                               + LOAD_EARLIER)
 
 
 def step_dir(save: str | Path, step: int) -> Path:
@@ -166,12 +191,13 @@ def read_metadata(path: Path) -> dict[str, Any]:
         meta = json.loads((path / "metadata.json").read_text())
     except FileNotFoundError:
         raise CheckpointError(f"{path}: metadata.json is missing; the checkpoint is incomplete") from None
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise CheckpointError(f"{path}/metadata.json is corrupt ({e})" + LOAD_EARLIER) from None
-    if meta.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"{path}: checkpoint format version {meta.get('format_version')} is not "
-                              f"{FORMAT_VERSION}, the one this zerotron reads")
-    return meta
+    except OSError as e:
+        raise CheckpointError(f"{path}/metadata.json cannot be read ({e})") from None
+    from zerotron.training.checkpoint_schema import check_metadata
+
+    return check_metadata(meta, path)  # sealed, well formed, every file it names inside ``path``
 
 
 OWNER = "OWNER"  # run id of the run writing a ``.tmp`` directory; removed before the rename

@@ -102,6 +102,7 @@ class TrainingSection:
     precision: str = "fp32"
     seed: int = 1234
     compile: bool = False  # torch.compile each transformer block's forward (parallelize.compile_blocks)
+    skip_memory_check: bool = False  # start although the memory model says a rank cannot fit
 
 
 @dataclass
@@ -252,6 +253,9 @@ class RunConfig:
                               f"ahead; 0 reads each step when it starts)")
         for i, w in enumerate(self.data.data_weights):
             _positive(f"data.data_weights[{i}]", w, allow_zero=True, fix="weights are sampling proportions")
+        if self.data.data_weights and not math.isfinite(sum(self.data.data_weights)):
+            raise ConfigError(f"data.data_weights={self.data.data_weights} sum to infinity; "
+                              f"weights are proportions: scale them down (e.g. 1,1)")
         if self.data.data_weights and not sum(self.data.data_weights) > 0:
             raise ConfigError(f"data.data_weights={self.data.data_weights} sum to 0; give at least one path a "
                               f"positive weight")

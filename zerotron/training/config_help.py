@@ -147,6 +147,8 @@ HELP: dict[str, str] = {
     "training.precision": "parameters' precision; 16-bit keeps fp32 masters; fp64 is the tests' reference",
     "training.seed": "seed of init, dropout and data order",
     "training.compile": "torch.compile each transformer block's forward (inductor); hooks stay eager",
+    "training.skip_memory_check": "start although the memory model predicts that a rank cannot "
+                                  "hold the run (the start-up fit check, training/fit_check.py)",
     "logging.run_dir": "metrics.jsonl, config.yaml, wandb and tensorboard files",
     "logging.log_interval": "steps per console/metrics line",
     "logging.eval_interval": "steps between evaluations; 0: none",

@@ -101,6 +101,7 @@ class MetricsLogger:
     def __init__(self, run_dir: str, config: dict[str, Any], enabled: bool, wandb_mode: str = "offline",
                  project: str = "zerotron", total_steps: int = 0, start_step: int = 0, tensorboard: bool = False):
         self.enabled = enabled
+        self.failed = ""  # why rank 0 could not write the run directory (the trainer stops on it)
         self._wandb = self._tb = self._bar = None
         self.total_steps = total_steps
         if not enabled:
@@ -130,7 +131,13 @@ class MetricsLogger:
         if not self.enabled:
             return
         record = host_values(record)
-        self._file.write(json.dumps(record) + "\n")
+        try:
+            self._file.write(json.dumps(record) + "\n")
+        except OSError as e:  # a full disk: said once, by rank 0, and agreed on by every rank
+            self.failed = self.failed or (
+                f"cannot write {self.run_dir / 'metrics.jsonl'} ({e.strerror or e}); free space on "
+                f"the file system of logging.run_dir={self.run_dir}, or give the run another one")
+            return
         flat = {k: v for k, v in record.items() if isinstance(v, (int, float))}
         for group, nbytes in (record.get("comm_bytes") or {}).items():
             flat[f"comm_bytes/{group}"] = nbytes
@@ -169,7 +176,8 @@ class MetricsLogger:
             return
         if self._bar is not None:
             self._bar.close()
-        self._file.close()
+        with contextlib.suppress(OSError):  # its last flush may meet the full disk again
+            self._file.close()
         if self._writer is not None:
             self._writer.close()  # releases the flock
         if self._wandb is not None:

@@ -1,8 +1,9 @@
 """Starting a run on a checkpoint directory: who owns it, which checkpoint continues the run, and
 whether that checkpoint may continue it.
 
-* **Ownership.** Rank 0 holds ``<checkpoint.save>/zerotron.lock`` (``run_lock.py``) for the whole
-  run. A run's id is a fingerprint of its config apart from ``training.train_steps``, logging and
+* **Ownership.** Rank 0 holds ``<logging.run_dir>/zerotron.lock`` and
+  ``<checkpoint.save>/zerotron.lock`` (``run_lock.py``) for the whole run. A run's id is a
+  fingerprint of its config apart from ``training.train_steps``, logging and
   how and where checkpoints are taken (``IGNORED``), so a restart of the same command -- ``torchrun
   --max-restarts`` -- is the same run, and a command that trains something else is another.
   Each checkpoint records the id; pruning deletes only its own run's.
@@ -42,8 +43,9 @@ from zerotron.training.run_lock import RunLock, RunLockError
 
 # not part of what a run trains: its length, how it is logged, how and where its checkpoints are
 # taken (a checkpoint directory copied or moved elsewhere still continues the same run)
-IGNORED = ("training.train_steps", "logging.*", "checkpoint.save", "checkpoint.load", "checkpoint.fallback",
-           "checkpoint.override_schedule", "checkpoint.keep_last", "checkpoint.save_interval")
+IGNORED = ("training.train_steps", "training.skip_memory_check", "logging.*", "checkpoint.save",
+           "checkpoint.load", "checkpoint.fallback", "checkpoint.override_schedule",
+           "checkpoint.keep_last", "checkpoint.save_interval")
 SCHEDULE = ("optimizer.lr", "optimizer.min_lr", "optimizer.warmup_steps", "optimizer.decay",
             "optimizer.schedule", "optimizer.warmup_min_lr", "optimizer.warmup_type", "optimizer.schedule_steps",
             "training.global_batch_size", "training.seed")
@@ -102,13 +104,28 @@ def share(text: str, grid, device) -> str:
     return bytes(buf.cpu().tolist()).decode()
 
 
-def take_lock(save: str, rid: str, grid, device, log: Callable[[str], None]) -> RunLock | None:
+def take_locks(cfg, rid: str, grid, device, log: Callable[[str], None]) -> list[RunLock | None]:
+    """The run directory's lock, then the checkpoint directory's (when set): one owner for each."""
+    locks = [take_lock(cfg.logging.run_dir, rid, grid, device, log, "logging.run_dir")]
+    save, run_dir = cfg.checkpoint.save, Path(cfg.logging.run_dir).resolve()
+    try:  # one lock file serves both when they are the same directory
+        if save and Path(save).resolve() != run_dir:
+            locks.append(take_lock(save, rid, grid, device, log))
+    except BaseException:
+        if locks[0] is not None:
+            locks[0].release()
+        raise
+    return locks
+
+
+def take_lock(save: str, rid: str, grid, device, log: Callable[[str], None],
+              field: str = "checkpoint.save") -> RunLock | None:
     """Rank 0 takes ``save``'s lock; every rank raises ``RunLockError`` (with rank 0's message) if it
     cannot. Returns the lock on rank 0, None elsewhere."""
     lock, status = None, ""
     if grid.rank == 0:
         try:
-            lock = RunLock.acquire(save, rid)
+            lock = RunLock.acquire(save, rid, field=field)
             status = "ok:" + (lock.note or "")
         except RunLockError as e:
             status = "refused:" + str(e)
@@ -249,11 +266,30 @@ def plan_resume(cfg, grid, device, log: Callable[[str], None] = print) -> Resume
             raise CheckpointError(_schedule_refusal(asked, chosen, diffs))
         if diffs:
             log(f"[checkpoint] checkpoint.override_schedule=true: continuing with {_fields(diffs)}")
+        _note_stretch(meta, cfg, log)
     if save is not None:
         _check_save_dir(save, chosen, step, rid, skipped, asked, log)
     files = frozenset(meta["files"]) if chosen is not None else frozenset()
     consumed = int(meta["consumed_samples"]) if chosen is not None else 0
     return ResumePlan(chosen, step, files, consumed)
+
+
+def _note_stretch(meta: dict, cfg, log) -> None:
+    """Say so when a new ``training.train_steps`` stretches a decay over ``train_steps`` (no
+    ``optimizer.schedule_steps``): the next step's rate changes (issue 46: 6.95e-4 -> 2.07e-3)."""
+    from zerotron.training.schedule import lr_at
+
+    o, old = cfg.optimizer, flatten(meta.get("config", {})).get("training.train_steps")
+    new = cfg.training.train_steps
+    fixed = o.schedule_steps is not None or o.schedule == "onecycle"
+    if fixed or not isinstance(old, int) or old == new:
+        return
+    was, now = (lr_at(int(meta.get("adam_step", meta["step"])), o, n) for n in (old, new))
+    if was != now:
+        log(f"[checkpoint] training.train_steps={old} in the checkpoint, {new} in this run: the "
+            f"learning-rate schedule ({o.decay} decay over train_steps) is stretched, so the next "
+            f"step's rate is {now:.3g} where the checkpoint's run would use {was:.3g}; to keep its "
+            f"schedule pass --optimizer.schedule_steps {old} --checkpoint.override_schedule true")
 
 
 def check_tokenizer(path: Path, tokenizer: str | None, cfg) -> None:
@@ -267,6 +303,9 @@ def check_tokenizer(path: Path, tokenizer: str | None, cfg) -> None:
     meta = read_metadata(path)
     kept = meta.get("tokenizer")
     copy = path / kept["file"] if kept else None
+    if copy is not None and copy.is_file() and sha256_file(copy) != kept["sha256"]:
+        raise CheckpointError(f"checkpoint {path}: its tokenizer copy {copy} does not match the "
+                              f"SHA-256 in metadata.json" + LOAD_EARLIER)
     if not tokenizer or copy is None or not copy.is_file() or encoding_digest(tokenizer) == encoding_digest(copy):
         return
     what = (f"the tokenizer at {tokenizer} has changed since" if Path(kept["path"]) == Path(tokenizer).resolve()

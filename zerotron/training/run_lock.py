@@ -1,7 +1,9 @@
-"""One run per checkpoint directory: a lock file that names its holder (host, pid, run id).
+"""One run per checkpoint directory and per run directory: a lock file that names its holder.
 
 Two runs writing into one directory would prune, overwrite and resume each other's
-checkpoints. Rank 0 therefore creates ``<save>/zerotron.lock`` (``O_CREAT | O_EXCL``) before any
+checkpoints, or (the run directory, ``logging.run_dir``) overwrite each other's ``config.yaml``
+and supersede each other's ``metrics.jsonl`` records; both directories are locked. Rank 0
+therefore creates ``<save>/zerotron.lock`` (``O_CREAT | O_EXCL``) before any
 work and removes it when the run ends, however it ends. A second run finds the file and is
 refused with the holder's host and pid. A stale lock -- a crash, ``kill -9``, a node reboot --
 is taken over with a message, so ``torchrun --max-restarts`` or a requeued job continues by
@@ -50,6 +52,8 @@ def _start_ticks(pid: int) -> int | None:
 
 
 def _alive(pid: int, start_ticks: int | None) -> bool:
+    if not isinstance(pid, int) or isinstance(pid, bool) or not 0 < pid < 2**31:  # no kill(0), (-1)
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -83,11 +87,18 @@ def _idle_s(path: Path) -> float:
 
 
 def _read(path: Path) -> dict | None:
+    """The holder a lock file names, or None when it cannot be read or is not a lock (a corrupt
+    file: garbage, or fields of the wrong type), which is taken over once it stops changing."""
     try:
         data = json.loads(path.read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
-    return data if isinstance(data, dict) else None
+    if not isinstance(data, dict) or isinstance(data.get("pid", 0), bool):
+        return None
+    started = data.get("started", 0)
+    if not isinstance(data.get("pid", 0), int) or not isinstance(started, (int, float)):
+        return None
+    return data
 
 
 def describe(holder: dict) -> str:
@@ -95,18 +106,23 @@ def describe(holder: dict) -> str:
             f"started {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(holder.get('started', 0)))}")
 
 
-def _refusal(directory: Path, path: Path, holder: dict, host: str) -> str | None:
-    """Why ``holder``'s lock on ``directory`` stands (the refusal to print), or None when it is stale."""
+def _refusal(directory: Path, path: Path, holder: dict, host: str,
+             field: str = "checkpoint.save") -> str | None:
+    """Why ``holder``'s lock on ``directory`` stands (the refusal to print), or None when it is
+    stale. ``field``: the setting that names the directory (checkpoint.save, logging.run_dir)."""
     idle = _idle_s(path)
+    ticks = holder.get("start_ticks")
     if holder.get("host") != host and idle < STALE_S:
-        return (f"checkpoint.save={directory} is in use by a run on another host ({describe(holder)}; "
+        return (f"{field}={directory} is in use by a run on another host ({describe(holder)}; "
                 f"{path}, refreshed {idle:.0f} s ago); wait for it to end or give this run another "
-                f"checkpoint.save. If that run is gone, its lock is taken over once it has not "
+                f"{field}. If that run is gone, its lock is taken over once it has not "
                 f"been refreshed for {STALE_S:.0f} s, or delete {path}")
-    if holder.get("host") == host and _alive(int(holder.get("pid", -1)), holder.get("start_ticks")):
-        return (f"checkpoint.save={directory} is in use by another run ({describe(holder)}; {path}); "
-                f"wait for it to end or give this run another checkpoint.save (or logging.run_dir, "
-                f"when checkpoint.save is under it)")
+    ticks = ticks if isinstance(ticks, int) else None
+    if holder.get("host") == host and _alive(holder.get("pid", -1), ticks):
+        also = (" (or logging.run_dir, when checkpoint.save is under it)"
+                if field == "checkpoint.save" else "")
+        return (f"{field}={directory} is in use by another run ({describe(holder)}; {path}); "
+                f"wait for it to end or give this run another {field}{also}")
     return None
 
 
@@ -134,7 +150,7 @@ def lineage() -> tuple[str, list[int]]:
     return job, attempt
 
 
-def check_free(directory: str | Path) -> None:
+def check_free(directory: str | Path, field: str = "checkpoint.save") -> None:
     """Raise ``RunLockError`` if a live run holds ``directory``'s lock; a look that takes nothing.
 
     Every rank calls it in preflight, before ``init_process_group``, so a second run is refused
@@ -145,7 +161,8 @@ def check_free(directory: str | Path) -> None:
     holder = _read(path)
     if holder and job_key() and holder.get("job") == job_key():  # rank 0 of this job took it first
         return
-    refusal = _refusal(Path(directory), path, holder, socket.gethostname()) if holder else None
+    host = socket.gethostname()
+    refusal = _refusal(Path(directory), path, holder, host, field) if holder else None
     if refusal:
         raise RunLockError(refusal)
 
@@ -165,7 +182,8 @@ class RunLock:
                 os.utime(path)
 
     @classmethod
-    def acquire(cls, directory: str | Path, run_id: str, refresh_s: float | None = REFRESH_S) -> "RunLock":
+    def acquire(cls, directory: str | Path, run_id: str, refresh_s: float | None = REFRESH_S,
+                field: str = "checkpoint.save") -> "RunLock":
         """Take ``directory``'s lock (creating the directory) or raise ``RunLockError`` naming the holder.
 
         ``refresh_s``: how often a thread touches the lock while it is held (None: never; then a
@@ -194,7 +212,8 @@ class RunLock:
                     # a requeue): a restart starts only once that attempt's ranks are gone
                     again = bool(holder) and bool(info["lineage"]) and holder.get("host") != info["host"] \
                         and holder.get("lineage") == info["lineage"] and list(holder.get("attempt", ())) < info["attempt"]
-                    refusal = _refusal(directory, path, holder, info["host"]) if holder and not again else None
+                    refusal = (_refusal(directory, path, holder, info["host"], field)
+                               if holder and not again else None)
                     if refusal:
                         raise RunLockError(refusal)
                     why = ("an earlier attempt of this job" if again else "process no longer running"
@@ -211,7 +230,7 @@ class RunLock:
                     os.fsync(f.fileno())
                 return cls(path, info, note, refresh_s)
         raise RunLockError(f"could not take the lock {path}: it keeps changing; another run is starting on "
-                           f"checkpoint.save={directory}")
+                           f"{field}={directory}")
 
     def release(self) -> None:
         """Remove the lock file if it is still ours (never one another run took over meanwhile)."""

@@ -8,6 +8,7 @@ training collective.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,7 +61,7 @@ def check_data(cfg: RunConfig, tokenizer_path: str | None, train: list[str], eva
     a crash mid-run. A file must hold at least one sample (``seq_length + 1`` tokens: the inputs
     and their shifted labels).
     """
-    from zerotron.data import IndexedTokenDataset, Tokenizer
+    from zerotron.data import IndexedTokenDataset, Tokenizer, fingerprint
 
     if tokenizer_path and not Path(tokenizer_path).is_file():
         raise ConfigError(f"data.tokenizer={tokenizer_path}: file not found; train one with "
@@ -85,6 +86,10 @@ def check_data(cfg: RunConfig, tokenizer_path: str | None, train: list[str], eva
                                      f"data.tokenizer={tokenizer_path} has {tok_vocab} tokens; set data.tokenizer "
                                      f"to the tokenizer it was made with, or re-run scripts/preprocess_data.py "
                                      f"with this one")
+                other = fingerprint.mismatch(prefix, tokenizer_path) if tokenizer_path else None
+                if other:  # the record beside the files names another tokenizer
+                    raise ValueError(f"{other}; set data.tokenizer to the tokenizer it was made "
+                                     f"with, or re-run scripts/preprocess_data.py with this one")
                 if seq is not None and ds.num_tokens < seq + 1:
                     raise ValueError(f"holds {ds.num_tokens} tokens, fewer than model.seq_length + 1 = {seq + 1} "
                                      f"(one sample); use a larger corpus or a shorter model.seq_length")
@@ -199,13 +204,27 @@ def validate_model(cfg: RunConfig, vocab_size: int | None = None):
 
 def preflight(cfg: RunConfig) -> None:
     """Everything checkable before ``init_process_group`` beyond ``RunConfig.validate``: the model,
-    the user's data files (the built-in corpus is built after start-up by rank 0) and the
-    checkpoint directory. Raises ``ConfigError``."""
+    the user's data files (the built-in corpus is built after start-up by rank 0), whether a
+    rank can hold the run (``fit_check.py``) and the run and checkpoint directories. Raises
+    ``ConfigError``."""
+    from zerotron.training.env_check import check_environment, check_paths
+
+    check_environment()  # ZEROTRON_* variables: exit 2 naming one, not a traceback at start-up
+    check_paths(cfg)
     vocab = None
     if cfg.data.data_path:
         vocab = check_data(cfg, cfg.data.tokenizer, list(cfg.data.data_path), list(cfg.data.eval_path))
     mcfg = validate_model(cfg, vocab)
+    from zerotron.training.fit_check import check_fit
+
+    check_fit(cfg, mcfg, int(os.environ.get("WORLD_SIZE", 1)))  # cannot fit: refused in seconds
     writable_dir("logging.run_dir", cfg.logging.run_dir, "the run's metrics and config")  # before a save dir in it
+    from zerotron.training.run_lock import RunLockError, check_free
+
+    try:  # a live run's run directory: refused now, not after init_process_group (locked there)
+        check_free(cfg.logging.run_dir, "logging.run_dir")
+    except RunLockError as e:
+        raise ConfigError(str(e)) from None
     check_save_dir(cfg, mcfg)
     writable_dir("data.cache_dir", cfg.data.cache_dir, "the built-in corpus and the sample-index caches")
 
@@ -213,14 +232,16 @@ def preflight(cfg: RunConfig) -> None:
 def checkpoint_bytes(cfg: RunConfig, mcfg) -> tuple[int, int, int]:
     """``(bytes, parameters, bytes per parameter)`` of one checkpoint, summed over all ranks.
 
-    Per parameter: the master weight and Adam's two moments in the master dtype (fp32; fp64 for
-    fp64 runs) and one copy in the model's precision -- the 14-16 bytes of ZeRO §3.1's mixed
-    precision states, stored once over all ranks (TP splits, ZeRO partitions). With a pipeline
-    the tied word embedding lives on the first and the last stage."""
+    Per parameter: what a shard holds -- the master weight and Adam's two moments in the master
+    dtype (fp32; fp64 for fp64 runs), 12 (24) bytes of ZeRO §3.1's states, stored once over all
+    ranks (TP splits, ZeRO partitions); the model's own copy is not saved (it is the master,
+    rounded), except in ``consolidated.safetensors`` when ``checkpoint.consolidated_16bit`` is
+    set. With a pipeline the tied word embedding lives on the first and the last stage."""
     tp, pp = cfg.parallel.tp, cfg.parallel.pp
     n = mcfg.exact_num_params(tp) + (mcfg.padded_vocab_size(tp) * mcfg.hidden_size if pp > 1 else 0)
     model_bytes = {"fp16": 2, "bf16": 2, "fp32": 4, "fp64": 8}.get(cfg.training.precision, 4)
-    per = 3 * (8 if cfg.training.precision == "fp64" else 4) + model_bytes
+    consolidated = min(model_bytes, 4) if cfg.checkpoint.consolidated_16bit else 0  # fp32 at most
+    per = 3 * (8 if cfg.training.precision == "fp64" else 4) + consolidated
     return n * per, n, per
 
 
@@ -234,6 +255,13 @@ def check_save_dir(cfg: RunConfig, mcfg) -> None:
     if not path:
         return
     where = writable_dir("checkpoint.save", path, "checkpoints", "or unset it to run without checkpoints")
+    from zerotron.training.checkpoint_io import PARTIAL_STEP_DIR, STEP_DIR
+
+    for above in [Path(path).absolute(), *Path(path).absolute().parents]:  # pruning reaches in
+        step = STEP_DIR.match(above.name) or PARTIAL_STEP_DIR.match(above.name)
+        if step or (above / "metadata.json").is_file():
+            raise ConfigError(f"checkpoint.save={path} is inside the checkpoint {above}; give a "
+                              f"directory outside any checkpoint")
     from zerotron.training.run_lock import RunLockError, check_free
 
     try:  # a live run's directory: refused now, not after init_process_group (the lock is taken there)
@@ -244,7 +272,7 @@ def check_save_dir(cfg: RunConfig, mcfg) -> None:
     free = shutil.disk_usage(where).free
     if free < need:
         raise ConfigError(f"checkpoint.save={path}: one checkpoint needs about {_gib(need)} ({n:,} parameters x "
-                          f"{per} bytes: master weights, two Adam moments and a {cfg.training.precision} copy) but "
+                          f"{per} bytes: master weights and two Adam moments) but "
                           f"{where} has {_gib(free)} free; free space, choose a larger file system, or unset "
                           f"checkpoint.save")
 

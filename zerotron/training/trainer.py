@@ -1,8 +1,8 @@
 """The pretraining loop: micro-batches accumulated to the global batch, schedule, eval, logging,
 checkpoints and a graceful stop on SIGTERM (checkpoint, then exit) for preemptible clusters.
 
-Before any work the run takes its checkpoint directory's lock and decides which checkpoint it
-continues from (``resume.py``), so a refused or already finished run stops in seconds.
+Before any work the run takes its run and checkpoint directories' locks and decides which
+checkpoint it continues from (``resume.py``), so a refused or finished run stops in seconds.
 
 The step itself (``training.step.run_step``) reads nothing on the host, and neither does the
 trainer around it: the loss stays a device tensor, the first non-finite loss is remembered on
@@ -48,10 +48,9 @@ class Trainer:
         self.cfg, self.env = cfg, env
         self.grid = grid = build_grid(cfg)
         self.run_id = resume.run_id(cfg)
-        self.lock = None
-        try:  # the directory is ours and the checkpoint to continue from known before any work
-            if cfg.checkpoint.save:
-                self.lock = resume.take_lock(cfg.checkpoint.save, self.run_id, grid, env.device, self.log)
+        self.locks = []
+        try:  # the run and checkpoint directories ours, the checkpoint to continue known
+            self.locks = resume.take_locks(cfg, self.run_id, grid, env.device, self.log)
             self.resume = resume.plan_resume(cfg, grid, env.device, self.log)
             self._build(cfg, env, grid)
         except BaseException:
@@ -90,8 +89,8 @@ class Trainer:
             self.eval_ds = GPTDataset(self.data.eval_prefixes, None, num_samples=n_eval, **ds_args)
         self.batches, self.eval_batches = (
             BatchLoader(ds, t.micro_batch_size, t.global_batch_size, cfg.num_microbatches, grid.dp_rank,
-                        grid.dp_size, env.device, depth=cfg.data.prefetch) if ds is not None else None
-            for ds in (self.train_ds, self.eval_ds))
+                        grid.dp_size, env.device, depth=cfg.data.prefetch, vocab_size=self.data.vocab_size)
+            if ds is not None else None for ds in (self.train_ds, self.eval_ds))
         self.step, self.consumed = 0, 0
         if self.resume.path is not None:
             state = ckpt.load_checkpoint(str(self.resume.path), self.model, self.opt, grid,
@@ -110,23 +109,20 @@ class Trainer:
         self._bad_step = torch.full((), -1.0, dtype=torch.float64, device=env.device)
         self._bad_loss = torch.zeros((), dtype=torch.float64, device=env.device)
         self._bad_norm = torch.zeros((), dtype=torch.float64, device=env.device)
-        signal.signal(signal.SIGTERM, self._on_sigterm)
+        signal.signal(signal.SIGTERM, lambda signum, frame: setattr(self, "_stop_requested", True))
 
     def release_lock(self) -> None:
-        """Give the checkpoint directory back (rank 0; a file removal, safe after a failed collective)."""
-        if self.lock is not None:
-            self.lock.release()
+        """Give the run and checkpoint directories back (rank 0; safe after a failed collective)."""
+        for lock in self.locks:
+            if lock is not None:
+                lock.release()
 
-    # helpers ---------------------------------------------------------------------------------
     def log(self, text: str) -> None:
         if self.grid.rank == 0:
             print(text, flush=True)
 
     def model_config_dict(self) -> dict:  # with the family (gpt2 | llama), for metadata.json
         return {**dataclasses.asdict(self.mcfg), "architecture": self.mcfg.architecture}
-
-    def _on_sigterm(self, signum, frame) -> None:
-        self._stop_requested = True
 
     def _rng_states(self) -> dict[str, torch.Tensor]:
         return rng_streams.checkpoint_states(self.model.rng, self.env.device)
@@ -143,7 +139,6 @@ class Trainer:
         C.all_reduce(x, self.grid.dp_group, op="sum")
         return x[0] / self.grid.dp_size
 
-    # reliability ------------------------------------------------------------------
     MAX_SKIPS_AT_MIN_SCALE = 8  # consecutive overflowed (skipped) steps at the loss-scale floor
 
     def _inject_faults(self, step: int) -> None:
@@ -271,10 +266,15 @@ class Trainer:
         return path
 
     def _stop_agreed(self) -> bool:
-        """Whether any rank got SIGTERM: the one host read of a bf16/fp32 step (``"stop"``)."""
-        flag = torch.full((1,), 1.0 if self._stop_requested else 0.0, device=self.env.device)
+        """Whether any rank got SIGTERM: the one host read of a bf16/fp32 step (``"stop"``). Its
+        flag also carries rank 0's failure to write the run directory: every rank names that."""
+        flag = 2.0 if self.logger.failed else float(self._stop_requested)
+        flag = torch.full((1,), flag, device=self.env.device)
         C.all_reduce(flag, self.grid.world_group, op="max")
-        return host_sync.read(flag, "stop", placeholder=0.0) > 0
+        if (value := host_sync.read(flag, "stop", placeholder=0.0)) >= 2:
+            run_dir = self.cfg.logging.run_dir
+            raise TrainingStopped(self.logger.failed or f"rank 0 cannot write logging.run_dir={run_dir}")
+        return value > 0
 
     def _record(self, out: dict, window: int) -> dict:
         """One metrics.jsonl object: loss, schedule, throughput, memory, comm bytes per step."""

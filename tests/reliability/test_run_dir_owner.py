@@ -1,0 +1,110 @@
+"""One owner per run directory (issue 46): a second run in a live run's ``logging.run_dir`` is
+refused before it touches ``config.yaml`` or ``metrics.jsonl``; a corrupt lock is no traceback.
+
+Through scripts/pretrain_gpt.py's ``main`` on 2 gloo ranks; the live run is a process holding the
+lock as a run does (``RunLock.acquire``), and the reference for "untouched" is the bytes of the
+files before the second run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+from tests.reliability.common import run, tiny
+from zerotron.training.run_lock import LOCK_NAME, RunLock, check_free
+
+HOLD = """import sys, time
+from zerotron.training.run_lock import RunLock
+RunLock.acquire(sys.argv[1], "the-first-run", field="logging.run_dir")
+print("held", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_second_run_in_a_live_run_directory_is_refused_leaving_its_files(zerotron_cache,
+                                                                           tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text("the first run's config\n")
+    records = "".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(1, 41))
+    (run_dir / "metrics.jsonl").write_text(records)
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(run_dir)], stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        assert proc.stdout.readline().strip() == "held"
+        res = run(tiny(zerotron_cache) + ["--run-dir", str(run_dir), "--train-steps", "2"])
+    finally:
+        proc.kill()
+        proc.wait()
+    for code, _, err, seconds in res:
+        assert code == 2, err
+        assert f"logging.run_dir={run_dir} is in use by another run" in err, err
+        assert f"pid {proc.pid}" in err and "config error" in err and seconds < 15, err
+    assert (run_dir / "config.yaml").read_text() == "the first run's config\n"
+    assert (run_dir / "metrics.jsonl").read_text() == records
+    assert not (run_dir / "metrics.superseded.jsonl").exists()
+
+
+def test_a_corrupt_lock_is_taken_over_not_a_traceback(tmp_path):
+    host = socket.gethostname()
+    for content in ("{not json", json.dumps({"host": host, "pid": "abc", "started": "x"}),
+                    json.dumps({"host": host, "pid": -1, "started": 0}), json.dumps([1, 2])):
+        (tmp_path / LOCK_NAME).write_text(content)
+        old = time.time() - 60
+        os.utime(tmp_path / LOCK_NAME, (old, old))
+        check_free(tmp_path, "logging.run_dir")  # not held by a live run: no refusal, no exception
+        lock = RunLock.acquire(tmp_path, "mine", refresh_s=None, field="logging.run_dir")
+        assert lock.note and "took over" in lock.note, content
+        lock.release()
+        assert not (tmp_path / LOCK_NAME).exists()
+
+
+def full_run_dir(run_dir, cache) -> str:
+    """Two steps with rank 0's ``metrics.jsonl`` on a full disk; what each rank stops with."""
+    import torch.distributed as dist
+
+    from tests.training.test_trainer import make_config
+    from zerotron.parallel.runtime import init_distributed
+    from zerotron.training.trainer import Trainer, TrainingStopped
+
+    cfg = make_config(run_dir, cache, "--log-interval", "1", "--train-steps", "3")
+    trainer = Trainer(cfg.validate(dist.get_world_size()), init_distributed())
+
+    class FullDisk:
+        def write(self, text):
+            raise OSError(28, os.strerror(28), str(run_dir / "metrics.jsonl"))
+
+        def close(self):
+            raise OSError(28, os.strerror(28))
+
+    if trainer.grid.rank == 0:
+        trainer.logger._file = FullDisk()
+    try:
+        trainer.train()
+    except TrainingStopped as e:
+        return f"step {trainer.step}: {e}"
+    return "trained on"
+
+
+def test_a_full_run_directory_is_named_by_every_rank_not_blamed_on_a_dead_one(zerotron_cache,
+                                                                              tmp_path):
+    from tests.harness import spawn
+
+    got = spawn(full_run_dir, 2, tmp_path / "run", zerotron_cache, timeout=120)
+    assert got[0].startswith("step 1: cannot write") and "No space left on device" in got[0], got
+    assert "logging.run_dir" in got[0]
+    assert got[1] == f"step 1: rank 0 cannot write logging.run_dir={tmp_path / 'run'}", got
+
+
+def test_a_run_whose_checkpoints_go_into_its_run_directory_itself_holds_one_lock(zerotron_cache,
+                                                                                tmp_path):
+    res = run(tiny(zerotron_cache) + ["--run-dir", str(tmp_path), "--save", str(tmp_path),
+                                      "--train-steps", "1"], world=1)
+    assert res[0][0] == 0, res[0][2]
+    assert (tmp_path / "step_00000001" / "metadata.json").is_file()
+    assert not (tmp_path / LOCK_NAME).exists()

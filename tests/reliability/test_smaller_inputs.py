@@ -1,0 +1,86 @@
+"""The smaller bad inputs of issue 46, each refused before any process group (exit 2) naming the
+field or the variable: infinite blend weights, a quoted ``~`` path, a save directory inside a
+checkpoint, bad ``ZEROTRON_*`` variables; and the disk-space check counts what a shard holds
+(12 bytes a parameter in fp32 and bf16; tests/reliability/test_checkpoint_metadata.py compares
+it with a real checkpoint's shards).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from zerotron.training.config import ConfigError
+
+
+def _cfg(*flags):
+    from zerotron.training.cli import parse_config
+
+    base = ["--config", "configs/tiny.yaml", "--tp", "1", "--save", "none"]
+    return parse_config(base + list(flags))
+
+
+def _preflight(*flags):
+    from zerotron.training.setup_run import preflight
+
+    preflight(_cfg(*flags).validate(2))
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--data.data_path", "a,b", "--data.data_weights", "1e308,1e308"], "sum to infinity"),
+])
+def test_validation_refuses(flags, needle):
+    with pytest.raises(ConfigError, match=needle):
+        _cfg(*flags).validate(2)
+
+
+def test_a_quoted_tilde_path_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match=r"checkpoint.save=~/x: '~' is not expanded here"):
+        _preflight("--save", "~/x", "--run-dir", str(tmp_path / "run"))
+
+
+def test_a_save_inside_another_checkpoint_is_refused(tmp_path):
+    step = tmp_path / "ck" / "step_00000004"
+    step.mkdir(parents=True)
+    (step / "metadata.json").write_text("{}")
+    with pytest.raises(ConfigError, match=f"is inside the checkpoint {step}"):
+        _preflight("--save", str(step / "more"), "--run-dir", str(tmp_path / "run"))
+
+
+@pytest.mark.parametrize("name, value", [("ZEROTRON_COLLECTIVE_TIMEOUT", "soon"),
+                                         ("ZEROTRON_COLLECTIVE_TIMEOUT", "-5"),
+                                         ("ZEROTRON_PEAK_TFLOPS", "nan"),
+                                         ("ZEROTRON_DEVICE", "tpu")])
+def test_a_bad_environment_variable_is_named(monkeypatch, tmp_path, name, value):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError, match=name):
+        _preflight("--run-dir", str(tmp_path / "run"))
+
+
+def test_the_disk_space_check_counts_what_a_shard_holds():
+    from zerotron.training.setup_run import checkpoint_bytes, validate_model
+
+    for precision, per in (("fp32", 12), ("bf16", 12), ("fp64", 24)):
+        cfg = _cfg("--precision", precision)
+        assert checkpoint_bytes(cfg, validate_model(cfg))[2] == per, precision
+
+
+def test_a_resume_that_stretches_the_schedule_says_so_with_both_rates():
+    """A longer ``train_steps`` on resume re-stretches a decay over ``train_steps``: the run says
+    which rate the next step gets and which the checkpoint's run would have used (``lr_at``)."""
+    from zerotron.training.resume import _note_stretch
+    from zerotron.training.schedule import lr_at
+
+    cfg = _cfg("--train-steps", "12", "--optimizer.warmup_steps", "2")
+    meta = {"step": 6, "adam_step": 6, "config": {"training": {"train_steps": 8}}}
+    said = []
+    _note_stretch(meta, cfg, said.append)
+    now, was = lr_at(6, cfg.optimizer, 12), lr_at(6, cfg.optimizer, 8)
+    assert now != was and len(said) == 1
+    assert f"training.train_steps=8 in the checkpoint, 12 in this run" in said[0]
+    assert f"rate is {now:.3g} where the checkpoint's run would use {was:.3g}" in said[0]
+    keep = _cfg("--train-steps", "12", "--optimizer.warmup_steps", "2",
+                "--optimizer.schedule_steps", "8")
+    assert lr_at(6, keep.optimizer, 12) == was  # the fix the message gives keeps the rate
+    said.clear()
+    _note_stretch(meta, keep, said.append)
+    assert said == []
