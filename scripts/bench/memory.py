@@ -10,7 +10,8 @@ peak by phase (construction, forward, backward, step) and by category at the ste
 memory model's prediction (``estimate``: model states + buffers + working memory, before its
 fragmentation margin) and measured/predicted; the OS peak RSS of the rank (``ru_maxrss``, which
 includes the interpreter and torch, ~the same for every stage; glibc is told to return freed
-large blocks, see ``return_freed_memory``) and ``memory_report``'s model states for comparison.
+large blocks, as the trainer does on a CPU device: ``parallel.runtime.return_freed_host_memory``)
+and ``memory_report``'s model states for comparison.
 Stage 3 runs once per ``--prefetch`` window: units ahead (0: none), or ``default``, the trainer's
 defaults (the window unset, i.e. one unit, and the default persistence threshold); a window of two
 or more units is the case whose growth went unseen (issue 40).
@@ -22,11 +23,11 @@ script exit 1, naming it, so a failed bound cannot pass unread. Bad flags exit 2
 from __future__ import annotations
 
 import argparse
-import ctypes
 import resource
 import sys
 from pathlib import Path
 
+from zerotron.parallel.runtime import return_freed_host_memory
 from zerotron.testing.bench_args import add_gpt_flags, check_gpt, gpt_config, positive_int
 from zerotron.testing.launch import spawn
 
@@ -36,21 +37,11 @@ STORE = str(ROOT / "runs" / "bench")  # the ranks' rendezvous files: under the c
 MiB = 1 << 20
 
 
-def return_freed_memory() -> None:
-    """glibc keeps freed large blocks in its heap once its dynamic mmap threshold has grown, so RSS
-    would show the allocator's high-water mark, not what the program holds; a fixed 1 MiB threshold
-    (``mallopt(M_MMAP_THRESHOLD)``) gives every large tensor its own mapping, returned on free."""
-    try:
-        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):  # not glibc: RSS is then the allocator's figure
-        pass
-
-
 def worker(args, stage: int, window: str | None) -> dict:
     import torch
 
     if not args.malloc_as_is:
-        return_freed_memory()
+        return_freed_host_memory()
 
     from zerotron.parallel import Grid, ParallelDims
     from zerotron.training.config import RunConfig
