@@ -229,6 +229,7 @@ def estimate(setup: Setup) -> dict:
     gathered = gathered_param_bytes(setup, pb)
     working = step_working_bytes(setup, psi=psi, largest_group=largest_group, kept=ckpt["device"], layer=layer,
                                  gathered=gathered, root=forward_head_gathered_bytes(setup, pb), param_bytes=pb,
+                                 head_gathered=gathered_param_bytes(setup, pb, head=True),
                                  grad_bytes=gb)
     fixed = fixed_buffer_bytes(setup.stage, setup.bucket_size, nd, largest_group, pb, setup.overlap_comm, gb,
                                setup.contiguous_gradients) + persistent_bucket_bytes(setup, gb)

@@ -57,12 +57,13 @@ def window_numel(setup) -> int:
     return setup.prefetch_bucket_size
 
 
-def gathered_numel(setup) -> int:
+def gathered_numel(setup, head: bool = False) -> int:
     """Non-persistent elements gathered at the fullest moment of a step, plus the persistent group.
 
     Two moments compete: a block running with the root and the window ahead of it, and the start
-    of backward, when the root runs alone with the window ahead. A prefetch never takes the live
-    total past ``max_live_parameters`` (the running units are gathered whatever the cap)."""
+    of backward (``head``: the head's backward), when the root runs alone with the window ahead.
+    A prefetch never takes the live total past ``max_live_parameters`` (the running units are
+    gathered whatever the cap)."""
     sizes, layers = unit_sizes(setup), setup.model.num_layers
     block, root, cap = sizes["block"], sizes["root"], setup.max_live_parameters
     if setup.max_reuse_distance > 0:  # units stay gathered from forward into backward, up to the cap
@@ -72,12 +73,14 @@ def gathered_numel(setup) -> int:
         fit = min(window_numel(setup), max(0, cap - running)) // block if block else 0
         return running + block * min(room, fit)
 
-    return sizes["persistent"] + max(ahead(root + block, layers - 1), ahead(root, layers))
+    at_head = ahead(root, layers)
+    return sizes["persistent"] + (at_head if head else max(ahead(root + block, layers - 1), at_head))
 
 
-def gathered_param_bytes(setup, param_bytes: int) -> int:
-    """Stage 3's gathered 16-bit parameters at the peak (0 at stages 0-2)."""
-    return param_bytes * gathered_numel(setup) if setup.stage == 3 else 0
+def gathered_param_bytes(setup, param_bytes: int, head: bool = False) -> int:
+    """Stage 3's gathered 16-bit parameters at the peak, or (``head``) at the head's backward (0 at
+    stages 0-2)."""
+    return param_bytes * gathered_numel(setup, head) if setup.stage == 3 else 0
 
 
 def forward_head_gathered_bytes(setup, param_bytes: int) -> int:
