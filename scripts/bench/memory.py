@@ -52,7 +52,7 @@ def worker(args, stage: int, window: str | None) -> dict:
     cfg = model_cfg(args)
     run = RunConfig()
     run.zero.stage, run.zero.reduce_bucket_size, run.zero.allgather_bucket_size = stage, args.bucket, args.bucket
-    if window != "default":  # the trainer's defaults: the window unset, the persistence threshold its own
+    if window != "default":  # the trainer's defaults: no window key, the default persistence
         run.zero.stage3_param_persistence_threshold = 0
         run.zero.stage3_prefetch_bucket_size = prefetch_elements(args, window)
     run.training.precision, run.training.micro_batch_size = args.precision, 1
@@ -98,15 +98,17 @@ def prefetch_elements(args, window: str) -> int:
 
 
 def cases(args) -> list[tuple[int, str | None]]:
-    return [(stage, window) for stage in args.stages for window in (args.prefetch if stage == 3 else [None])]
+    return [(stage, window) for stage in args.stages
+            for window in (args.prefetch if stage == 3 else [None])]
 
 
 def predicted(args, stage: int, window: str | None) -> float:
     from zerotron.estimate.memory_model import Setup, estimate
 
     cfg = model_cfg(args)
-    stage3 = ({} if window == "default" else
-              dict(prefetch_bucket_size=prefetch_elements(args, window), persistence_threshold=0) if window else {})
+    stage3 = {}
+    if window and window != "default":
+        stage3 = dict(prefetch_bucket_size=prefetch_elements(args, window), persistence_threshold=0)
     e = estimate(Setup(cfg, dp=args.ranks, micro_batch=1, stage=stage, checkpoint_activations=False,
                        contiguous_memory=False, precision=args.precision, bucket_size=args.bucket,
                        backend="gloo", device="cpu", **stage3))
@@ -122,7 +124,7 @@ def main(argv=None) -> int:
     ap.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
     ap.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3], choices=(0, 1, 2, 3))
     ap.add_argument("--prefetch", type=prefetch_arg, nargs="+", default=["1", "2", "default"],
-                    help="stage 3's windows: blocks all-gathered ahead of use, or 'default' (the trainer's)")
+                    help="stage 3's windows: blocks gathered ahead, or 'default' (the trainer's)")
     ap.add_argument("--malloc-as-is", action="store_true",
                     help="leave glibc's dynamic mmap threshold on (RSS then keeps freed blocks)")
     args = ap.parse_args(argv)
@@ -131,7 +133,8 @@ def main(argv=None) -> int:
     cats = ("parameters", "gradients", "optimizer_states", "activations", "temporaries", "other")
     print(f"GPT {args.layers} x h{args.hidden}, vocab {args.vocab}, seq {args.seq}, micro-batch 1, {args.precision}, "
           f"DP {args.ranks}; MiB, max over ranks; peak by category at the step's peak", flush=True)
-    print(f"{'stage':>9} " + " ".join(f"{p[:6]:>7}" for p in phases) + "  " + " ".join(f"{c[:6]:>7}" for c in cats)
+    print(f"{'stage':>9} " + " ".join(f"{p[:6]:>7}" for p in phases) + "  "
+          + " ".join(f"{c[:6]:>7}" for c in cats)
           + f" {'peak':>7} {'model':>7} {'ratio':>6} {'RSS':>7} {'states':>7}")
     rows: dict = {}
     for stage, window in cases(args):
@@ -144,7 +147,8 @@ def main(argv=None) -> int:
         row = " ".join(f"{top(f'mem_{p}_peak_bytes'):7.1f}" for p in phases)
         row += "  " + " ".join(f"{top(f'mem_peak_{c}'):7.1f}" for c in cats)
         peak = top("mem_peak_bytes")
-        print(f"{label:>9} {row} {peak:7.1f} {pred:7.1f} {peak / pred:6.2f} {top('rss_bytes'):7.0f} "
+        print(f"{label:>9} {row} {peak:7.1f} {pred:7.1f} {peak / pred:6.2f} "
+              f"{top('rss_bytes'):7.0f} "
               f"{top('model_states'):7.1f}", flush=True)
         rows[label] = {"forward": top("mem_forward_peak_bytes"), "rss": top("rss_bytes"),
                        "step": top("mem_step_peak_bytes"),
@@ -173,7 +177,8 @@ def _checks_of(args, rows: dict, window: str) -> list[str]:
     r, name = rows[f"3/{window}"], f"stage 3 (--prefetch {window})"
     pb = 4 if args.precision == "fp32" else 2
     ahead = min(1 if window == "default" else int(window), args.layers - 1)
-    unit_mib = (root_params_per_rank(model_cfg(args)) + (1 + ahead) * block_elements(args)) * pb / MiB
+    units = root_params_per_rank(model_cfg(args)) + (1 + ahead) * block_elements(args)
+    unit_mib = units * pb / MiB
     states = (pb + 4 + 12) * r["psi"] / args.ranks / MiB  # parameters, fp32 gradients, K = 12, all / Nd
     # stage 3's gathered buffers are created in forward, so its own "activations" count them; what
     # forward holds besides model states (activations, logits, loss) is measured at stage 2 (same
@@ -181,16 +186,18 @@ def _checks_of(args, rows: dict, window: str) -> list[str]:
     act = rows["2"]["forward"] - rows["2"]["step"] if "2" in rows else r["activations"]
     bound = (states + unit_mib + act) * 1.05
     checks = [("forward peak", r["forward"] <= bound,
-               f"{name} forward peak {r['forward']:.1f} MiB <= (({pb} + 4 + 12) Psi/Nd {states:.1f} + root, "
-               f"running block and {ahead} ahead {unit_mib:.1f} + forward's working set {act:.1f}) x 1.05 = "
-               f"{bound:.1f}"),
+               f"{name} forward peak {r['forward']:.1f} MiB <= (({pb} + 4 + 12) Psi/Nd "
+               f"{states:.1f} + root, running block and {ahead} ahead {unit_mib:.1f} + forward's "
+               f"working set {act:.1f}) x 1.05 = {bound:.1f}"),
               ("construction peak", r["construction"] <= r["step_peak"],
-               f"{name} construction peak {r['construction']:.1f} <= step peak {r['step_peak']:.1f}")]
+               f"{name} construction peak {r['construction']:.1f} <= step peak "
+               f"{r['step_peak']:.1f}")]
     if "2" in rows:
         want = 0.6 * (1 - 1 / args.ranks) * pb * r["psi"] / MiB
         saved = rows["2"]["rss"] - r["rss"]
         checks.append(("peak RSS", saved >= want,
-                       f"{name} peak RSS {r['rss']:.0f} MiB, {saved:.0f} below stage 2's {rows['2']['rss']:.0f} "
+                       f"{name} peak RSS {r['rss']:.0f} MiB, {saved:.0f} below stage 2's "
+                       f"{rows['2']['rss']:.0f} "
                        f"(at least 60% of (1 - 1/Nd) x {pb} Psi = {want:.0f})"))
     for _, ok, line in checks:
         print(f"{line}: {'yes' if ok else 'NO'}")

@@ -3,9 +3,9 @@ activation checkpointing off / on / Pa / Pa+cpu, at TP 2 x DP 2 and TP 1 x DP 4;
 each prefetch window of ``--windows``: 1, 2 and 4 units ahead, and the trainer's defaults
 (window unset, i.e. one unit, and the default persistence threshold).
 
-    .venv/bin/python scripts/bench/memory_grid.py                # 42 rows, ~6 min on 2 cores without bf16
-    .venv/bin/python scripts/bench/memory_grid.py --windows 2    # 24 rows, ~3 min (the test's)
-    .venv/bin/python scripts/bench/memory_grid.py --json         # one object per configuration
+    .venv/bin/python scripts/bench/memory_grid.py              # 42 rows, ~6 min on 2 cores, no bf16
+    .venv/bin/python scripts/bench/memory_grid.py --windows 2  # 24 rows, ~3 min (the test's)
+    .venv/bin/python scripts/bench/memory_grid.py --json       # one object per configuration
 
 Each configuration is built by ``parallelize_gpt`` from a ``RunConfig`` on 4 gloo ranks and
 trains ``--steps`` steps; the peak is the last step's live tensor storage (``MemoryTracker``: the
@@ -52,7 +52,7 @@ def run_config(a, tp: int, stage: int, ckpt: str, window: str | None = None):
     cfg.parallel = ParallelDims(tp=tp)
     cfg.zero.stage = stage
     cfg.zero.reduce_bucket_size = cfg.zero.allgather_bucket_size = a.bucket
-    if window != "default":  # the trainer's defaults: the window unset, the persistence threshold its own
+    if window != "default":  # the trainer's defaults: no window key, the default persistence
         cfg.zero.stage3_param_persistence_threshold = 0
     if stage == 3 and window != "default":
         cfg.zero.stage3_prefetch_bucket_size = int(window) * block_elements(a, tp)
@@ -68,8 +68,8 @@ def model_cfg(a):
 
 
 def block_elements(a, tp: int) -> int:
-    """One block's all-gathered group with every parameter partitioned: its parameters, in chunks of
-    the bucket padded to the DP degree (``zero/partition.py``), so k of them make a k-unit window."""
+    """One block's all-gathered group with every parameter partitioned: its parameters, in chunks
+    of the bucket padded to the DP degree (``zero/partition.py``); k of them: a k-unit window."""
     from zerotron.estimate.memory_model import block_params_per_rank
     from zerotron.estimate.stage3_memory import padded_group_numel
 
@@ -77,7 +77,8 @@ def block_elements(a, tp: int) -> int:
 
 
 def configurations(a, tp: int) -> list[tuple[int, str, str | None]]:
-    return [(stage, ckpt, window) for stage in (0, 1, 2, 3) for ckpt in CHECKPOINTING if tp > 1 or "Pa" not in ckpt
+    return [(stage, ckpt, window) for stage in (0, 1, 2, 3)
+            for ckpt in CHECKPOINTING if tp > 1 or "Pa" not in ckpt
             for window in (a.windows if stage == 3 else [None])]
 
 
@@ -133,7 +134,7 @@ def main(argv=None) -> int:
     ap.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
     ap.add_argument("--tolerance", type=positive_float, default=0.05, help="largest |measured / model - 1| passed")
     ap.add_argument("--windows", type=window_arg, nargs="+", default=["1", "2", "4", "default"],
-                    help="stage 3's prefetch windows: units ahead, or 'default' (the trainer's defaults)")
+                    help="stage 3's prefetch windows: units ahead, or 'default' (the trainer's)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", default=str(ROOT / "runs" / "bench"), help="where the ranks' rendezvous file goes")
     a = ap.parse_args(argv)
@@ -141,7 +142,8 @@ def main(argv=None) -> int:
         check_gpt(ap, a, tp, note=f"the grid runs TP {tp}")
     print(f"GPT {a.layers} x h{a.hidden}, vocab {a.vocab}, seq {a.seq}, micro-batch {a.batch}, {a.precision}, "
           f"4 ranks; MiB, max over ranks, the last step's peak", flush=True)
-    print(f"{'layout':>9} {'stage':>5} {'ckpt':>7} {'window':>7} {'fwd':>7} {'bwd':>7} {'step':>7} {'peak':>7} {'model':>7} "
+    print(f"{'layout':>9} {'stage':>5} {'ckpt':>7} {'window':>7} {'fwd':>7} {'bwd':>7} {'step':>7} "
+          f"{'peak':>7} {'model':>7} "
           f"{'ratio':>6}", flush=True)
     bad, rows = 0, []
     for tp, dp in LAYOUTS:
@@ -151,8 +153,8 @@ def main(argv=None) -> int:
             want = p["before_margin"]  # device "cpu": Pa+cpu's host checkpoints are counted in it
             r = m["mem_peak_bytes"] / want
             bad += abs(r - 1) > a.tolerance
-            rows.append({"tp": tp, "dp": dp, "stage": stage, "checkpointing": ckpt, "window": window, **m,
-                         "predicted_bytes": int(want), "ratio": r})
+            rows.append({"tp": tp, "dp": dp, "stage": stage, "checkpointing": ckpt,
+                         "window": window, **m, "predicted_bytes": int(want), "ratio": r})
             print(f"{f'TP{tp}xDP{dp}':>9} {stage:>5} {ckpt:>7} {window or '-':>7} "
                   + " ".join(f"{m[f'mem_{ph}_peak_bytes'] / MiB:7.2f}" for ph in ("forward", "backward", "step"))
                   + f" {m['mem_peak_bytes'] / MiB:7.2f} {want / MiB:7.2f} {r:6.3f}", flush=True)

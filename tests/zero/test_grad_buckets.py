@@ -26,7 +26,8 @@ def _arrive(shapes, groups, persistent, order, monkeypatch):
     reducer = GradReducer(layout, params, SimpleNamespace(size=1), 3, flat=False, overlap=False,
                           dtype=torch.float32, device=torch.device("cpu"), scatter=Copy())
     want, temporaries, zeros = torch.zeros(layout.full_numel), [], torch.zeros
-    monkeypatch.setattr(grad_reduce.torch, "zeros", lambda *a, **k: temporaries.append(a) or zeros(*a, **k))
+    counting = lambda *a, **k: temporaries.append(a) or zeros(*a, **k)  # noqa: E731
+    monkeypatch.setattr(grad_reduce.torch, "zeros", counting)
     for i in order:
         grad = torch.full(shapes[i], float(i + 1))
         layout.param_view(want, i).copy_(grad)
@@ -38,17 +39,18 @@ def _arrive(shapes, groups, persistent, order, monkeypatch):
 
 
 def test_a_claim_that_cannot_be_completed_is_given_back(monkeypatch):
-    # chunk 0 = a + b[:32], chunk 1 = b[32:]; b arrives first and cannot stage (one bucket, two chunks)
-    temporaries, got, want = _arrive([torch.Size([32]), torch.Size([64])], [[0, 1]], [False], [1, 0],
-                                     monkeypatch)
+    # chunk 0 = a + b[:32], chunk 1 = b[32:]; b arrives first and cannot stage (one bucket for two)
+    shapes = [torch.Size([32]), torch.Size([64])]
+    temporaries, got, want = _arrive(shapes, [[0, 1]], [False], [1, 0], monkeypatch)
     assert temporaries == []  # chunk 1 reduced through the bucket b's failed claim did not keep
     assert torch.equal(got, want)
 
 
 def test_the_persistent_group_never_holds_the_shared_bucket(monkeypatch):
-    # group 0: two chunks of 64; group 1 (persistent): two small parameters, the first arriving first
+    # group 0: two chunks of 64; group 1 (persistent): two small ones, the first arriving first
     # and the last at the end of backward, as a block's LayerNorm and the first block's bias do
     shapes = [torch.Size([64]), torch.Size([64]), torch.Size([4]), torch.Size([4])]
-    temporaries, got, want = _arrive(shapes, [[0, 1], [2, 3]], [False, True], [2, 1, 0, 3], monkeypatch)
+    groups, persistent = [[0, 1], [2, 3]], [False, True]
+    temporaries, got, want = _arrive(shapes, groups, persistent, [2, 1, 0, 3], monkeypatch)
     assert temporaries == []
     assert torch.equal(got, want)

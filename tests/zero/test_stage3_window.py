@@ -78,8 +78,8 @@ def _build(window, max_live=10**9, widths=(16,) * BLOCKS):
     model = Net(widths)
     params = list(model.parameters())
     cfg = SimpleNamespace(stage=3, stage3_param_persistence_threshold=32)  # biases persist
-    groups, persistent, units, unit_groups = plan_groups(model, params, [str(i) for i in range(len(params))],
-                                                         None, cfg)
+    names = [str(i) for i in range(len(params))]
+    groups, persistent, units, unit_groups = plan_groups(model, params, names, None, cfg)
     layout = Layout([p.shape for p in params], groups, 1, 0, 10**6, persistent)
     flat = torch.zeros(layout.full_numel)
     for i, p in enumerate(params):
@@ -90,13 +90,15 @@ def _build(window, max_live=10**9, widths=(16,) * BLOCKS):
         if gatherer is None or not hasattr(gatherer, "hooks"):
             return
         held = [g for g in gatherer.full if not layout.groups[g].persistent]
-        ahead = sum(layout.groups[g].numel for g in held if not gatherer.refs[g] and not gatherer.bwd_active[g])
-        running = sum(layout.groups[g].numel for g in held if gatherer.refs[g] or gatherer.bwd_active[g])
+        in_use = {g for g in held if gatherer.refs[g] or gatherer.bwd_active[g]}
+        ahead = sum(layout.groups[g].numel for g in held if g not in in_use)
+        running = sum(layout.groups[g].numel for g in in_use)
         moments.append((ahead, running + ahead))
 
     gatherer = None
-    gatherer = ParamGatherer(layout, params, units, unit_groups, model, Source(), Gather(flat, layout, check),
-                             torch.float32, torch.device("cpu"), window, max_live)
+    gatherer = ParamGatherer(layout, params, units, unit_groups, model, Source(),
+                             Gather(flat, layout, check), torch.float32, torch.device("cpu"),
+                             window, max_live)
     real_gather = gatherer._gather
     gatherer._gather = lambda g, async_op: (real_gather(g, async_op), check())
     for u in units:
@@ -120,7 +122,8 @@ def test_default_window_is_one_unit():
     model, gatherer, _ = _build(None, widths=(16, 32, 16))
     block_sizes = [2 * WIDTH * w for w in (16, 32, 16)]  # the two weights; biases persist
     assert gatherer.prefetch_numel == max(block_sizes)
-    assert one_unit_window(gatherer.layout, gatherer.units, gatherer.unit_groups, model) == max(block_sizes)
+    g = gatherer
+    assert one_unit_window(g.layout, g.units, g.unit_groups, model) == max(block_sizes)
 
 
 @pytest.mark.parametrize("units_ahead", [1, 2, 4, 1.5])
@@ -130,7 +133,7 @@ def test_ahead_never_exceeds_the_window(units_ahead):
     model, gatherer, moments = _build(window)
     losses = _steps(model, gatherer)
     assert max(a for a, _ in moments) <= window
-    assert max(a for a, _ in moments) == int(units_ahead) * block  # the window is used, not just respected
+    assert max(a for a, _ in moments) == int(units_ahead) * block  # used, not just respected
     ref_model, ref, _ = _build(0)
     assert _steps(ref_model, ref) == losses  # the window changes when, not what
 
@@ -138,7 +141,7 @@ def test_ahead_never_exceeds_the_window(units_ahead):
 def test_live_cap_bounds_what_is_gathered():
     block = 2 * WIDTH * 16
     root = WIDTH * WIDTH
-    cap = root + 3 * block  # the root and the running block, plus two ahead (three while the root runs alone)
+    cap = root + 3 * block  # root, running block, two ahead (three while the root runs alone)
     model, gatherer, moments = _build(4 * block, max_live=cap)
     _steps(model, gatherer)
     assert max(live for _, live in moments) == cap  # reached, never passed

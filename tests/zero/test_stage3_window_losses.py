@@ -14,7 +14,8 @@ BLOCK = 12 * 32 * 32 + 13 * 32  # one block's elements (every parameter partitio
 
 def check_windows_change_when_not_what():
     ref = train_gpt(dict(stage=3, stage3_prefetch_bucket_size=0), 3, want_params=True, shape=SHAPE)
-    for extra in (dict(stage3_prefetch_bucket_size=None), dict(stage3_prefetch_bucket_size=2 * BLOCK + 99),
+    for extra in (dict(stage3_prefetch_bucket_size=None),
+                  dict(stage3_prefetch_bucket_size=2 * BLOCK + 99),
                   dict(stage3_prefetch_bucket_size=4 * BLOCK + 99, overlap_comm=True)):
         run = train_gpt(dict(stage=3, **extra), 3, want_params=True, shape=SHAPE)
         assert run["losses"] == ref["losses"], extra

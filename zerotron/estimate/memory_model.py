@@ -110,8 +110,8 @@ class Setup:
     # bytes per accumulated gradient element: None = zerotron's default (fp32 accumulation,
     # ``zero.grad_accum_dtype``), 2 = the paper's 16-bit gradients (2 + 2 + K)
     grad_bytes: int | None = None
-    # stage 3: elements gathered ahead of use (None: one unit), DeepSpeed's reuse distance (0: released
-    # after use), the live cap and the persistence threshold (``estimate/stage3_memory.py``)
+    # stage 3: elements gathered ahead of use (None: one unit), DeepSpeed's reuse distance (0:
+    # released after use), the live cap and the persistence threshold (``stage3_memory.py``)
     prefetch_bucket_size: int | None = None
     max_reuse_distance: int = 0
     max_live_parameters: int = int(1e9)
@@ -154,7 +154,8 @@ def setup_from_run_config(cfg, model: GPTConfig, gpus: int, backend: str = "nccl
                  recompute_granularity=ac.recompute_granularity, sequence_parallel_gather=ac.sequence_parallel_gather,
                  prefetch_bucket_size=z.stage3_prefetch_bucket_size, max_reuse_distance=z.stage3_max_reuse_distance,
                  max_live_parameters=z.stage3_max_live_parameters,
-                 persistence_threshold=z.stage3_param_persistence_threshold, backend=backend, device=device)
+                 persistence_threshold=z.stage3_param_persistence_threshold,
+                 backend=backend, device=device)
 
 
 def largest_param(cfg: GPTConfig, tp: int = 1) -> int:
@@ -228,9 +229,9 @@ def estimate(setup: Setup) -> dict:
         ckpt = {"device": int(layer * l), "host": 0}
     gathered = gathered_param_bytes(setup, pb)
     working = step_working_bytes(setup, psi=psi, largest_group=largest_group, kept=ckpt["device"], layer=layer,
-                                 gathered=gathered, root=forward_head_gathered_bytes(setup, pb), param_bytes=pb,
+                                 gathered=gathered, root=forward_head_gathered_bytes(setup, pb),
                                  head_gathered=gathered_param_bytes(setup, pb, head=True),
-                                 grad_bytes=gb)
+                                 param_bytes=pb, grad_bytes=gb)
     fixed = fixed_buffer_bytes(setup.stage, setup.bucket_size, nd, largest_group, pb, setup.overlap_comm, gb,
                                setup.contiguous_gradients) + persistent_bucket_bytes(setup, gb)
     if setup.stage == 1 and not setup.contiguous_gradients:  # 16-bit .grad until the last micro-batch

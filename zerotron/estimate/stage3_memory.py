@@ -21,7 +21,8 @@ def block_param_numels(cfg: GPTConfig, tp: int = 1) -> list[int]:
     """One block's parameters on a TP rank: QKV and fc1 split by columns (weights and biases),
     proj and fc2 by rows (weights only), biases of the row-parallel GEMMs and LayerNorms whole."""
     h, f = cfg.hidden_size, cfg.ffn_size
-    return [h, h, 3 * h * h // tp, 3 * h // tp, h * h // tp, h, h, h, h * f // tp, f // tp, f * h // tp, h]
+    return [h, h, 3 * h * h // tp, 3 * h // tp, h * h // tp, h,  # ln1, QKV, proj
+            h, h, h * f // tp, f // tp, f * h // tp, h]  # ln2, fc1, fc2
 
 
 def root_param_numels(cfg: GPTConfig, tp: int = 1) -> list[int]:
@@ -66,7 +67,7 @@ def gathered_numel(setup, head: bool = False) -> int:
     gathered whatever the cap)."""
     sizes, layers = unit_sizes(setup), setup.model.num_layers
     block, root, cap = sizes["block"], sizes["root"], setup.max_live_parameters
-    if setup.max_reuse_distance > 0:  # units stay gathered from forward into backward, up to the cap
+    if setup.max_reuse_distance > 0:  # units stay gathered from forward into backward, to the cap
         return sizes["persistent"] + min(root + block * layers, max(root + block, cap))
 
     def ahead(running: int, room: int) -> int:
@@ -74,7 +75,8 @@ def gathered_numel(setup, head: bool = False) -> int:
         return running + block * min(room, fit)
 
     at_head = ahead(root, layers)
-    return sizes["persistent"] + (at_head if head else max(ahead(root + block, layers - 1), at_head))
+    in_blocks = ahead(root + block, layers - 1)
+    return sizes["persistent"] + (at_head if head else max(in_blocks, at_head))
 
 
 def gathered_param_bytes(setup, param_bytes: int, head: bool = False) -> int:

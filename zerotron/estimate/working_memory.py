@@ -154,7 +154,8 @@ def reduce_copy_bytes(setup, c: int, grad_bytes: int) -> int:
 
 
 def step_working_bytes(setup, *, psi: int, largest_group: int, kept: float, layer: float, gathered: float,
-                       root: float, param_bytes: int, grad_bytes: int, head_gathered: float | None = None) -> float:
+                       root: float, param_bytes: int, grad_bytes: int,
+                       head_gathered: float | None = None) -> float:
     """The working memory at the step's worst moment, above the model states, the ``kept``
     activations (checkpoints, or every layer's without checkpointing) and ``gathered`` units.
 

@@ -125,9 +125,10 @@ class ZeroConfig:
         for key in ("reduce_bucket_size", "allgather_bucket_size"):
             if not _is_int(getattr(self, key), at_least=0):
                 bad(key, "must be a number of elements, e.g. 500000000 (0: one parameter at a time, as DeepSpeed)")
-        if self.stage3_prefetch_bucket_size is not None and not _is_int(self.stage3_prefetch_bucket_size, 0):
-            bad("stage3_prefetch_bucket_size", "must be a number of elements >= 0, e.g. 50000000 (0: no prefetch), "
-                                               "or null (one unit ahead)")
+        window = self.stage3_prefetch_bucket_size
+        if window is not None and not _is_int(window, at_least=0):
+            bad("stage3_prefetch_bucket_size", "must be a number of elements >= 0, e.g. 50000000 "
+                                               "(0: no prefetch), or null (one unit ahead)")
         for key in ("stage3_max_live_parameters", "stage3_max_reuse_distance"):
             if not _is_int(getattr(self, key), at_least=0):
                 bad(key, "must be a number of elements >= 0, e.g. 1000000000 (DeepSpeed's default)")

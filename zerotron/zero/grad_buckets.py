@@ -17,20 +17,21 @@ import torch
 
 
 class BucketPool:
-    """``n_buf`` shared buckets of the largest non-persistent chunk, plus one buffer per persistent chunk."""
+    """``n_buf`` shared buckets of the largest non-persistent chunk; one per persistent chunk."""
 
     def __init__(self, layout, n_buf: int, dtype: torch.dtype, device: torch.device):
         self.layout, self.n_buf = layout, n_buf
-        own = [c.index for g in layout.groups if g.persistent for c in map(layout.chunks.__getitem__, g.chunks)]
+        own = [ci for g in layout.groups if g.persistent for ci in g.chunks]
         shared = max((c.numel for c in layout.chunks if c.index not in own), default=0)
         self.shared = [torch.empty(shared, dtype=dtype, device=device) for _ in range(n_buf)]
-        self.own_buffer = torch.empty(sum(layout.chunks[ci].numel for ci in own), dtype=dtype, device=device)
+        own_numel = sum(layout.chunks[ci].numel for ci in own)
+        self.own_buffer = torch.empty(own_numel, dtype=dtype, device=device)
         self.own: dict[int, torch.Tensor] = {}  # persistent chunk -> its view of own_buffer
         offset = 0
         for ci in own:
             self.own[ci] = self.own_buffer.narrow(0, offset, layout.chunks[ci].numel)
             offset += layout.chunks[ci].numel
-        self.slot_of: dict[int, int | tuple] = {}  # chunk still filling -> the bucket it stages into
+        self.slot_of: dict[int, int | tuple] = {}  # chunk still filling -> the bucket it fills
 
     def tensors(self) -> list[torch.Tensor]:
         return [*self.shared, self.own_buffer]
@@ -40,8 +41,9 @@ class BucketPool:
         return self.shared[slot] if isinstance(slot, int) else self.own[slot[1]]
 
     def claim(self, ci: int, busy, wait_for) -> int | tuple | None:
-        """A zeroed bucket for chunk ``ci``: its own, or a shared one no open chunk holds (``wait_for``
-        the reductions still reading it, ``busy(slot)`` telling which); None when all are held."""
+        """A zeroed bucket for chunk ``ci``: its own, or a shared one no open chunk holds
+        (``wait_for`` the reductions still reading it, ``busy(slot)`` telling which); None when
+        all are held."""
         if ci in self.own:
             slot = ("own", ci)
         else:
@@ -50,14 +52,14 @@ class BucketPool:
             if not free:
                 return None
             idle = [s for s in free if not busy(s)]
-            slot = (idle or free)[0]  # a bucket no reduction still reads keeps two of them in flight
+            slot = (idle or free)[0]  # a bucket no reduction reads keeps two of them in flight
         wait_for(slot)
         self.bucket(slot)[:self.layout.chunks[ci].numel].zero_()
         self.slot_of[ci] = slot
         return slot
 
     def release(self, ci: int):
-        """Chunk ``ci`` no longer stages into its bucket (reduced, or a claim given back): the slot, or None."""
+        """Chunk ``ci`` no longer fills its bucket (reduced, or its claim given back): its slot."""
         return self.slot_of.pop(ci, None)
 
     def reset(self) -> None:

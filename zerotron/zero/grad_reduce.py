@@ -85,7 +85,7 @@ class GradReducer:
                     p.grad = layout.param_view(self.flat_grad, i)
         else:
             self.part_grad = torch.zeros(layout.part_numel, dtype=dtype, device=device)
-        self.pool = None if flat else BucketPool(layout, n_buf, dtype, device)  # packed buckets (CB)
+        self.pool = None if flat else BucketPool(layout, n_buf, dtype, device)  # packed (CB)
         self.shard_bufs = ([torch.empty(max_shard, dtype=dtype, device=device) for _ in range(n_buf)]
                            if stage >= 1 else [])
         self.index = {id(p): i for i, p in enumerate(params)}
@@ -98,7 +98,8 @@ class GradReducer:
     def tensors(self) -> list[torch.Tensor]:
         """The gradient storage this reducer owns (flat buffer or partition, buckets, shard buffers)."""
         buckets = self.pool.tensors() if self.pool else []
-        return [t for t in (self.flat_grad, self.part_grad, *buckets, *self.shard_bufs) if t is not None]
+        held = (self.flat_grad, self.part_grad, *buckets, *self.shard_bufs)
+        return [t for t in held if t is not None]
 
     # hooks ----------------------------------------------------------------------------------------
     def _take_late(self, i: int, grad: torch.Tensor) -> torch.Tensor | None:
@@ -150,8 +151,9 @@ class GradReducer:
         """Add this arrival's gradient into the buckets of its chunks now and free it, as DeepSpeed's
         contiguous gradients do, so no 16-bit gradient waits for its bucket to fill (a bucket of them
         would be alive beside the bucket itself). Only when every chunk it touches holds a bucket;
-        otherwise it stays in ``.grad``, ``_pack`` adds it when the chunk is reduced, and the buckets
-        claimed for it here are given back (``grad_buckets``: none is held by a chunk it cannot fill)."""
+        otherwise it stays in ``.grad``, ``_pack`` adds it when the chunk is reduced, and the
+        buckets claimed for it here are given back (``grad_buckets``: none is held by a chunk
+        it cannot fill)."""
         chunks = self.layout.param_chunks[i]
         slots, claimed = [], []
         for ci in chunks:

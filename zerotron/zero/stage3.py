@@ -16,10 +16,11 @@ unit that its backward then uses. What autograd saves of a gathered parameter is
 buffer, and what stays gathered between uses follows DeepSpeed's ``stage3_max_reuse_distance`` and
 ``stage3_max_live_parameters`` (``stage3_reuse``). The next units in the order recorded during the
 first forward are prefetched asynchronously (in reverse order during backward) within a *window*:
-the groups gathered or in flight ahead of the running unit never exceed ``stage3_prefetch_bucket_size``
-elements, counted once whenever they were gathered (DeepSpeed's coordinator charges only what each
-fetch issues, so its window grows by a bucket per fetch). Unset, the window is one unit, as FSDP2's
-forward prefetch (``stage3_prefetch.one_unit_window``). Parameters smaller than ``stage3_param_persistence_threshold`` sit in one *persistent*
+the groups gathered or in flight ahead of the running unit never exceed
+``stage3_prefetch_bucket_size`` elements, counted whenever they were gathered (DeepSpeed's
+coordinator charges only what each fetch issues, so its window grows by a bucket per fetch).
+Unset, the window is one unit, as FSDP2's forward prefetch (``stage3_prefetch.one_unit_window``).
+Parameters smaller than ``stage3_param_persistence_threshold`` sit in one *persistent*
 group that stays gathered (their gather would cost more in latency than it saves in memory); they
 are still partitioned for the optimizer and re-gathered once after each step (2Ψ_small).
 
@@ -94,7 +95,8 @@ class ParamGatherer:
 
     def __init__(self, layout, params, units: list[nn.Module], unit_groups: list[list[int]], model: nn.Module,
                  source: ShardSource, gather: Gather, dtype: torch.dtype, device: torch.device,
-                 prefetch_numel: int | None, max_live_numel: int = int(1e9), max_reuse_distance: int = 0):
+                 prefetch_numel: int | None, max_live_numel: int = int(1e9),
+                 max_reuse_distance: int = 0):
         self.layout, self.params, self.units = layout, params, units
         self.max_live_numel, self.max_reuse_distance = max_live_numel, max_reuse_distance
         self.source, self.gather = source, gather
@@ -208,10 +210,10 @@ class ParamGatherer:
                 self._gather(g.index, async_op=False)
 
     def _prefetch(self, pos: int, step: int) -> None:
-        """Gather the next units ahead while what is gathered or in flight ahead of ``pos`` stays within
-        ``prefetch_numel`` elements and everything gathered within ``max_live_numel``, reading the first
-        group that does not fit from its source; 0 prefetches nothing, not even that read (DeepSpeed's
-        coordinator skips its NVMe prefetch too when ``stage3_prefetch_bucket_size`` is 0)."""
+        """Gather the next units ahead while what is gathered or in flight ahead of ``pos`` stays
+        within ``prefetch_numel`` elements and everything gathered within ``max_live_numel``,
+        reading the first group that does not fit from its source; 0 prefetches nothing, not even
+        that read (DeepSpeed skips its NVMe prefetch too when the bucket size is 0)."""
         if self.prefetch_numel <= 0 or self.recording:
             return
         ahead, live, seen, k = 0, self.live_numel(), set(), pos + step
@@ -220,11 +222,12 @@ class ParamGatherer:
         while 0 <= k < len(self.order) and k != pos:
             groups = self.unit_groups[self.order[k]]
             for g in groups:
-                if g in seen or self.layout.groups[g].persistent or self.refs[g] or self.bwd_active[g]:
+                held = self.refs[g] or self.bwd_active[g]
+                if g in seen or self.layout.groups[g].persistent or held:
                     continue  # persistent, or held by a running unit: not ahead of it
                 seen.add(g)
                 numel = self.layout.groups[g].numel
-                if g not in self.full:  # ahead and not yet gathered: gather it if the window has room
+                if g not in self.full:  # ahead, not yet gathered: gathered if the window has room
                     if ahead + numel > self.prefetch_numel or live + numel > self.max_live_numel:
                         self.source.read_ahead([h for h in groups if h not in self.full
                                                 and not self.layout.groups[h].persistent])

@@ -10,9 +10,10 @@ costs one unit's gathered parameters whatever the model, which the memory model 
 from __future__ import annotations
 
 
-def unit_gathered_numel(layout, unit_groups: list[list[int]], u: int, skip: set[int] = frozenset()) -> int:
+def unit_gathered_numel(layout, unit_groups: list[list[int]], u: int,
+                        skip: set[int] = frozenset()) -> int:
     """Elements unit ``u`` gathers when it runs: its non-persistent groups, padded as they are
-    all-gathered (``partition.Layout``: chunks padded to the shards), less the groups in ``skip``."""
+    all-gathered (``partition.Layout``: chunks padded to the shards), less those in ``skip``."""
     return sum(layout.groups[g].numel for g in unit_groups[u]
                if not layout.groups[g].persistent and g not in skip)
 
@@ -23,5 +24,6 @@ def one_unit_window(layout, units: list, unit_groups: list[list[int]], model) ->
     tied weight stays gathered with the root). 0 when the root is the only unit."""
     root = next((u for u, m in enumerate(units) if m is model), None)
     held = set(unit_groups[root]) if root is not None else set()
-    sizes = [unit_gathered_numel(layout, unit_groups, u, held) for u in range(len(units)) if u != root]
+    sizes = [unit_gathered_numel(layout, unit_groups, u, held)
+             for u in range(len(units)) if u != root]
     return max(sizes, default=0)
