@@ -142,7 +142,7 @@ def test_a_failed_stage3_check_exits_1_naming_it(monkeypatch, capsys):
     module = _load("scripts/bench/memory.py")
     mib = 1 << 20
 
-    def ranks(worker, world, args, stage, **kwargs):  # stage 3's forward peak far above its bound
+    def ranks(worker, world, args, stage, window, **kwargs):  # stage 3's forward peak far too high
         peak = (1000 if stage == 3 else 10) * mib
         row = {f"mem_{p}_peak_bytes": peak for p in ("construction", "forward", "backward", "step")}
         return [{**row, "mem_peak_bytes": peak, "rss_bytes": 300 * mib, "model_states": mib, "psi": 1000}] * world
@@ -152,7 +152,7 @@ def test_a_failed_stage3_check_exits_1_naming_it(monkeypatch, capsys):
                         "--stages", "2", "3"])
     captured = capsys.readouterr()
     assert code == 1 and ": NO" in captured.out
-    assert "FAILED check(s): stage 3 forward peak" in captured.err
+    assert "FAILED check(s): stage 3 (--prefetch 1) forward peak" in captured.err
 
 
 def test_a_failed_dry_run_fails_the_sweep(monkeypatch, capsys, tmp_path):

@@ -1,6 +1,7 @@
 """Memory of ZeRO stages 0-3 measured from the allocator's side, against the memory model.
 
     .venv/bin/python scripts/bench/memory.py --ranks 4 --layers 12 --hidden 768 --steps 2
+    .venv/bin/python scripts/bench/memory.py --stages 2 3 --prefetch 1 2 4 default
 
 A GPT where parameters dominate (default 12 layers x h 768, vocab 8192, seq 128, micro-batch 1,
 bf16), built by ``parallelize_gpt`` on ``--ranks`` gloo processes, one configuration at a time.
@@ -9,8 +10,12 @@ peak by phase (construction, forward, backward, step) and by category at the ste
 memory model's prediction (``estimate``: model states + buffers + working memory, before its
 fragmentation margin) and measured/predicted; the OS peak RSS of the rank (``ru_maxrss``, which
 includes the interpreter and torch, ~the same for every stage; glibc is told to return freed
-large blocks, see ``return_freed_memory``) and ``memory_report``'s model states for comparison.
-Figures are the maximum over ranks. With stages 2 and 3 it then checks stage 3's forward peak,
+large blocks, as the trainer does on a CPU device: ``parallel.runtime.return_freed_host_memory``)
+and ``memory_report``'s model states for comparison.
+Stage 3 runs once per ``--prefetch`` window: units ahead (0: none), or ``default``, the trainer's
+defaults (the window unset, i.e. one unit, and the default persistence threshold); a window of two
+or more units is the case whose growth went unseen (issue 40).
+Figures are the maximum over ranks. With stages 2 and 3 it then checks each stage-3 forward peak,
 construction peak and RSS against stage 2 (``stage3_checks``); a check that says NO makes the
 script exit 1, naming it, so a failed bound cannot pass unread. Bad flags exit 2 before any rank.
 """
@@ -18,12 +23,12 @@ script exit 1, naming it, so a failed bound cannot pass unread. Bad flags exit 2
 from __future__ import annotations
 
 import argparse
-import ctypes
 import resource
 import sys
 from pathlib import Path
 
-from zerotron.testing.bench_args import add_gpt_flags, check_gpt, gpt_config, nonnegative_int, positive_int
+from zerotron.parallel.runtime import return_freed_host_memory
+from zerotron.testing.bench_args import add_gpt_flags, check_gpt, gpt_config, positive_int
 from zerotron.testing.launch import spawn
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,21 +37,11 @@ STORE = str(ROOT / "runs" / "bench")  # the ranks' rendezvous files: under the c
 MiB = 1 << 20
 
 
-def return_freed_memory() -> None:
-    """glibc keeps freed large blocks in its heap once its dynamic mmap threshold has grown, so RSS
-    would show the allocator's high-water mark, not what the program holds; a fixed 1 MiB threshold
-    (``mallopt(M_MMAP_THRESHOLD)``) gives every large tensor its own mapping, returned on free."""
-    try:
-        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):  # not glibc: RSS is then the allocator's figure
-        pass
-
-
-def worker(args, stage: int) -> dict:
+def worker(args, stage: int, window: str | None) -> dict:
     import torch
 
     if not args.malloc_as_is:
-        return_freed_memory()
+        return_freed_host_memory()
 
     from zerotron.parallel import Grid, ParallelDims
     from zerotron.training.config import RunConfig
@@ -57,8 +52,9 @@ def worker(args, stage: int) -> dict:
     cfg = model_cfg(args)
     run = RunConfig()
     run.zero.stage, run.zero.reduce_bucket_size, run.zero.allgather_bucket_size = stage, args.bucket, args.bucket
-    run.zero.stage3_param_persistence_threshold = 0
-    run.zero.stage3_prefetch_bucket_size = prefetch_elements(args)
+    if window != "default":  # the trainer's defaults: no window key, the default persistence
+        run.zero.stage3_param_persistence_threshold = 0
+        run.zero.stage3_prefetch_bucket_size = prefetch_elements(args, window)
     run.training.precision, run.training.micro_batch_size = args.precision, 1
     run.training.global_batch_size = grid.dp_size
     mem = StepMemory(interval=1)
@@ -81,23 +77,41 @@ def model_cfg(args):
 
 
 def block_elements(args) -> int:
+    """A block's all-gathered group with every parameter partitioned: its parameters in chunks of
+    the bucket, each padded to the DP degree (``zero/partition.py``)."""
     from zerotron.estimate.memory_model import block_params_per_rank
+    from zerotron.estimate.stage3_memory import padded_group_numel
 
-    return block_params_per_rank(model_cfg(args))
-
-
-def prefetch_elements(args) -> int:
-    """``--prefetch`` units ahead, in elements (at least 1: 0 units means no prefetch)."""
-    return max(1, args.prefetch * block_elements(args))
+    return padded_group_numel(block_params_per_rank(model_cfg(args)), args.bucket, args.ranks)
 
 
-def predicted(args, stage: int) -> float:
+def prefetch_arg(text: str) -> str:
+    """``--prefetch``: units ahead (0: no prefetch), or ``default``."""
+    if text != "default" and not text.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r}: give units ahead (0, 1, 2, ...) or 'default'")
+    return text
+
+
+def prefetch_elements(args, window: str) -> int:
+    """``window`` units ahead, in elements (0 units: no prefetch)."""
+    return int(window) * block_elements(args)
+
+
+def cases(args) -> list[tuple[int, str | None]]:
+    return [(stage, window) for stage in args.stages
+            for window in (args.prefetch if stage == 3 else [None])]
+
+
+def predicted(args, stage: int, window: str | None) -> float:
     from zerotron.estimate.memory_model import Setup, estimate
 
     cfg = model_cfg(args)
+    stage3 = {}
+    if window and window != "default":
+        stage3 = dict(prefetch_bucket_size=prefetch_elements(args, window), persistence_threshold=0)
     e = estimate(Setup(cfg, dp=args.ranks, micro_batch=1, stage=stage, checkpoint_activations=False,
                        contiguous_memory=False, precision=args.precision, bucket_size=args.bucket,
-                       prefetch_bucket_size=prefetch_elements(args), backend="gloo", device="cpu"))
+                       backend="gloo", device="cpu", **stage3))
     return e["total"] * (1 - e["fragmentation_margin"])
 
 
@@ -109,7 +123,8 @@ def main(argv=None) -> int:
     ap.add_argument("--bucket", type=positive_int, default=5_000_000)
     ap.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
     ap.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3], choices=(0, 1, 2, 3))
-    ap.add_argument("--prefetch", type=nonnegative_int, default=1, help="stage 3: blocks all-gathered ahead of use")
+    ap.add_argument("--prefetch", type=prefetch_arg, nargs="+", default=["1", "2", "default"],
+                    help="stage 3's windows: blocks gathered ahead, or 'default' (the trainer's)")
     ap.add_argument("--malloc-as-is", action="store_true",
                     help="leave glibc's dynamic mmap threshold on (RSS then keeps freed blocks)")
     args = ap.parse_args(argv)
@@ -118,21 +133,24 @@ def main(argv=None) -> int:
     cats = ("parameters", "gradients", "optimizer_states", "activations", "temporaries", "other")
     print(f"GPT {args.layers} x h{args.hidden}, vocab {args.vocab}, seq {args.seq}, micro-batch 1, {args.precision}, "
           f"DP {args.ranks}; MiB, max over ranks; peak by category at the step's peak", flush=True)
-    print(f"{'stage':>5} " + " ".join(f"{p[:6]:>7}" for p in phases) + "  " + " ".join(f"{c[:6]:>7}" for c in cats)
+    print(f"{'stage':>9} " + " ".join(f"{p[:6]:>7}" for p in phases) + "  "
+          + " ".join(f"{c[:6]:>7}" for c in cats)
           + f" {'peak':>7} {'model':>7} {'ratio':>6} {'RSS':>7} {'states':>7}")
     rows: dict = {}
-    for stage in args.stages:
-        results = spawn(worker, args.ranks, args, stage, timeout=1800, store_dir=STORE)
+    for stage, window in cases(args):
+        results = spawn(worker, args.ranks, args, stage, window, timeout=1800, store_dir=STORE)
+        label = f"3/{window}" if window else str(stage)
 
         def top(key):
             return max(r.get(key, 0) for r in results) / MiB
-        pred = predicted(args, stage) / MiB
+        pred = predicted(args, stage, window) / MiB
         row = " ".join(f"{top(f'mem_{p}_peak_bytes'):7.1f}" for p in phases)
         row += "  " + " ".join(f"{top(f'mem_peak_{c}'):7.1f}" for c in cats)
         peak = top("mem_peak_bytes")
-        print(f"{stage:>5} {row} {peak:7.1f} {pred:7.1f} {peak / pred:6.2f} {top('rss_bytes'):7.0f} "
+        print(f"{label:>9} {row} {peak:7.1f} {pred:7.1f} {peak / pred:6.2f} "
+              f"{top('rss_bytes'):7.0f} "
               f"{top('model_states'):7.1f}", flush=True)
-        rows[stage] = {"forward": top("mem_forward_peak_bytes"), "rss": top("rss_bytes"),
+        rows[label] = {"forward": top("mem_forward_peak_bytes"), "rss": top("rss_bytes"),
                        "step": top("mem_step_peak_bytes"),
                        "states": top("model_states"), "construction": top("mem_construction_peak_bytes"),
                        "step_peak": max(top(f"mem_{p}_peak_bytes") for p in phases[1:]),
@@ -144,36 +162,47 @@ def main(argv=None) -> int:
 
 
 def stage3_checks(args, rows: dict) -> list[str]:
-    """Issue-15 bounds: stage 3's forward peak against its model states + the two largest units +
-    activations, and its whole-run RSS against stage 2's. Returns the checks that failed."""
-    if 3 not in rows:
-        return []
-    r = rows[3]
+    """Issue-15 and issue-40 bounds, for each stage-3 window: the forward peak against the model
+    states + the root unit and the running block with the window's blocks ahead + activations, and
+    the whole-run RSS against stage 2's. Returns the checks that failed."""
+    failed = []
+    for window in args.prefetch if 3 in args.stages else []:
+        failed += _checks_of(args, rows, window)
+    return failed
+
+
+def _checks_of(args, rows: dict, window: str) -> list[str]:
     from zerotron.estimate.memory_model import root_params_per_rank
 
+    r, name = rows[f"3/{window}"], f"stage 3 (--prefetch {window})"
     pb = 4 if args.precision == "fp32" else 2
-    units = sorted([block_elements(args), root_params_per_rank(model_cfg(args))])[-2:]
-    unit_mib = sum(units) * pb / MiB
+    ahead = min(1 if window == "default" else int(window), args.layers - 1)
+    units = root_params_per_rank(model_cfg(args)) + (1 + ahead) * block_elements(args)
+    unit_mib = units * pb / MiB
     states = (pb + 4 + 12) * r["psi"] / args.ranks / MiB  # parameters, fp32 gradients, K = 12, all / Nd
     # stage 3's gathered buffers are created in forward, so its own "activations" count them; what
     # forward holds besides model states (activations, logits, loss) is measured at stage 2 (same
     # model, same tokens): its forward peak above its resting level (the optimizer step's peak)
-    act = rows[2]["forward"] - rows[2]["step"] if 2 in rows else r["activations"]
+    act = rows["2"]["forward"] - rows["2"]["step"] if "2" in rows else r["activations"]
     bound = (states + unit_mib + act) * 1.05
     checks = [("forward peak", r["forward"] <= bound,
-               f"stage 3 forward peak {r['forward']:.1f} MiB <= (({pb} + 4 + 12) Psi/Nd {states:.1f} + two largest "
-               f"units {unit_mib:.1f} + forward's working set {act:.1f}) x 1.05 = {bound:.1f}"),
+               f"{name} forward peak {r['forward']:.1f} MiB <= (({pb} + 4 + 12) Psi/Nd "
+               f"{states:.1f} + root, running block and {ahead} ahead {unit_mib:.1f} + forward's "
+               f"working set {act:.1f}) x 1.05 = {bound:.1f}"),
               ("construction peak", r["construction"] <= r["step_peak"],
-               f"stage 3 construction peak {r['construction']:.1f} <= step peak {r['step_peak']:.1f}")]
-    if 2 in rows:
+               f"{name} construction peak {r['construction']:.1f} <= step peak "
+               f"{r['step_peak']:.1f}")]
+    if "2" in rows:
         want = 0.6 * (1 - 1 / args.ranks) * pb * r["psi"] / MiB
-        saved = rows[2]["rss"] - r["rss"]
+        saved = rows["2"]["rss"] - r["rss"]
         checks.append(("peak RSS", saved >= want,
-                       f"stage 3 peak RSS {r['rss']:.0f} MiB, {saved:.0f} below stage 2's {rows[2]['rss']:.0f} "
+                       f"{name} peak RSS {r['rss']:.0f} MiB, {saved:.0f} below stage 2's "
+                       f"{rows['2']['rss']:.0f} "
                        f"(at least 60% of (1 - 1/Nd) x {pb} Psi = {want:.0f})"))
     for _, ok, line in checks:
         print(f"{line}: {'yes' if ok else 'NO'}")
-    return [f"stage 3 {name}" for name, ok, _ in checks if not ok]
+    return [f"{name} {check}" for check, ok, _ in checks if not ok]
+
 
 if __name__ == "__main__":
     sys.exit(main())

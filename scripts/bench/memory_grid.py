@@ -1,8 +1,11 @@
 """The memory model against the measured peak over the ablation grid: ZeRO stages 0-3 x
-activation checkpointing off / on / Pa / Pa+cpu, at TP 2 x DP 2 and TP 1 x DP 4.
+activation checkpointing off / on / Pa / Pa+cpu, at TP 2 x DP 2 and TP 1 x DP 4; stage 3 with
+each prefetch window of ``--windows``: 1, 2 and 4 units ahead, and the trainer's defaults
+(window unset, i.e. one unit, and the default persistence threshold).
 
-    .venv/bin/python scripts/bench/memory_grid.py            # ~3 min on 2 cores without bf16 instructions
-    .venv/bin/python scripts/bench/memory_grid.py --json     # one object per configuration
+    .venv/bin/python scripts/bench/memory_grid.py              # 42 rows, ~6 min on 2 cores, no bf16
+    .venv/bin/python scripts/bench/memory_grid.py --windows 2  # 24 rows, ~3 min (the test's)
+    .venv/bin/python scripts/bench/memory_grid.py --json       # one object per configuration
 
 Each configuration is built by ``parallelize_gpt`` from a ``RunConfig`` on 4 gloo ranks and
 trains ``--steps`` steps; the peak is the last step's live tensor storage (``MemoryTracker``: the
@@ -34,7 +37,14 @@ CHECKPOINTING = {"off": {}, "on": {"checkpoint_activations": True},
 LAYOUTS = ((2, 2), (1, 4))  # (tp, dp)
 
 
-def run_config(a, tp: int, stage: int, ckpt: str):
+def window_arg(text: str) -> str:
+    """``--windows``: a number of units ahead (1 or more), or ``default``."""
+    if text != "default" and not (text.isdigit() and int(text) >= 1):
+        raise argparse.ArgumentTypeError(f"{text!r}: give units ahead (1, 2, ...) or 'default'")
+    return text
+
+
+def run_config(a, tp: int, stage: int, ckpt: str, window: str | None = None):
     from zerotron.parallel import ParallelDims
     from zerotron.training.config import RunConfig
 
@@ -42,7 +52,10 @@ def run_config(a, tp: int, stage: int, ckpt: str):
     cfg.parallel = ParallelDims(tp=tp)
     cfg.zero.stage = stage
     cfg.zero.reduce_bucket_size = cfg.zero.allgather_bucket_size = a.bucket
-    cfg.zero.stage3_param_persistence_threshold = 0
+    if window != "default":  # the trainer's defaults: no window key, the default persistence
+        cfg.zero.stage3_param_persistence_threshold = 0
+    if stage == 3 and window != "default":
+        cfg.zero.stage3_prefetch_bucket_size = int(window) * block_elements(a, tp)
     for key, value in CHECKPOINTING[ckpt].items():
         setattr(cfg.activation_checkpointing, key, value)
     t = cfg.training
@@ -54,8 +67,23 @@ def model_cfg(a):
     return gpt_config(a)
 
 
-def configurations(tp: int) -> list[tuple[int, str]]:
-    return [(stage, ckpt) for stage in (0, 1, 2, 3) for ckpt in CHECKPOINTING if tp > 1 or "Pa" not in ckpt]
+def block_elements(a, tp: int) -> int:
+    """One block's all-gathered group with every parameter partitioned: its parameters, in chunks
+    of the bucket padded to the DP degree (``zero/partition.py``); k of them: a k-unit window."""
+    from zerotron.estimate.memory_model import block_params_per_rank
+    from zerotron.estimate.stage3_memory import padded_group_numel
+
+    return padded_group_numel(block_params_per_rank(model_cfg(a), tp), a.bucket, 4 // tp)
+
+
+def configurations(a, tp: int) -> list[tuple[int, str, str | None]]:
+    return [(stage, ckpt, window) for stage in (0, 1, 2, 3)
+            for ckpt in CHECKPOINTING if tp > 1 or "Pa" not in ckpt
+            for window in (a.windows if stage == 3 else [None])]
+
+
+def key(stage: int, ckpt: str, window: str | None) -> str:
+    return f"{stage}/{ckpt}" + (f"/{window}" if window else "")
 
 
 def worker(a, tp: int) -> dict:
@@ -70,8 +98,8 @@ def worker(a, tp: int) -> dict:
 
     grid = Grid(ParallelDims(tp=tp))
     out = {}
-    for stage, ckpt in configurations(tp):
-        cfg = run_config(a, tp, stage, ckpt)
+    for stage, ckpt, window in configurations(a, tp):
+        cfg = run_config(a, tp, stage, ckpt, window)
         mem = StepMemory(interval=1)
         with mem.construction():
             plan = parallelize_gpt(cfg.validate(grid.world_size), model_cfg(a), grid)
@@ -84,16 +112,16 @@ def worker(a, tp: int) -> dict:
         keys = ["mem_peak_bytes"] + [f"mem_{p}_peak_bytes" for p in ("forward", "backward", "step")]
         worst = torch.tensor([float(rec.get(k, 0)) for k in keys], dtype=torch.float64)
         C.all_reduce(worst, grid.world_group, op="max")
-        out[f"{stage}/{ckpt}"] = dict(zip(keys, (int(v) for v in worst)))
+        out[key(stage, ckpt, window)] = dict(zip(keys, (int(v) for v in worst)))
         del plan, model, opt
         gc.collect()
     return out
 
 
-def predicted(a, tp: int, stage: int, ckpt: str) -> dict:
+def predicted(a, tp: int, stage: int, ckpt: str, window: str | None) -> dict:
     from zerotron.estimate.memory_model import estimate, setup_from_run_config
 
-    cfg = run_config(a, tp, stage, ckpt).validate(4)
+    cfg = run_config(a, tp, stage, ckpt, window).validate(4)
     return estimate(setup_from_run_config(cfg, model_cfg(a), 4, backend="gloo", device="cpu"))
 
 
@@ -105,6 +133,8 @@ def main(argv=None) -> int:
     ap.add_argument("--bucket", type=positive_int, default=200_000)
     ap.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
     ap.add_argument("--tolerance", type=positive_float, default=0.05, help="largest |measured / model - 1| passed")
+    ap.add_argument("--windows", type=window_arg, nargs="+", default=["1", "2", "4", "default"],
+                    help="stage 3's prefetch windows: units ahead, or 'default' (the trainer's)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", default=str(ROOT / "runs" / "bench"), help="where the ranks' rendezvous file goes")
     a = ap.parse_args(argv)
@@ -112,19 +142,20 @@ def main(argv=None) -> int:
         check_gpt(ap, a, tp, note=f"the grid runs TP {tp}")
     print(f"GPT {a.layers} x h{a.hidden}, vocab {a.vocab}, seq {a.seq}, micro-batch {a.batch}, {a.precision}, "
           f"4 ranks; MiB, max over ranks, the last step's peak", flush=True)
-    print(f"{'layout':>9} {'stage':>5} {'ckpt':>7} {'fwd':>7} {'bwd':>7} {'step':>7} {'peak':>7} {'model':>7} "
+    print(f"{'layout':>9} {'stage':>5} {'ckpt':>7} {'window':>7} {'fwd':>7} {'bwd':>7} {'step':>7} "
+          f"{'peak':>7} {'model':>7} "
           f"{'ratio':>6}", flush=True)
     bad, rows = 0, []
     for tp, dp in LAYOUTS:
         measured = spawn(worker, 4, a, tp, timeout=1800, collective_timeout=120, store_dir=a.out)[0]
-        for stage, ckpt in configurations(tp):
-            m, p = measured[f"{stage}/{ckpt}"], predicted(a, tp, stage, ckpt)
+        for stage, ckpt, window in configurations(a, tp):
+            m, p = measured[key(stage, ckpt, window)], predicted(a, tp, stage, ckpt, window)
             want = p["before_margin"]  # device "cpu": Pa+cpu's host checkpoints are counted in it
             r = m["mem_peak_bytes"] / want
             bad += abs(r - 1) > a.tolerance
-            rows.append({"tp": tp, "dp": dp, "stage": stage, "checkpointing": ckpt, **m,
-                         "predicted_bytes": int(want), "ratio": r})
-            print(f"{f'TP{tp}xDP{dp}':>9} {stage:>5} {ckpt:>7} "
+            rows.append({"tp": tp, "dp": dp, "stage": stage, "checkpointing": ckpt,
+                         "window": window, **m, "predicted_bytes": int(want), "ratio": r})
+            print(f"{f'TP{tp}xDP{dp}':>9} {stage:>5} {ckpt:>7} {window or '-':>7} "
                   + " ".join(f"{m[f'mem_{ph}_peak_bytes'] / MiB:7.2f}" for ph in ("forward", "backward", "step"))
                   + f" {m['mem_peak_bytes'] / MiB:7.2f} {want / MiB:7.2f} {r:6.3f}", flush=True)
     if a.json:

@@ -38,6 +38,7 @@ def test_stage3_prefetch_0_gathers_and_reads_nothing_ahead():
     g = ParamGatherer.__new__(ParamGatherer)  # the prefetch walk alone, over three units of 10 elements
     g.layout = SimpleNamespace(groups=[SimpleNamespace(numel=10, persistent=False) for _ in range(3)])
     g.order, g.unit_groups, g.full, g.recording, g.max_live_numel = [0, 1, 2], [[0], [1], [2]], {}, False, 10**9
+    g.refs, g.bwd_active = [0] * 3, [False] * 3
     g.source = SimpleNamespace(read_ahead=lambda groups: calls.append(("read", groups)))
     g._gather = lambda i, async_op: calls.append(("gather", i))
     for budget, want in ((15, [("gather", 1), ("read", [2])]), (0, [])):

@@ -37,8 +37,10 @@ the layers:
 * **RNG snapshots**: each checkpoint keeps the generator states its recompute replays; on a CPU
   device (``Setup.device``) they are 5056 bytes each (``working_memory.rng_snapshot_bytes``), on
   a GPU host memory.
-* **gathered parameters** (stage 3, §5.3): the root unit, the running block and the blocks
-  prefetched within ``stage3_prefetch_bucket_size``, 16-bit (``gathered_param_bytes``).
+* **gathered parameters** (stage 3, §5.3): the root unit, the running block, the blocks the
+  prefetch window holds ahead and the persistent small parameters, 16-bit, each unit sized by
+  the group it all-gathers; the persistent group's own gradient buffer is a fixed buffer
+  (``estimate/stage3_memory.py``).
 * **fixed buffers** (CB, §6.2): zerotron's reduce buckets, the DP shard buffers, the fp32
   staging shard, the all-gather input and (with Pa) the one-checkpoint all-gather target. They
   depend on the bucket size, not on the model (``working_memory.fixed_buffer_bytes`` mirrors
@@ -56,6 +58,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from zerotron.estimate.stage3_memory import (forward_head_gathered_bytes, gathered_param_bytes,
+                                             largest_gathered_group, persistent_bucket_bytes)
 from zerotron.estimate.working_memory import (dropout_mask_bytes, fixed_buffer_bytes, layer_working_bytes,
                                               rng_snapshot_bytes, step_working_bytes)
 from zerotron.model.config import GPTConfig
@@ -106,10 +110,12 @@ class Setup:
     # bytes per accumulated gradient element: None = zerotron's default (fp32 accumulation,
     # ``zero.grad_accum_dtype``), 2 = the paper's 16-bit gradients (2 + 2 + K)
     grad_bytes: int | None = None
-    # stage 3: elements gathered ahead of use, and DeepSpeed's reuse distance (0: released after use)
-    prefetch_bucket_size: int = int(5e7)
+    # stage 3: elements gathered ahead of use (None: one unit), DeepSpeed's reuse distance (0:
+    # released after use), the live cap and the persistence threshold (``stage3_memory.py``)
+    prefetch_bucket_size: int | None = None
     max_reuse_distance: int = 0
     max_live_parameters: int = int(1e9)
+    persistence_threshold: int = int(1e5)
     backend: str = "nccl"  # the DP collectives' library: gloo (a CPU run) copies what it reduce-scatters
     device: str = "cuda"  # where activations live: "cpu" (the host is the device) also holds RNG snapshots
 
@@ -147,7 +153,9 @@ def setup_from_run_config(cfg, model: GPTConfig, gpus: int, backend: str = "nccl
                  grad_bytes=BYTES[z.grad_accum(t.precision)], sequence_parallel=cfg.parallel.sequence_parallel,
                  recompute_granularity=ac.recompute_granularity, sequence_parallel_gather=ac.sequence_parallel_gather,
                  prefetch_bucket_size=z.stage3_prefetch_bucket_size, max_reuse_distance=z.stage3_max_reuse_distance,
-                 max_live_parameters=z.stage3_max_live_parameters, backend=backend, device=device)
+                 max_live_parameters=z.stage3_max_live_parameters,
+                 persistence_threshold=z.stage3_param_persistence_threshold,
+                 backend=backend, device=device)
 
 
 def largest_param(cfg: GPTConfig, tp: int = 1) -> int:
@@ -191,21 +199,6 @@ def root_params_per_rank(cfg: GPTConfig, tp: int = 1) -> int:
     return vocab_slice * (1 if cfg.tied else 2) + positions + _norm_params(cfg, h)
 
 
-def gathered_param_bytes(setup: "Setup", param_bytes: int) -> int:
-    """Stage 3's gathered 16-bit units at the peak (§5.3): the root unit (embeddings, final LN) is
-    gathered for the whole forward and backward, the running block, and the blocks prefetched
-    within ``prefetch_bucket_size`` (each only if it fits in what is left). With a reuse distance
-    above 0 units stay gathered between forward and backward: the whole model, up to the live cap."""
-    if setup.stage != 3:
-        return 0
-    cfg, t = setup.model, setup.tp
-    psi, block, root = params_per_rank(cfg, t), block_params_per_rank(cfg, t), root_params_per_rank(cfg, t)
-    if setup.max_reuse_distance > 0:
-        return param_bytes * min(psi, root + block + setup.max_live_parameters)
-    ahead = min(cfg.num_layers - 1, setup.prefetch_bucket_size // block) if block else 0
-    return param_bytes * (root + block * (1 + ahead))
-
-
 def model_state_bytes(psi: float, nd: int, stage: int, param_bytes: int = 2, grad_bytes: int | None = None) -> float:
     """(2 + 2 + K)Ψ split by the stage (§5.4); ``param_bytes`` 2 for fp16/bf16 runs; ``grad_bytes``
     the accumulated gradient's (default ``param_bytes``, the paper's; 4 with fp32 accumulation).
@@ -239,17 +232,18 @@ def estimate(setup: Setup) -> dict:
     pa = setup.partition_activations and t > 1 and not sp  # with SP the checkpoint is already 1/t
     layer = layer_working_bytes(b, s, h, cfg.num_heads, t, setup.fused_attention, sp, sel, pb,
                                 dropout_mask_bytes(setup, pb))
-    largest_group = psi if setup.stage < 3 else max(block_params_per_rank(cfg, t), root_params_per_rank(cfg, t))
+    largest_group = psi if setup.stage < 3 else largest_gathered_group(setup)
     if setup.checkpoint_activations:
         ckpt = checkpoint_bytes(b, s, h, l, t, setup.checkpoint_every, pa or sp, setup.cpu_checkpointing, pb)
     else:  # every layer's activations stay alive until its backward
         ckpt = {"device": int(layer * l), "host": 0}
     gathered = gathered_param_bytes(setup, pb)
     working = step_working_bytes(setup, psi=psi, largest_group=largest_group, kept=ckpt["device"], layer=layer,
-                                 gathered=gathered, root=pb * root_params_per_rank(cfg, t), param_bytes=pb,
-                                 grad_bytes=gb)
+                                 gathered=gathered, root=forward_head_gathered_bytes(setup, pb),
+                                 head_gathered=gathered_param_bytes(setup, pb, head=True),
+                                 param_bytes=pb, grad_bytes=gb)
     fixed = fixed_buffer_bytes(setup.stage, setup.bucket_size, nd, largest_group, pb, setup.overlap_comm, gb,
-                               setup.contiguous_gradients)
+                               setup.contiguous_gradients) + persistent_bucket_bytes(setup, gb)
     if setup.stage == 1 and not setup.contiguous_gradients:  # 16-bit .grad until the last micro-batch
         states += pb * psi - gb * psi + gb * -(-psi // nd)
     pa_gather = -(-b * s * h // t) * t * pb if pa and setup.checkpoint_activations else 0

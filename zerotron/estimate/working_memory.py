@@ -154,7 +154,8 @@ def reduce_copy_bytes(setup, c: int, grad_bytes: int) -> int:
 
 
 def step_working_bytes(setup, *, psi: int, largest_group: int, kept: float, layer: float, gathered: float,
-                       root: float, param_bytes: int, grad_bytes: int) -> float:
+                       root: float, param_bytes: int, grad_bytes: int,
+                       head_gathered: float | None = None) -> float:
     """The working memory at the step's worst moment, above the model states, the ``kept``
     activations (checkpoints, or every layer's without checkpointing) and ``gathered`` units.
 
@@ -165,7 +166,9 @@ def step_working_bytes(setup, *, psi: int, largest_group: int, kept: float, laye
     head's gradient of the tied embedding waiting in its unit for the lookup's; the tied
     gradients summed at the end, once the activations are gone; and their bucket going out.
     Stage 3 releases each block after its forward and gathers blocks again only once backward
-    starts (with or without checkpointing), so its forward head meets the root unit alone."""
+    starts (with or without checkpointing), so its forward head meets the root unit alone (``root``)
+    and its backward head the root with the prefetch window ahead of it (``head_gathered``; no
+    block runs yet), the other backward moments a running block too (``gathered``)."""
     cfg, t, b, pb = setup.model, setup.tp, setup.micro_batch, param_bytes
     s, h, vocab = cfg.seq_length, cfg.hidden_size, cfg.padded_vocab_size(setup.tp)
     sp, sel = setup.sequence_parallel and t > 1, setup.recompute_granularity == "selective"
@@ -183,10 +186,11 @@ def step_working_bytes(setup, *, psi: int, largest_group: int, kept: float, laye
                                            dropout_mask_bytes(setup, pb), keep)
                    + (setup.checkpoint_every - 1) * (layer + (kept_gather_bytes(b, s, h, t, pb) if keep else 0)))
         mid = copy if setup.stage == 3 or c < psi else 0
-        backward = max(head_bwd, segment + mid + waiting, tied - kept, one_tied + copy - kept)
+        blocks = max(segment + mid + waiting, tied - kept, one_tied + copy - kept)
     else:  # the first bucket goes out once its C elements' layers are done, their activations freed
         done = kept * min(1.0, c / psi)
-        backward = max(head_bwd, waiting + max(0.0, copy - done), tied - kept)
+        blocks = max(waiting + max(0.0, copy - done), tied - kept)
     if setup.stage == 3:
-        return max(head_fwd + root, backward + gathered) - gathered
-    return max(head_fwd, backward)
+        at_head = gathered if head_gathered is None else head_gathered
+        return max(head_fwd + root, head_bwd + at_head, blocks + gathered) - gathered
+    return max(head_fwd, head_bwd, blocks)

@@ -81,7 +81,8 @@ HELP: dict[str, str] = {
     "zero.contiguous_gradients": "stages 0-1: gradients as views of one flat buffer (MD)",
     "zero.reduce_bucket_size": "elements per gradient reduction bucket (CB)",
     "zero.allgather_bucket_size": "elements per parameter all-gather bucket (CB)",
-    "zero.stage3_prefetch_bucket_size": "stage 3: elements gathered ahead of use",
+    "zero.stage3_prefetch_bucket_size": "stage 3: elements gathered or in flight ahead of the "
+                                        "running unit (unset: one unit ahead; 0: none)",
     "zero.stage3_param_persistence_threshold": "stage 3: parameters this small stay unpartitioned",
     "zero.stage3_max_live_parameters": "stage 3: cap on gathered elements kept for reuse or prefetched",
     "zero.stage3_max_reuse_distance": "stage 3: keep a unit gathered if reused within this many elements",

@@ -54,7 +54,9 @@ class ZeroConfig:
     contiguous_gradients: bool = True
     reduce_bucket_size: int = int(5e8)
     allgather_bucket_size: int = int(5e8)
-    stage3_prefetch_bucket_size: int = int(5e7)  # 0: no prefetch (nor NVMe read-ahead), as in DeepSpeed
+    # elements gathered or in flight ahead of the running unit (stage3.py); None: one unit ahead
+    # (as FSDP2), 0: no prefetch (nor NVMe read-ahead), as in DeepSpeed
+    stage3_prefetch_bucket_size: int | None = None
     stage3_param_persistence_threshold: int = int(1e5)
     stage3_max_live_parameters: int = int(1e9)
     stage3_max_reuse_distance: int = 0  # 0: each unit released after use (DeepSpeed's default is 1e9)
@@ -123,8 +125,10 @@ class ZeroConfig:
         for key in ("reduce_bucket_size", "allgather_bucket_size"):
             if not _is_int(getattr(self, key), at_least=0):
                 bad(key, "must be a number of elements, e.g. 500000000 (0: one parameter at a time, as DeepSpeed)")
-        if not _is_int(self.stage3_prefetch_bucket_size, at_least=0):
-            bad("stage3_prefetch_bucket_size", "must be a number of elements >= 0, e.g. 50000000 (0: no prefetch)")
+        window = self.stage3_prefetch_bucket_size
+        if window is not None and not _is_int(window, at_least=0):
+            bad("stage3_prefetch_bucket_size", "must be a number of elements >= 0, e.g. 50000000 "
+                                               "(0: no prefetch), or null (one unit ahead)")
         for key in ("stage3_max_live_parameters", "stage3_max_reuse_distance"):
             if not _is_int(getattr(self, key), at_least=0):
                 bad(key, "must be a number of elements >= 0, e.g. 1000000000 (DeepSpeed's default)")

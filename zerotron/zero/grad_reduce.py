@@ -46,6 +46,7 @@ from __future__ import annotations
 import torch
 
 from zerotron.parallel import collectives as C
+from zerotron.zero.grad_buckets import BucketPool
 from zerotron.zero.strategies import PlainReduceScatter, ReduceScatter
 
 
@@ -73,7 +74,6 @@ class GradReducer:
         self.inflight: list = []
         self.sync = True        # set by the optimizer: reduce in the hooks now?
         self.pending = False    # a backward ran whose gradients are not yet reduced
-        max_chunk = max(c.numel for c in chunks)
         max_shard = max(c.shard for c in chunks)
         n_buf = self.n_buf = 2 if overlap else 1
         self.flat_grad = self.part_grad = None
@@ -85,10 +85,9 @@ class GradReducer:
                     p.grad = layout.param_view(self.flat_grad, i)
         else:
             self.part_grad = torch.zeros(layout.part_numel, dtype=dtype, device=device)
-        self.buckets = [] if flat else [torch.empty(max_chunk, dtype=dtype, device=device) for _ in range(n_buf)]
+        self.pool = None if flat else BucketPool(layout, n_buf, dtype, device)  # packed (CB)
         self.shard_bufs = ([torch.empty(max_shard, dtype=dtype, device=device) for _ in range(n_buf)]
                            if stage >= 1 else [])
-        self.slot_of: dict[int, int] = {}  # chunk still filling -> the bucket its gradients are staged in
         self.index = {id(p): i for i, p in enumerate(params)}
         self.handles = []
         for i, p in enumerate(params):
@@ -98,7 +97,9 @@ class GradReducer:
 
     def tensors(self) -> list[torch.Tensor]:
         """The gradient storage this reducer owns (flat buffer or partition, buckets, shard buffers)."""
-        return [t for t in (self.flat_grad, self.part_grad, *self.buckets, *self.shard_bufs) if t is not None]
+        buckets = self.pool.tensors() if self.pool else []
+        held = (self.flat_grad, self.part_grad, *buckets, *self.shard_bufs)
+        return [t for t in held if t is not None]
 
     # hooks ----------------------------------------------------------------------------------------
     def _take_late(self, i: int, grad: torch.Tensor) -> torch.Tensor | None:
@@ -150,38 +151,36 @@ class GradReducer:
         """Add this arrival's gradient into the buckets of its chunks now and free it, as DeepSpeed's
         contiguous gradients do, so no 16-bit gradient waits for its bucket to fill (a bucket of them
         would be alive beside the bucket itself). Only when every chunk it touches holds a bucket;
-        otherwise it stays in ``.grad`` and ``_pack`` adds it when the chunk is reduced."""
+        otherwise it stays in ``.grad``, ``_pack`` adds it when the chunk is reduced, and the
+        buckets claimed for it here are given back (``grad_buckets``: none is held by a chunk
+        it cannot fill)."""
         chunks = self.layout.param_chunks[i]
-        slots = []
+        slots, claimed = [], []
         for ci in chunks:
-            slot = self.slot_of.get(ci)
+            slot = self.pool.slot_of.get(ci)
             if slot is None:
                 slot = self._claim_slot(ci)
+                claimed.append(ci)
             if slot is None:
+                for cj in claimed:
+                    self.pool.release(cj)
                 return
             slots.append(slot)
         flat = param.grad.view(-1)
         for ci, slot in zip(chunks, slots):
-            bucket = self.buckets[slot]
+            bucket = self.pool.bucket(slot)
             for pc in self.layout.chunks[ci].pieces:
                 if pc.param == i:
                     bucket.narrow(0, pc.offset, pc.end - pc.start).add_(flat.narrow(0, pc.start, pc.end - pc.start))
         param.grad = None
 
-    def _claim_slot(self, ci: int) -> int | None:
-        """A bucket for chunk ``ci`` that no open chunk holds (waiting for a reduction still reading
-        it), zeroed; None when every bucket belongs to a chunk still filling."""
-        held = set(self.slot_of.values())
-        free = [s for s in range(self.n_buf) if s not in held]
-        if not free:
-            return None
-        idle = [s for s in free if all(job[3] != s for job in self.inflight)]
-        slot = (idle or free)[0]  # a bucket no reduction still reads keeps two of them in flight
-        while any(job[3] == slot for job in self.inflight):
-            self._finish(self.inflight.pop(0))
-        self.buckets[slot][:self.layout.chunks[ci].numel].zero_()
-        self.slot_of[ci] = slot
-        return slot
+    def _claim_slot(self, ci: int):
+        """A zeroed bucket for chunk ``ci`` (``BucketPool.claim``), once no reduction reads it."""
+        def wait_for(slot) -> None:
+            while any(job[3] == slot for job in self.inflight):
+                self._finish(self.inflight.pop(0))
+
+        return self.pool.claim(ci, lambda s: any(job[3] == s for job in self.inflight), wait_for)
 
     # reduction ------------------------------------------------------------------------------------
     def _reduce(self, ci: int) -> None:
@@ -191,13 +190,13 @@ class GradReducer:
         if self.flat:
             bucket = self.flat_grad[c.offset:c.offset + c.numel]
         else:
-            slot = self.slot_of.get(ci)
+            slot = self.pool.slot_of.get(ci)
             if slot is None:
                 slot = self._claim_slot(ci)
-            self.slot_of.pop(ci, None)
+            self.pool.release(ci)
             # every bucket held by a chunk still filling (gradients arrived out of layout order): a
             # temporary one, rather than stall the open chunks
-            bucket = self.buckets[slot][:c.numel] if slot is not None else torch.zeros(
+            bucket = self.pool.bucket(slot)[:c.numel] if slot is not None else torch.zeros(
                 c.numel, dtype=self.dtype, device=self.device)
             self._pack(c, bucket)
         if self.overlap and len(self.inflight) >= 2:
@@ -331,7 +330,8 @@ class GradReducer:
             for p in self.params:
                 p.grad = None
         self.packed_chunks = [0] * len(self.params)
-        self.slot_of = {}  # a backward that raised part-way must not leave a half-filled bucket
+        if self.pool:
+            self.pool.reset()
 
     def buffer_bytes(self) -> tuple[int, int]:
         """(gradient bytes held as model state, fixed bucket bytes)."""
@@ -339,5 +339,6 @@ class GradReducer:
         held = grads.numel() * grads.element_size()
         if not self.attached:  # autograd's own gradients not yet packed / added into the buffer
             held += sum(p.grad.numel() * p.grad.element_size() for p in self.params if p.grad is not None)
-        fixed = sum(b.numel() * b.element_size() for b in self.buckets + self.shard_bufs)
+        buckets = self.pool.tensors() if self.pool else []
+        fixed = sum(b.numel() * b.element_size() for b in buckets + self.shard_bufs)
         return held, fixed

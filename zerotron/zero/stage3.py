@@ -14,9 +14,13 @@ That is one all-gather in forward and one in backward, plus the gradient reduce-
 step, 1.5x plain DP (§7.2.2) -- also with activation checkpointing, whose recompute gathers the
 unit that its backward then uses. What autograd saves of a gathered parameter is a handle, not the
 buffer, and what stays gathered between uses follows DeepSpeed's ``stage3_max_reuse_distance`` and
-``stage3_max_live_parameters`` (``stage3_reuse``). The next units in the order recorded during the first forward are
-prefetched asynchronously up to ``stage3_prefetch_bucket_size`` elements (in reverse order during
-backward). Parameters smaller than ``stage3_param_persistence_threshold`` sit in one *persistent*
+``stage3_max_live_parameters`` (``stage3_reuse``). The next units in the order recorded during the
+first forward are prefetched asynchronously (in reverse order during backward) within a *window*:
+the groups gathered or in flight ahead of the running unit never exceed
+``stage3_prefetch_bucket_size`` elements, counted whenever they were gathered (DeepSpeed's
+coordinator charges only what each fetch issues, so its window grows by a bucket per fetch).
+Unset, the window is one unit, as FSDP2's forward prefetch (``stage3_prefetch.one_unit_window``).
+Parameters smaller than ``stage3_param_persistence_threshold`` sit in one *persistent*
 group that stays gathered (their gather would cost more in latency than it saves in memory); they
 are still partitioned for the optimizer and re-gathered once after each step (2Ψ_small).
 
@@ -32,6 +36,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from zerotron.zero.stage3_prefetch import one_unit_window
 from zerotron.zero.stage3_reuse import SavedParamViews, UseTrace, in_backward
 from zerotron.zero.strategies import Gather, ShardSource, merge_reports
 
@@ -89,13 +94,16 @@ class ParamGatherer:
     """Gathers, binds, releases and prefetches the partitioned parameters of stage 3."""
 
     def __init__(self, layout, params, units: list[nn.Module], unit_groups: list[list[int]], model: nn.Module,
-                 source: ShardSource, gather: Gather, dtype: torch.dtype, device: torch.device, prefetch_numel: int,
-                 max_live_numel: int = int(1e9), max_reuse_distance: int = 0):
+                 source: ShardSource, gather: Gather, dtype: torch.dtype, device: torch.device,
+                 prefetch_numel: int | None, max_live_numel: int = int(1e9),
+                 max_reuse_distance: int = 0):
         self.layout, self.params, self.units = layout, params, units
         self.max_live_numel, self.max_reuse_distance = max_live_numel, max_reuse_distance
         self.source, self.gather = source, gather
         self.backward_phase = False
         self.unit_groups, self.dtype, self.device = unit_groups, dtype, device
+        if prefetch_numel is None:  # unset: one unit ahead (the largest one a prefetch can reach)
+            prefetch_numel = one_unit_window(layout, units, unit_groups, model)
         self.prefetch_numel = prefetch_numel
         n = len(layout.groups)
         self.full: dict[int, torch.Tensor] = {}
@@ -202,25 +210,31 @@ class ParamGatherer:
                 self._gather(g.index, async_op=False)
 
     def _prefetch(self, pos: int, step: int) -> None:
-        """Gather the next units ahead, up to ``prefetch_numel`` elements, reading the first that does
-        not fit ahead from its source; 0 prefetches nothing, not even that read (DeepSpeed's
-        coordinator skips its NVMe prefetch too when ``stage3_prefetch_bucket_size`` is 0)."""
-        if self.prefetch_numel <= 0:
+        """Gather the next units ahead while what is gathered or in flight ahead of ``pos`` stays
+        within ``prefetch_numel`` elements and everything gathered within ``max_live_numel``,
+        reading the first group that does not fit from its source; 0 prefetches nothing, not even
+        that read (DeepSpeed skips its NVMe prefetch too when the bucket size is 0)."""
+        if self.prefetch_numel <= 0 or self.recording:
             return
-        budget, k = min(self.prefetch_numel, self.max_live_numel - self.live_numel()), pos + step
+        ahead, live, seen, k = 0, self.live_numel(), set(), pos + step
         if step < 0 and pos == 0:
             k = len(self.order) - 1  # the root's output gradient comes first; the last block is next
-        while 0 <= k < len(self.order) and k != pos and not self.recording:
-            for g in self.unit_groups[self.order[k]]:
-                if g in self.full or self.layout.groups[g].persistent:
-                    continue
+        while 0 <= k < len(self.order) and k != pos:
+            groups = self.unit_groups[self.order[k]]
+            for g in groups:
+                held = self.refs[g] or self.bwd_active[g]
+                if g in seen or self.layout.groups[g].persistent or held:
+                    continue  # persistent, or held by a running unit: not ahead of it
+                seen.add(g)
                 numel = self.layout.groups[g].numel
-                if numel > budget:  # the source may read this unit's shards while the current one runs
-                    self.source.read_ahead([h for h in self.unit_groups[self.order[k]]
-                                            if h not in self.full and not self.layout.groups[h].persistent])
-                    return
-                budget -= numel
-                self._gather(g, async_op=True)
+                if g not in self.full:  # ahead, not yet gathered: gathered if the window has room
+                    if ahead + numel > self.prefetch_numel or live + numel > self.max_live_numel:
+                        self.source.read_ahead([h for h in groups if h not in self.full
+                                                and not self.layout.groups[h].persistent])
+                        return  # the source may read this unit's shards while the current one runs
+                    live += numel
+                    self._gather(g, async_op=True)
+                ahead += numel  # gathered earlier or now, in flight or not: the window holds it
             k += step
 
     # hooks ----------------------------------------------------------------------------------------
