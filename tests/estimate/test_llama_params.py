@@ -13,6 +13,7 @@ import dataclasses
 import pytest
 
 from zerotron.estimate.memory_model import block_params_per_rank, largest_param, params_per_rank
+from zerotron.estimate.stage3_memory import block_param_numels, root_param_numels
 from zerotron.model import GPT, get_preset
 from zerotron.model.presets import PRESETS
 from zerotron.parallel import Grid, ParallelDims
@@ -36,5 +37,10 @@ def test_params_per_rank_counts_the_built_model(name):
         assert params_per_rank(cfg) == sum(sizes.values()) == cfg.exact_num_params(), cfg
         block = sum(v for n, v in sizes.items() if n.startswith("blocks.0."))
         assert block_params_per_rank(cfg) == block
+        # stage 3's units, parameter by parameter (the persistence threshold sorts them by size)
+        assert sorted(block_param_numels(cfg)) == sorted(v for n, v in sizes.items()
+                                                         if n.startswith("blocks.0."))
+        assert sorted(root_param_numels(cfg)) == sorted(v for n, v in sizes.items()
+                                                        if not n.startswith("blocks."))
         assert largest_param(cfg) == max(sizes.values())
     assert len(LLAMA) == 10

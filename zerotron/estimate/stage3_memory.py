@@ -17,18 +17,30 @@ from __future__ import annotations
 from zerotron.model.config import GPTConfig
 
 
+def _norm(cfg: GPTConfig, width: int) -> list[int]:
+    return [width] if cfg.normalization == "RMSNorm" else [width, width]  # RMSNorm has no bias
+
+
 def block_param_numels(cfg: GPTConfig, tp: int = 1) -> list[int]:
-    """One block's parameters on a TP rank: QKV and fc1 split by columns (weights and biases),
-    proj and fc2 by rows (weights only), biases of the row-parallel GEMMs and LayerNorms whole."""
-    h, f = cfg.hidden_size, cfg.ffn_size
-    return [h, h, 3 * h * h // tp, 3 * h // tp, h * h // tp, h,  # ln1, QKV, proj
-            h, h, h * f // tp, f // tp, f * h // tp, h]  # ln2, fc1, fc2
+    """One block's parameters on a TP rank, GPT-2's or the Llama family's: QKV (GQA: K and V of
+    the query groups) and fc1 (SwiGLU: gate and up rows) split by columns, weights and biases;
+    proj and fc2 by rows, weights only; the row-parallel GEMMs' biases and the norms whole."""
+    h, f, kv = cfg.hidden_size, cfg.ffn_size, cfg.kv_size
+    fc1 = 2 * f if cfg.gated else f
+    bias = cfg.add_bias_linear
+    attn = _norm(cfg, h) + [(h + 2 * kv) * h // tp] + [(h + 2 * kv) // tp] * cfg.qkv_bias
+    attn += (_norm(cfg, cfg.head_dim) * 2) if cfg.qk_layernorm else []
+    attn += [h * h // tp] + [h] * bias
+    mlp = _norm(cfg, h) + [fc1 * h // tp] + [fc1 // tp] * bias + [f * h // tp] + [h] * bias
+    return attn + mlp
 
 
 def root_param_numels(cfg: GPTConfig, tp: int = 1) -> list[int]:
-    """The root unit's: word-embedding slice, position table, final LayerNorm."""
-    h = cfg.hidden_size
-    return [cfg.padded_vocab_size(tp) * h // tp, cfg.max_positions * h, h, h]
+    """The root unit's: word-embedding slice, a learned position table, the final norm, and an
+    untied output layer's slice."""
+    h, table = cfg.hidden_size, cfg.padded_vocab_size(tp) * cfg.hidden_size // tp
+    positions = [cfg.max_positions * h] if cfg.position_embedding_type == "learned" else []
+    return [table] + positions + _norm(cfg, h) + ([] if cfg.tied else [table])
 
 
 def padded_group_numel(numel: int, chunk: int, dp: int) -> int:
