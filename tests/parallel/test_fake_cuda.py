@@ -1,7 +1,8 @@
 """The fake ``cuda`` device of a CPU-only torch (``parallel/fake_cuda.py``), in a fresh process.
 
 What the dry run relies on: autograd runs backward on fake ``cuda`` tensors, a host tensor meeting
-one fails with torch's own device-mismatch error (as it would on a GPU), and a driver feature not
+one fails (as it would on a GPU) -- also in an operator that returns nothing, a fused Adam, which
+fake tensors alone do not check (``device_mixing``) -- and a driver feature not
 routed through ``host_sync`` (here a bare ``torch.cuda.Event``) fails rather than silently working.
 """
 
@@ -23,6 +24,7 @@ PROBE = textwrap.dedent("""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError
     from zerotron.parallel import fake_cuda, host_sync, simulation
+    from zerotron.parallel.device_mixing import DeviceMixingError
 
     assert fake_cuda.active()
     device = simulation.accelerator("cuda")
@@ -34,8 +36,17 @@ PROBE = textwrap.dedent("""
         print("grad", w.grad.device, tuple(w.grad.shape))
         try:
             w + torch.ones(32)
-        except FakeTensorDeviceMismatchError:
+        except (FakeTensorDeviceMismatchError, DeviceMixingError):
             print("mismatch caught")
+        host = [torch.zeros(32) for _ in range(3)]  # a host Adam state fed a device gradient
+        try:  # returns nothing: FakeTensorMode alone lets it through
+            torch._fused_adamw_([host[0]], [w.grad[0]], [host[1]], [host[2]], [], [torch.ones(())],
+                                lr=0.1, beta1=0.9, beta2=0.99, weight_decay=0.0, eps=1e-8, amsgrad=False,
+                                maximize=False)
+        except DeviceMixingError as e:
+            print("fused adam mixing caught", "_fused_adamw_" in str(e))
+        host[0].copy_(w.grad[0])  # copies and 0-dim host scalars are allowed
+        print("copy and scalar", (w * torch.tensor(2.0)).device)
         print("event", host_sync.event(), "stream", host_sync.stream(device), "pinned", host_sync.pinned(device))
     try:
         torch.empty(2, pin_memory=True)
@@ -51,7 +62,8 @@ def test_backward_mismatch_and_driver_features_on_fake_cuda(tmp_path, monkeypatc
     proc = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
-    assert lines == ["grad cuda:0 (64, 32)", "mismatch caught", "event None stream None pinned False",
+    assert lines == ["grad cuda:0 (64, 32)", "mismatch caught", "fused adam mixing caught True",
+                     "copy and scalar cuda:0", "event None stream None pinned False",
                      "pinned memory refused"], proc.stdout
 
 

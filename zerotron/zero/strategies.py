@@ -30,6 +30,7 @@ from typing import Callable, Protocol, Sequence
 import torch
 
 from zerotron.parallel import collectives as C
+from zerotron.parallel import host_sync
 from zerotron.zero.host_params import HostParams
 from zerotron.zero.infinity.disk_optimizer_state import DiskOptimizerState
 from zerotron.zero.infinity.disk_params import DiskParams
@@ -245,7 +246,7 @@ def build(cfg, grid, layout, dtype: torch.dtype, master_dtype: torch.dtype, devi
     if cfg.optimizer_offload == "nvme":
         state = DiskOptimizerState(layout.part_numel, cfg.offload_optimizer_nvme_path, grid.rank,
                                    cfg.optimizer_tile(max(layout.numels), dp.size), cfg.offload_optimizer_buffer_count,
-                                   params=shards)
+                                   params=shards, pin=host_sync.pinned(device))
     else:
         # fp32 on the device: the parameters are the master weights (no 4-byte copy; K = 8, not 12),
         # except with the parameters on disk, whose file is derived from an authoritative master
