@@ -82,3 +82,30 @@ def test_without_the_library_cuda_backward_is_what_fails():
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
     proc = subprocess.run([sys.executable, "-c", BARE_BACKWARD], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode != 0 and "not linked with support for cuda devices" in proc.stderr, proc.stderr[-2000:]
+
+
+DEBUG_BARRIER = textwrap.dedent("""
+    import torch
+    from zerotron.parallel import Grid, ParallelDims, host_sync, simulation
+    from zerotron.parallel import collectives as C
+
+    with simulation.fake_world(0, 2), host_sync.simulate(), simulation.fake_mode():
+        grid = Grid(ParallelDims())
+        grid.health.check_sequence = True  # ZEROTRON_DEBUG_COLLECTIVES=1
+        C.barrier(grid.world_group)  # no tensor: the descriptor must go where the group takes them
+        C.all_reduce(torch.ones(4, device="cuda"), grid.world_group)
+        print("checked", grid.health.counts)
+        try:  # the fake group serves cuda only, as NCCL: a host tensor is refused
+            C.all_reduce(torch.ones(4), grid.world_group)
+        except RuntimeError as e:
+            print("refused", "does not serve" in str(e))
+""")
+
+
+def test_the_debug_check_of_a_barrier_runs_on_a_cuda_only_group():
+    """``ZEROTRON_DEBUG_COLLECTIVES=1`` on NCCL: a barrier's descriptor was a host tensor, which a
+    group without a CPU backend refuses (``No backend type associated with device type cpu``)."""
+    proc = subprocess.run([sys.executable, "-c", DEBUG_BARRIER], capture_output=True, text=True, timeout=120,
+                          env=fake_cuda.environ())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines() == ["checked {'world': 2}", "refused True"], proc.stdout

@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from zerotron.parallel import host_sync
 from zerotron.parallel.blame import blame
+from zerotron.parallel.runtime import collective_device, serves
 
 DESCRIPTOR_BYTES = 512
 _PARALLEL_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -46,6 +47,12 @@ _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 
 class CollectiveError(RuntimeError):
     """A collective failed or would diverge; the message names the rank(s) responsible."""
+
+
+def _require_served(group, device: torch.device, what: str) -> None:
+    if not serves(group.pg, device):
+        raise CollectiveError(f"{what} on group {group.name} takes a {device.type} tensor, which the group's "
+                              f"backend does not serve (NCCL has no CPU backend): move it to the device")
 
 
 def _inside(filename: str) -> bool:
@@ -165,6 +172,8 @@ class Health:
         if peer is not None:  # sends and receives pair up per link, not per group
             members = tuple(sorted((self.rank, peer)))
             key = f"{group.name}:{members[0]}-{members[1]}"
+        if tensor is not None and host_sync.simulated():  # NCCL would refuse it; fake tensors do not
+            _require_served(group, tensor.device, op)
         self.counts[key] = self.counts.get(key, 0) + 1
         shape = tuple(tensor.shape) if tensor is not None else ()
         dtype = str(tensor.dtype).replace("torch.", "") if tensor is not None else "-"
@@ -220,11 +229,17 @@ class Health:
         raw = f"{signature}\n{site}".encode()[:DESCRIPTOR_BYTES]
         mine = torch.zeros(DESCRIPTOR_BYTES, dtype=torch.uint8)
         mine[: len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
-        device = tensor.device if tensor is not None and tensor.device.type == "cuda" else torch.device("cpu")
+        # beside the collective's tensor, or where the group takes tensors (a barrier has none)
+        device = tensor.device if tensor is not None else collective_device(group.pg)
+        if host_sync.simulated():
+            _require_served(group, device, f"{op}'s debug descriptor")
         everyone = torch.empty(DESCRIPTOR_BYTES * group.size, dtype=torch.uint8, device=device)
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         gather(everyone, mine.to(device), group=group.pg)
-        texts = [bytes(c.cpu().tolist()).rstrip(b"\0").decode(errors="replace") for c in everyone.chunk(group.size)]
+        rows = host_sync.read(everyone.view(group.size, -1), "debug_collectives", placeholder=None)
+        if rows is None:  # a dry run: the gather is issued, but there are no peers' descriptors
+            return
+        texts = [bytes(row).rstrip(b"\0").decode(errors="replace") for row in rows]
         for member, text in zip(group.ranks, texts):
             their_sig, _, their_site = text.partition("\n")
             if their_sig != signature:

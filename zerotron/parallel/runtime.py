@@ -84,6 +84,24 @@ def group_timeout() -> datetime.timedelta:
     return collective_timeout()
 
 
+def serves(pg, device: torch.device) -> bool:
+    """Whether process group ``pg`` (None: the default group) has a backend for ``device``'s
+    tensors: an NCCL group has none for the host ("No backend type associated with device type
+    cpu"). Collectives on fake tensors skip that lookup, so the dry run asks here."""
+    pg = pg if pg is not None else dist.distributed_c10d._get_default_group()
+    try:
+        pg._get_backend(torch.device(device.type))  # private API, present in torch 2.x
+        return True
+    except Exception:  # noqa: BLE001 - no backend registered for this device type
+        return False
+
+
+def collective_device(pg=None) -> torch.device:
+    """Where a tensor of the group's own making goes (a barrier's debug descriptor): the host when
+    ``pg`` has a CPU backend (gloo), else the current CUDA device (NCCL)."""
+    return torch.device("cpu") if serves(pg, torch.device("cpu")) else torch.device("cuda")
+
+
 @dataclass(frozen=True)
 class DistEnv:
     """What a process knows about itself once the default process group exists."""
