@@ -84,6 +84,12 @@ def group_timeout() -> datetime.timedelta:
     return collective_timeout()
 
 
+def gpus_per_node() -> int | None:
+    """Processes per node as the launcher says (torchrun's ``LOCAL_WORLD_SIZE``), None if unsaid."""
+    value = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
+    return int(value) if value.isdigit() and int(value) > 0 else None
+
+
 def serves(pg, device: torch.device) -> bool:
     """Whether process group ``pg`` (None: the default group) has a backend for ``device``'s
     tensors: an NCCL group has none for the host ("No backend type associated with device type

@@ -30,12 +30,12 @@ from typing import Callable, Protocol, Sequence
 import torch
 
 from zerotron.parallel import collectives as C
-from zerotron.parallel import host_sync
+from zerotron.parallel import host_sync, runtime
 from zerotron.zero.host_params import HostParams
 from zerotron.zero.infinity.disk_optimizer_state import DiskOptimizerState
 from zerotron.zero.infinity.disk_params import DiskParams
 from zerotron.zero.optimizer_state import OptimizerState
-from zerotron.zero.zeropp.groups import SecondaryPartition, node_groups
+from zerotron.zero.zeropp.groups import SecondaryPartition, check_node_local, node_groups
 
 Report = dict  # {place: {kind: bytes}}; places "device", "host", "disk"
 
@@ -219,14 +219,15 @@ class Strategies:
 
 def build(cfg, grid, layout, dtype: torch.dtype, master_dtype: torch.dtype, device: torch.device,
           owner, grad_dtype: torch.dtype | None = None) -> Strategies:
-    """The strategies ``cfg`` selects. Validates the ZeRO++ sizes against the DP size (on every rank,
-    before any collective), then creates the node-local groups (``Grid.split_group``: collective).
+    """The strategies ``cfg`` selects. Validates the ZeRO++ sizes against the DP size and the node
+    (``LOCAL_WORLD_SIZE``; on every rank, before any collective), then creates the node-local groups (``Grid.split_group``: collective).
     ``owner``: the object whose lifetime the disk files follow; ``grad_dtype``: the reduced gradients'
     (default ``dtype``) -- in the master dtype on the device they need no fp32 staging buffer."""
     from zerotron.zero.zeropp.strategies import QuantizedGather, QuantizedReduceScatter, SecondaryGather
 
     dp = grid.dp_group
     cfg.validate(dp_size=dp.size)
+    check_node_local(cfg, grid.dims, runtime.gpus_per_node())
     block = cfg.zero_quantization_block_size
     hpz, _ = node_groups(grid, cfg.zero_hpz_partition_size)
     scatter = PlainReduceScatter(dp)
