@@ -4,11 +4,10 @@ checkpoints and a graceful stop on SIGTERM (checkpoint, then exit) for preemptib
 Before any work the run takes its checkpoint directory's lock and decides which checkpoint it
 continues from (``resume.py``), so a refused or already finished run stops in seconds.
 
-The step itself (``training.step.run_step``) reads nothing on the host, and neither does the
-trainer around it: the loss stays a device tensor, the first non-finite loss is remembered on
-the device (``_watch_loss``) and read at the log interval, before a checkpoint and at a stop;
-the metrics of a logged step are read in one go. What remains per step is the SIGTERM agreement
-(``_stop_agreed``) and, in fp16, the optimizer's overflow decision (``parallel.host_sync``).
+The step (``training.step.run_step``) reads nothing on the host, nor does the trainer: the loss
+stays on the device, a non-finite one is remembered there (``_watch_loss``) and read at the log
+interval, before a checkpoint and at a stop; a logged step's metrics are read in one go. Left per
+step: the SIGTERM agreement (``_stop_agreed``) and fp16's overflow decision (``host_sync``).
 """
 
 from __future__ import annotations
@@ -28,7 +27,7 @@ from zerotron.training import faults, resume
 from zerotron.training.batches import BatchLoader
 from zerotron.training.config import RunConfig
 from zerotron.training.export import write_consolidated
-from zerotron.training.metrics import CommWindow, MetricsLogger, Throughput, host_values, peak_memory
+from zerotron.training.metrics import CommWindow, MetricsLogger, PeakWindow, Throughput, host_values
 from zerotron.training.phase_times import PhaseTimes
 from zerotron.training.schedule import betas_at, lr_at
 from zerotron.training.parallelize import parallelize_gpt
@@ -66,7 +65,8 @@ class Trainer:
             resume.check_tokenizer(self.resume.path, self.data.tokenizer_path, cfg)
         self.mcfg = model_config(cfg, self.data.vocab_size)
         t = cfg.training
-        self.memory = StepMemory(cfg.logging.log_interval)
+        self.memory = StepMemory(cfg.logging.log_interval, env.device.type)  # offloads: not device
+        self.peaks = PeakWindow(env.device)
         self.phases = PhaseTimes(self.memory, env.device) if cfg.logging.wall_clock_breakdown else None
         with self.memory.construction():
             plan = parallelize_gpt(cfg, self.mcfg, grid, device=env.device)
@@ -289,7 +289,7 @@ class Trainer:
                "grad_norm": out.get("grad_norm"),
                "loss_scale": out.get("loss_scale"), "skipped_steps": self.step - self.opt.updates,  # resumes too
                **self.throughput.read(),
-               **peak_memory(self.env.device), "comm_bytes": self.comm.read(window)}
+               **self.peaks.read(), "comm_bytes": self.comm.read(window)}
         rec.update({f"model_state_{k}": v for k, v in self.opt.memory_report().items()})
         if self.phases is not None:  # logging.wall_clock_breakdown: seconds per phase
             rec.update(self.phases.record())
