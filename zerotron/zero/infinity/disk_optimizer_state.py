@@ -26,6 +26,7 @@ import weakref
 
 import torch
 
+from zerotron.parallel import host_sync
 from zerotron.zero.clip import apply_coef
 from zerotron.zero.infinity.disk_store import DiskTensorStore, rank_directory
 from zerotron.zero.optimizer_state import coef_for
@@ -165,7 +166,8 @@ class DiskOptimizerState:
 
     def memory_report(self) -> dict:
         return {"disk": {"master_fp32": 4 * self.numel, "optimizer_moments": 2 * 4 * self.numel},
-                "host": {"fixed_buffers": (self.store.buffer_count * 3 + 1) * 4 * self.tile}}
+                "host": {"fixed_buffers": (self.store.buffer_count * 3 + 1) * 4 * self.tile,
+                         "pinned_rounding": host_sync.pinned_rounding([self.grad_stage])}}
 
     def io_report(self) -> dict:
         return {"read": self.store.bytes_read, "written": self.store.bytes_written}
