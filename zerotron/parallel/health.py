@@ -38,9 +38,10 @@ import torch.distributed as dist
 
 from zerotron.parallel import host_sync
 from zerotron.parallel.blame import blame
-from zerotron.parallel.runtime import collective_device, serves
+from zerotron.parallel.runtime import collective_device, nccl_semantics, serves
 
 DESCRIPTOR_BYTES = 512
+EXIT_COLLECTIVE_FAILED = 3  # scripts/pretrain_gpt.py's exit status for a dead or stuck peer
 _PARALLEL_DIR = os.path.dirname(os.path.abspath(__file__))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 
@@ -85,6 +86,7 @@ class _Op:
     probe: object = None
     verdict: tuple | None = None  # (culprit text, blamed ranks), once diagnosed
     failed: bool = False  # kept in the heartbeat after its error: peers follow the chain through it
+    reported: bool = False  # the watchdog has printed its verdict
 
     def done(self) -> bool:
         if self.probe is None or self.failed:
@@ -104,6 +106,8 @@ class Health:
         if check_sequence is None:
             check_sequence = os.environ.get("ZEROTRON_DEBUG_COLLECTIVES", "") not in ("", "0")
         self.check_sequence = check_sequence
+        self.exit_on_verdict = nccl_semantics()  # no exception will come (see ``_watch``)
+        self.before_exit: list = []  # called before the watchdog exits (the run lock's release)
         self.timeout_s = timeout_s
         # Diagnosing takes ~2.5 heartbeats: start 10 s before the timeout fires (less for short
         # timeouts, never less than the diagnosis needs unless that is most of the timeout).
@@ -250,32 +254,69 @@ class Health:
 
     # watchdog ------------------------------------------------------------------------------------
     def _watch(self) -> None:
-        """Diagnose (once) every op in flight past ``timeout_s - lead_s``; print the verdict."""
+        """Diagnose (once) every op in flight past ``timeout_s - lead_s``; print the verdict.
+
+        Under NCCL semantics (``runtime.nccl_semantics``) no error ever reaches the waiting thread
+        (it sits in a CUDA sync, where no signal handler runs either), so the watchdog itself ends
+        the process with exit 3 once the verdict names a culprit -- before NCCL's own watchdog
+        aborts it at the timeout, nameless -- or at the timeout whatever the verdict."""
         while not self._stop.wait(min(0.5, self.heartbeat_s)):
             with self._lock:
-                late = [op for op in self._pending()
-                        if op.verdict is None and time.monotonic() - op.t0 >= self.timeout_s - self.lead_s]
+                late = [op for op in self._pending() if time.monotonic() - op.t0 >= self.timeout_s - self.lead_s
+                        and (op.verdict is None or self.exit_on_verdict)]
             for op in late[:1]:
-                try:
-                    text, _ = self._verdict_of(op)
-                except Exception:  # noqa: BLE001 - the store went away: the job is ending
-                    return
-                print(f"[rank {self.rank}] zerotron watchdog: {op.desc} has waited "
-                      f"{time.monotonic() - op.t0:.0f}s of the {self.timeout_s:.0f}s collective timeout: {text}",
-                      file=sys.stderr, flush=True)
+                waited = time.monotonic() - op.t0
+                if op.verdict is None:
+                    try:
+                        text, _ = self._verdict_of(op)
+                    except Exception:  # noqa: BLE001 - the store went away: the job is ending
+                        return
+                    if not op.reported:
+                        op.reported = True
+                        print(f"[rank {self.rank}] zerotron watchdog: {op.desc} has waited {waited:.0f}s of the "
+                              f"{self.timeout_s:.0f}s collective timeout: {text}", file=sys.stderr, flush=True)
+                if self.exit_on_verdict:
+                    if op.verdict[1] or waited >= self.timeout_s:
+                        self._exit(op, waited)
+                    op.verdict = None  # nobody named yet (a heartbeat not stale yet): ask again next tick
+
+    def _exit(self, op: _Op, waited: float) -> None:
+        """The line a survivor's ``CollectiveError`` would print (drills read it), then exit 3."""
+        print(f"[rank {self.rank}] CollectiveError: rank {self.rank}: {op.desc} has waited {waited:.0f}s "
+              f"and no error reaches the waiting thread under NCCL: {op.verdict[0]}. Exiting (3) from the "
+              f"health watchdog", file=sys.stderr, flush=True)
+        for hook in self.before_exit:
+            try:
+                hook()
+            except Exception:  # noqa: BLE001 - exiting anyway
+                pass
+        os._exit(EXIT_COLLECTIVE_FAILED)
 
     # after a failure -----------------------------------------------------------------------------
-    def diagnose(self, op: str, group, exc: BaseException) -> CollectiveError:
-        """Explain a failed collective by reading the other ranks' heartbeats."""
+    def _failed_op(self, op: str, group) -> tuple[_Op, str]:
+        """The op a failure on ``group`` belongs to, marked failed (kept in flight), and where."""
         key = group.name
         with self._lock:  # the oldest op on the group: the one waited for (async ones complete in order)
             candidates = ([self._current] if self._current else []) + self._inflight
         ours = lambda o: [(k, n) for k, _, n in o.links if k == key or k.startswith(key + ":")]  # noqa: E731
-        failed = next((o for o in candidates if ours(o)), None) or \
-            _Op([(key, tuple(group.ranks), self.counts.get(key, 0))])
+        failed = next((o for o in candidates if ours(o)), None)
+        if failed is None:
+            failed = _Op([(key, tuple(group.ranks), self.counts.get(key, 0))])
+            with self._lock:
+                self._inflight.append(failed)
         seqs = ", ".join(f"its collective #{n}" if k == key else f"transfer {k} #{n}" for k, n in ours(failed))
         where = f"{op} on group {key} ({seqs}) at {call_site()}"
         failed.desc, failed.failed = failed.desc or where, True
+        return failed, where
+
+    def hold(self, op: str, group) -> None:
+        """NCCL semantics (``runtime.emulate_nccl``): the failure is not raised; the op stays in
+        flight, so the watchdog diagnoses it and ends the process (``_watch``)."""
+        self._failed_op(op, group)
+
+    def diagnose(self, op: str, group, exc: BaseException) -> CollectiveError:
+        """Explain a failed collective by reading the other ranks' heartbeats."""
+        failed, where = self._failed_op(op, group)
         culprit = "no peer to ask (no rendezvous store)"
         if self._store is not None:
             culprit, _ = self._verdict_of(failed)

@@ -84,6 +84,23 @@ def group_timeout() -> datetime.timedelta:
     return collective_timeout()
 
 
+def emulate_nccl() -> bool:
+    """``ZEROTRON_EMULATE_NCCL=1``: a gloo run behaves as NCCL does when a peer dies or freezes --
+    no error ever reaches the waiting thread, which stays blocked (as in a CUDA sync) -- so the
+    CPU tests and drills see what a GPU cluster sees (``collectives``, ``health``)."""
+    return os.environ.get("ZEROTRON_EMULATE_NCCL", "") not in ("", "0")
+
+
+def nccl_semantics() -> bool:
+    """Whether a failed collective is never raised to the waiting thread: NCCL, or its emulation."""
+    if emulate_nccl():
+        return True
+    try:
+        return dist.is_initialized() and dist.get_backend() == "nccl"
+    except Exception:  # noqa: BLE001 - a default group of several backends, or none
+        return False
+
+
 def gpus_per_node() -> int | None:
     """Processes per node as the launcher says (torchrun's ``LOCAL_WORLD_SIZE``), None if unsaid."""
     value = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
