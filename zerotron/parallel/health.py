@@ -16,8 +16,10 @@ Four mechanisms, all owned by the ``Grid`` and used by every collective and p2p 
   so every survivor names the same root; a rank that gave up first leaves its verdict behind.
 * **Watchdog.** With a timeout, a second thread diagnoses any op in flight for longer than the
   timeout less ``lead_s`` and prints the verdict. NCCL's own watchdog aborts the process at the
-  timeout (``TORCH_NCCL_ASYNC_ERROR_HANDLING``) without unwinding to Python, so this is the
-  only chance to name the culprit there; on gloo the exception at the timeout reuses the verdict.
+  timeout (``TORCH_NCCL_ASYNC_ERROR_HANDLING``) without unwinding to Python, and no NCCL
+  ``wait()`` ever raises (the host sits in its next device read), so under NCCL -- or gloo with
+  ``ZEROTRON_EMULATE_NCCL=1`` -- the watchdog prints the survivor's ``CollectiveError`` line
+  and exits 3 itself once a culprit is named; on gloo the exception reuses the verdict.
 * **Sequence check** (``ZEROTRON_DEBUG_COLLECTIVES=1``): before every collective the group
   all-gathers a fixed-size descriptor (op, group, shape, dtype, call site) and every rank
   compares; the first divergence raises on all ranks with both ranks' call sites -- the usual
