@@ -23,6 +23,7 @@ from zerotron.activation import ActivationCheckpointConfig
 from zerotron.model.config import GPTConfig
 from zerotron.parallel import ParallelDims, runtime
 from zerotron.parallel.pipeline import SCHEDULES
+from zerotron.training.profiling import check_profile_steps
 from zerotron.training.schedule import betas_at, check_schedule, min_lr_used
 from zerotron.zero.config import PRECISIONS, ZeroConfig
 from zerotron.zero.loss_scaler import check_loss_scaling
@@ -116,6 +117,7 @@ class LoggingSection:
     peak_tflops: float | None = None  # per-device peak for MFU; None: from the device table
     wall_clock_breakdown: bool = False  # forward / backward / step seconds in each record (device-synchronized)
     tensorboard: bool = False  # also write <run_dir>/tensorboard (needs the tensorboard package)
+    profile_steps: list[int] = field(default_factory=list)  # [A, B]: trace steps A..B
 
 
 @dataclass
@@ -240,6 +242,8 @@ class RunConfig:
                               "config and {run_dir} checkpoints go there")
         for name in ("log_interval", "eval_interval", "eval_steps"):
             _positive(f"logging.{name}", getattr(lg, name), allow_zero=name != "log_interval")
+        if (fix := check_profile_steps(lg.profile_steps, self.training.train_steps)) is not None:
+            raise ConfigError(f"logging.profile_steps={lg.profile_steps}: {fix}")
         if lg.peak_tflops is not None:
             _positive("logging.peak_tflops", lg.peak_tflops, fix="the device's peak TFLOP/s, or null for the table")
         if lg.tensorboard and importlib.util.find_spec("tensorboard") is None:
