@@ -222,3 +222,24 @@ def test_under_nccl_semantics_the_watchdog_names_the_culprit_and_exits_3(tp, pp,
     for line in re.findall(r"^\[rank \d+\] CollectiveError: .*", err, flags=re.M):
         assert set(re.findall(NAMED, line)) == {"1"}, line  # the drills' reading: rank 1 and no one else
     assert took < 1.5 + timeout + 10, took
+
+
+def test_many_ops_in_flight_are_pruned_in_amortized_constant_time():
+    """A pipeline keeps hundreds of async transfers in flight: pruning on every launch past 256
+    rescanned them all each time (quadratic); now it waits until the list has doubled."""
+    import types
+
+    polls = []
+
+    class Pending:  # a torch Work that never completes
+        def is_completed(self):
+            polls.append(1)
+            return False
+
+    h, group = Health(0, 1), types.SimpleNamespace(name="pp", ranks=[0, 1], size=2)
+    n = 3000
+    for _ in range(n):
+        h.before("send", group, torch.ones(1), peer=1)
+        h.issued(Pending())
+    assert len(h._inflight) == n
+    assert len(polls) < 4 * n, len(polls)  # was ~n^2/2 = 4.5 million polls

@@ -121,6 +121,7 @@ class Health:
         self._lock, self._diagnosing = threading.Lock(), threading.Lock()
         self._current: _Op | None = None
         self._inflight: list[_Op] = []
+        self._prune_at = 256
         self._verdict_op: _Op | None = None  # the op whose diagnosis ``verdict`` publishes
         self._store = self._default_store()
         self._stop = threading.Event()
@@ -211,8 +212,9 @@ class Health:
                 event.record()
             else:
                 self._inflight.remove(op)
-            if len(self._inflight) > 256:  # without a heartbeat thread nobody else prunes
-                self._pending()
+            if len(self._inflight) > self._prune_at:  # without a heartbeat thread nobody else prunes
+                self._pending()  # O(n): next time only once the list has doubled (amortized O(1))
+                self._prune_at = max(256, 2 * len(self._inflight))
 
     def completed(self, probe) -> None:
         """The issuing code has waited for ``probe`` (the work, or list of works, given to ``issued``):
