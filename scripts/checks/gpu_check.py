@@ -56,7 +56,7 @@ from zerotron.training.parallelize import parallelize_gpt
 from zerotron.training.step import run_step
 from zerotron.zero.optimizer import DTYPES
 
-ROWS = [  # name, zero stage, activation checkpointing, Pa+cpu, optimizer CPU offload, other settings
+ROWS = [  # name, zero stage, activation checkpointing, Pa+cpu, optimizer CPU offload, others
     *((f"s{s}", s, False, False, False, {}) for s in range(4)),
     *((f"s{s}+ckpt", s, True, False, False, {}) for s in range(4)),
     ("s2+ckpt+Pa+cpu", 2, True, True, False, {}),
@@ -104,8 +104,8 @@ def run_config(cfg: RunConfig) -> RunConfig:
 
 def train(mcfg: GPTConfig, grid, device, precision: str, stage: int, ckpt: bool, pa_cpu: bool, offload: bool,
           args, other: dict | None = None) -> dict:
-    """``args.warmup + args.steps`` steps of ``args.micro`` micro-batches; times, losses, memory, kernel.
-    ``other``: ``{"section.field": value}`` settings of the row; ``debug_collectives``: the sequence check."""
+    """``args.warmup + args.steps`` steps of ``args.micro`` micro-batches; times, losses, memory,
+    kernel. ``other``: the row's ``{"section.field": value}``; ``debug_collectives``: the check."""
     cfg = RunConfig()
     cfg.zero.stage, cfg.zero.offload_optimizer = stage, offload
     other = dict(other or {})
@@ -216,7 +216,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=positive_int, default=3)
     p.add_argument("--peak-tflops", type=positive_float, default=None, help="override the device table (model.flops)")
     p.add_argument("--nvme-path", default=os.path.join(".cache", "zerotron", "gpu_check_nvme"),
-                   help="directory for the s3+nvme row's optimizer files (node-local NVMe; emptied after)")
+                   help="directory for the s3+nvme row's optimizer files (node-local NVMe)")
     p.add_argument("--only", nargs="*", choices=[r[0] for r in ROWS], metavar="ROW",
                    help=f"run only these of {[r[0] for r in ROWS]} (parity always runs)")
     args = p.parse_args(argv)
