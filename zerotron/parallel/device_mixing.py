@@ -19,8 +19,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 aten = torch.ops.aten
-_COPIES = {aten.copy_, aten._to_copy, aten._copy_from, aten._copy_from_and_resize, aten.lift_fresh_copy,
-           aten._pin_memory, aten.is_pinned, aten.set_}
+_COPIES = {aten.copy_, aten._to_copy, aten._copy_from, aten._copy_from_and_resize,
+           aten.lift_fresh_copy, aten._pin_memory, aten.is_pinned, aten.set_}
 
 
 class DeviceMixingError(RuntimeError):
@@ -39,7 +39,7 @@ def spanned_devices(func, args, kwargs) -> list[str]:
 
 
 class DeviceMixingCheck(TorchDispatchMode):
-    """Raise ``DeviceMixingError`` naming the operator and the devices (see the module docstring)."""
+    """Raise ``DeviceMixingError`` naming the operator and its devices (module docstring)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -47,6 +47,7 @@ class DeviceMixingCheck(TorchDispatchMode):
         if devices:
             shapes = [f"{tuple(t.shape)}@{t.device}" for t in tree_flatten((args, kwargs))[0]
                       if isinstance(t, torch.Tensor)]
-            raise DeviceMixingError(f"{func} takes tensors on {' and '.join(devices)} ({', '.join(shapes[:8])}): "
-                                    f"on a GPU this fails or reads the wrong memory; copy to one device first")
+            raise DeviceMixingError(
+                f"{func} takes tensors on {' and '.join(devices)} ({', '.join(shapes[:8])}): on a "
+                f"GPU this fails or reads the wrong memory; copy to one device first")
         return func(*args, **kwargs)

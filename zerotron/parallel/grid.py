@@ -99,7 +99,7 @@ def layout(dims: ParallelDims) -> dict[str, list[tuple[int, ...]]]:
 
 
 def split_blocks(ranks: tuple[int, ...], inner_size: int) -> list[tuple[int, ...]]:
-    """``ranks`` cut into consecutive blocks of ``inner_size``: the inner groups of ``split_group``."""
+    """``ranks`` cut into consecutive blocks of ``inner_size``: ``split_group``'s inner groups."""
     return [ranks[i:i + inner_size] for i in range(0, len(ranks), inner_size)]
 
 

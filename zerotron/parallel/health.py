@@ -54,8 +54,8 @@ class CollectiveError(RuntimeError):
 
 def _require_served(group, device: torch.device, what: str) -> None:
     if not serves(group.pg, device):
-        raise CollectiveError(f"{what} on group {group.name} takes a {device.type} tensor, which the group's "
-                              f"backend does not serve (NCCL has no CPU backend): move it to the device")
+        raise CollectiveError(f"{what} on group {group.name}: its backend does not serve "
+                              f"{device.type} tensors (NCCL has no CPU one): move it to the device")
 
 
 def _inside(filename: str) -> bool:
@@ -109,7 +109,6 @@ class Health:
             check_sequence = os.environ.get("ZEROTRON_DEBUG_COLLECTIVES", "") not in ("", "0")
         self.check_sequence = check_sequence
         self.exit_on_verdict = nccl_semantics()  # no exception will come (see ``_watch``)
-        self.before_exit: list = []  # called before the watchdog exits (the run lock's release)
         self.timeout_s = timeout_s
         # Diagnosing takes ~2.5 heartbeats: start 10 s before the timeout fires (less for short
         # timeouts, never less than the diagnosis needs unless that is most of the timeout).
@@ -179,7 +178,7 @@ class Health:
         if peer is not None:  # sends and receives pair up per link, not per group
             members = tuple(sorted((self.rank, peer)))
             key = f"{group.name}:{members[0]}-{members[1]}"
-        if tensor is not None and host_sync.simulated():  # NCCL would refuse it; fake tensors do not
+        if tensor is not None and host_sync.simulated():  # NCCL refuses it; fake tensors do not
             _require_served(group, tensor.device, op)
         self.counts[key] = self.counts.get(key, 0) + 1
         shape = tuple(tensor.shape) if tensor is not None else ()
@@ -212,7 +211,7 @@ class Health:
                 event.record()
             else:
                 self._inflight.remove(op)
-            if len(self._inflight) > self._prune_at:  # without a heartbeat thread nobody else prunes
+            if len(self._inflight) > self._prune_at:  # without a heartbeat thread nobody prunes
                 self._pending()  # O(n): next time only once the list has doubled (amortized O(1))
                 self._prune_at = max(256, 2 * len(self._inflight))
 
@@ -266,7 +265,8 @@ class Health:
         aborts it at the timeout, nameless -- or at the timeout whatever the verdict."""
         while not self._stop.wait(min(0.5, self.heartbeat_s)):
             with self._lock:
-                late = [op for op in self._pending() if time.monotonic() - op.t0 >= self.timeout_s - self.lead_s
+                due = time.monotonic() - (self.timeout_s - self.lead_s)
+                late = [op for op in self._pending() if op.t0 <= due
                         and (op.verdict is None or self.exit_on_verdict)]
             for op in late[:1]:
                 waited = time.monotonic() - op.t0
@@ -277,24 +277,20 @@ class Health:
                         return
                     if not op.reported:
                         op.reported = True
-                        print(f"[rank {self.rank}] zerotron watchdog: {op.desc} has waited {waited:.0f}s of the "
-                              f"{self.timeout_s:.0f}s collective timeout: {text}", file=sys.stderr, flush=True)
+                        print(f"[rank {self.rank}] zerotron watchdog: {op.desc} has waited "
+                              f"{waited:.0f}s of the {self.timeout_s:.0f}s collective timeout: "
+                              f"{text}", file=sys.stderr, flush=True)
                 if self.exit_on_verdict:
                     if op.verdict[1] or waited >= self.timeout_s:
                         self._exit(op, waited)
-                    op.verdict = None  # nobody named yet (a heartbeat not stale yet): ask again next tick
+                    op.verdict = None  # nobody named yet (no stale heartbeat yet): ask again
 
     def _exit(self, op: _Op, waited: float) -> None:
         """The line a survivor's ``CollectiveError`` would print (drills read it), then exit 3."""
-        print(f"[rank {self.rank}] CollectiveError: rank {self.rank}: {op.desc} has waited {waited:.0f}s "
-              f"and no error reaches the waiting thread under NCCL: {op.verdict[0]}. Exiting (3) from the "
-              f"health watchdog", file=sys.stderr, flush=True)
-        for hook in self.before_exit:
-            try:
-                hook()
-            except Exception:  # noqa: BLE001 - exiting anyway
-                pass
-        os._exit(EXIT_COLLECTIVE_FAILED)
+        print(f"[rank {self.rank}] CollectiveError: rank {self.rank}: {op.desc} has waited "
+              f"{waited:.0f}s and no error reaches the waiting thread under NCCL: {op.verdict[0]}. "
+              f"Exiting (3) from the health watchdog", file=sys.stderr, flush=True)
+        os._exit(EXIT_COLLECTIVE_FAILED)  # the run lock left behind is taken over as stale
 
     # after a failure -----------------------------------------------------------------------------
     def _failed_op(self, op: str, group) -> tuple[_Op, str]:
@@ -314,8 +310,7 @@ class Health:
         return failed, where
 
     def hold(self, op: str, group) -> None:
-        """NCCL semantics (``runtime.emulate_nccl``): the failure is not raised; the op stays in
-        flight, so the watchdog diagnoses it and ends the process (``_watch``)."""
+        """NCCL semantics: the failure is not raised; the op stays in flight for ``_watch``."""
         self._failed_op(op, group)
 
     def diagnose(self, op: str, group, exc: BaseException) -> CollectiveError:

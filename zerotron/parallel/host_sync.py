@@ -120,7 +120,8 @@ def pinned_rounding(tensors) -> int:
 
 
 def _is_pinned(t: torch.Tensor) -> bool:
-    return t.device.type == "cpu" and not _state.simulated and torch.cuda.is_available() and t.is_pinned()
+    real = t.device.type == "cpu" and not _state.simulated and torch.cuda.is_available()
+    return real and t.is_pinned()
 
 
 def pinned(device: torch.device) -> bool:

@@ -144,7 +144,8 @@ def simulate_rank(cfg: RunConfig, mcfg: GPTConfig, world_size: int, rank: int, s
         raise ValueError(f"steps={steps}: simulate at least one step")
     device = simulation.accelerator(device_kind)
     start = time.perf_counter()
-    with simulation.fake_world(rank, world_size, device.type), host_sync.simulate(), simulation.fake_mode():
+    world = simulation.fake_world(rank, world_size, device.type)
+    with world, host_sync.simulate(), simulation.fake_mode():
         grid = Grid(cfg.parallel)
         try:
             memory = StepMemory(1, device_type=device.type)

@@ -35,7 +35,7 @@ class PeakWindow:
     """The allocator's peaks per log window on CUDA: each ``read`` returns the peaks since the last
     one and resets torch's counters, so ``peak_allocated_bytes`` sits beside the window's other
     figures instead of being the run's lifetime high; ``run`` keeps the highest of all windows for
-    the end-of-run summary. ``peak_rss_bytes`` is the process's lifetime peak (the OS has no reset)."""
+    the end-of-run summary. ``peak_rss_bytes`` is the process's lifetime peak (no reset exists)."""
 
     def __init__(self, device: torch.device):
         self.device = device

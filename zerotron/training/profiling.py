@@ -1,4 +1,4 @@
-"""``--profile-steps A B``: a ``torch.profiler`` trace of steps A to B of every rank, under the run dir.
+"""``--profile-steps A B``: a ``torch.profiler`` trace of steps A to B of each rank, in the run dir.
 
 What a cluster run's operators, kernels and collectives did in a few steps is otherwise invisible:
 the trace (Chrome trace-event JSON) opens in Perfetto (ui.perfetto.dev) and in TensorBoard's
@@ -17,8 +17,8 @@ import torch
 
 
 class StepProfiler:
-    """Profiles the steps ``[first, last]`` (1-based, inclusive) when ``steps`` is ``[first, last]``;
-    an empty ``steps`` profiles nothing and costs nothing."""
+    """Profiles steps ``first`` to ``last`` (1-based, inclusive) of ``steps = [first, last]``; an
+    empty ``steps`` profiles nothing and costs nothing."""
 
     def __init__(self, steps: list[int], run_dir: str | Path, rank: int, device: torch.device):
         self.first, self.last = (steps[0], steps[1]) if steps else (0, -1)
@@ -28,7 +28,8 @@ class StepProfiler:
 
     @contextlib.contextmanager
     def step(self, step: int):
-        """Around step ``step``: starts the profiler before ``first``, writes the trace after ``last``."""
+        """Around step ``step``: the profiler starts before ``first``; the trace is written after
+        ``last``."""
         if step == self.first:
             self._start()
         yield
@@ -63,7 +64,7 @@ class StepProfiler:
 
 
 def check_profile_steps(steps, train_steps: int) -> str | None:
-    """The fix for a bad ``logging.profile_steps``, or None when it is empty or ``[A, B]``, 1 <= A <= B."""
+    """The fix for a bad ``logging.profile_steps``; None when empty or ``[A, B]``, 1 <= A <= B."""
     if not steps:
         return None
     if len(steps) != 2 or not all(isinstance(s, int) and not isinstance(s, bool) for s in steps):

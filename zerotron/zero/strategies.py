@@ -220,7 +220,8 @@ class Strategies:
 def build(cfg, grid, layout, dtype: torch.dtype, master_dtype: torch.dtype, device: torch.device,
           owner, grad_dtype: torch.dtype | None = None) -> Strategies:
     """The strategies ``cfg`` selects. Validates the ZeRO++ sizes against the DP size and the node
-    (``LOCAL_WORLD_SIZE``; on every rank, before any collective), then creates the node-local groups (``Grid.split_group``: collective).
+    (``LOCAL_WORLD_SIZE``; on every rank, before any collective), then creates the node-local
+    groups (``Grid.split_group``: collective).
     ``owner``: the object whose lifetime the disk files follow; ``grad_dtype``: the reduced gradients'
     (default ``dtype``) -- in the master dtype on the device they need no fp32 staging buffer."""
     from zerotron.zero.zeropp.strategies import QuantizedGather, QuantizedReduceScatter, SecondaryGather

@@ -153,10 +153,10 @@ class DiskOptimizerState:
             w.result()
 
     def _stage(self, grad: torch.Tensor, coef) -> torch.Tensor:
-        """``grad`` (a tile of the reduced gradient) as fp32 host memory, scaled by ``coef``; an fp32
-        host tile is scaled in place (it is consumed by this step and zeroed after it)."""
+        """``grad`` (a reduced-gradient tile) as fp32 host memory, scaled by ``coef``; an fp32 host
+        tile is scaled in place (it is consumed by this step and zeroed after it)."""
         if grad.device != self.device or grad.dtype != torch.float32:
-            grad = self.grad_stage[:grad.numel()].copy_(grad)  # blocking: the host Adam reads it next
+            grad = self.grad_stage[:grad.numel()].copy_(grad)  # blocking: the host Adam reads it
         return apply_coef(grad, coef)
 
     # accounting -----------------------------------------------------------------------------------

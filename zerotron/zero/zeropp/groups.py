@@ -57,8 +57,8 @@ def check_node_local(zero, dims, gpus_per_node: int | None) -> None:
             nodes = sorted({r // gpus_per_node for r in block})
             fit = max(1, gpus_per_node // dims.tp)
             raise ValueError(
-                f"zero.{key}={size}: its node-local group of DP ranks {list(block)} spans nodes {nodes} of "
-                f"{gpus_per_node} GPUs with parallel.tp={dims.tp}; a node holds {fit} "
+                f"zero.{key}={size}: its node-local group of DP ranks {list(block)} spans nodes "
+                f"{nodes} of {gpus_per_node} GPUs with parallel.tp={dims.tp}; a node holds {fit} "
                 f"members of each DP group: use {fit} or a divisor of it")
 
 
