@@ -29,7 +29,8 @@ def passing_then_failing(nvme):
 
 
 def test_tiny_check_passes_on_cpu_and_fails_on_an_impossible_mfu(tmp_path):
-    (rc, out, err), (bad_rc, bad_out, bad_err) = spawn(passing_then_failing, 1, str(tmp_path), timeout=180)[0]
+    runs = spawn(passing_then_failing, 1, str(tmp_path), timeout=180)[0]
+    (rc, out, err), (bad_rc, bad_out, bad_err) = runs
     assert rc == 0, err
     rows = [line.split()[0] for line in out.splitlines() if line.startswith(("s0", "s1", "s2", "s3"))]
     assert rows == ["s0", "s1", "s2", "s3", "s0+ckpt", "s1+ckpt", "s2+ckpt", "s3+ckpt", "s2+ckpt+Pa+cpu",

@@ -41,8 +41,8 @@ PROBE = textwrap.dedent("""
         host = [torch.zeros(32) for _ in range(3)]  # a host Adam state fed a device gradient
         try:  # returns nothing: FakeTensorMode alone lets it through
             torch._fused_adamw_([host[0]], [w.grad[0]], [host[1]], [host[2]], [], [torch.ones(())],
-                                lr=0.1, beta1=0.9, beta2=0.99, weight_decay=0.0, eps=1e-8, amsgrad=False,
-                                maximize=False)
+                                lr=0.1, beta1=0.9, beta2=0.99, weight_decay=0.0, eps=1e-8,
+                                amsgrad=False, maximize=False)
         except DeviceMixingError as e:
             print("fused adam mixing caught", "_fused_adamw_" in str(e))
         host[0].copy_(w.grad[0])  # copies and 0-dim host scalars are allowed
@@ -105,7 +105,7 @@ DEBUG_BARRIER = textwrap.dedent("""
 def test_the_debug_check_of_a_barrier_runs_on_a_cuda_only_group():
     """``ZEROTRON_DEBUG_COLLECTIVES=1`` on NCCL: a barrier's descriptor was a host tensor, which a
     group without a CPU backend refuses (``No backend type associated with device type cpu``)."""
-    proc = subprocess.run([sys.executable, "-c", DEBUG_BARRIER], capture_output=True, text=True, timeout=120,
-                          env=fake_cuda.environ())
+    proc = subprocess.run([sys.executable, "-c", DEBUG_BARRIER], capture_output=True, text=True,
+                          timeout=120, env=fake_cuda.environ())
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.splitlines() == ["checked {'world': 2}", "refused True"], proc.stdout

@@ -57,6 +57,7 @@ def test_pinned_buffers_are_accounted_at_their_power_of_two_blocks(monkeypatch):
     from zerotron.parallel import host_sync
 
     monkeypatch.setattr(host_sync, "_is_pinned", lambda t: True)
-    assert host_sync.pinned_rounding([torch.zeros(3), torch.zeros(257), torch.zeros(256)]) == 4 + 1020 + 0
+    blocks = [torch.zeros(3), torch.zeros(257), torch.zeros(256)]  # 12, 1028 and 1024 bytes
+    assert host_sync.pinned_rounding(blocks) == 4 + 1020 + 0
     monkeypatch.setattr(host_sync, "_is_pinned", lambda t: False)
     assert host_sync.pinned_rounding([torch.zeros(3)]) == 0

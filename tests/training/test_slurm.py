@@ -142,6 +142,7 @@ def test_the_job_sets_the_cuda_allocator_and_queue_and_no_hca_prefix():
     ``NCCL_IB_HCA=mlx5`` default (a prefix match that takes storage ports too)."""
     text = SCRIPT.read_text()
     exports = dict(re.findall(r"^export (\w+)=(.*)$", text, flags=re.M))
-    assert exports["PYTORCH_CUDA_ALLOC_CONF"] == "${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
+    alloc = "${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
+    assert exports["PYTORCH_CUDA_ALLOC_CONF"] == alloc
     assert exports["CUDA_DEVICE_MAX_CONNECTIONS"] == "${CUDA_DEVICE_MAX_CONNECTIONS:-1}"
     assert "NCCL_IB_HCA" not in exports

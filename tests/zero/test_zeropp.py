@@ -111,8 +111,9 @@ def test_node_local_groups_that_would_cross_nodes_are_refused(monkeypatch):
     0, 2, ..., 14 are on nodes 0 (0-7) and 1 (8-15)."""
     from zerotron.training.config import ConfigError
 
-    with pytest.raises(ConfigError, match=r"zero_hpz_partition_size=8: .*\[0, 2, 4, 6, 8, 10, 12, 14\] "
-                                          r"spans nodes \[0, 1\] of 8 GPUs.*use 4"):
+    want = (r"zero_hpz_partition_size=8: .*\[0, 2, 4, 6, 8, 10, 12, 14\] spans nodes \[0, 1\] "
+            r"of 8 GPUs.*use 4")
+    with pytest.raises(ConfigError, match=want):
         _hpz_run(tp=2, hpz=8).validate(32, gpus_per_node=8)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # torchrun's: the default when not given
     with pytest.raises(ConfigError, match="zero_quantized_gradients_node_size=8: .* spans nodes"):
