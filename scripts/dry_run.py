@@ -84,7 +84,7 @@ def load(a, overrides: list[str]):
     if a.gpus < 1:
         raise ConfigError(f"--gpus {a.gpus}: the simulated world needs at least 1 GPU")
     cfg = parse_config(["--config", a.config, *overrides], world_size=a.gpus)  # sizes a DeepSpeed JSON's batch
-    cfg.validate(a.gpus)
+    cfg.validate(a.gpus, a.gpus_per_node)
     ranks = a.ranks if a.ranks else sorted({0, a.gpus - 1})
     bad = [r for r in ranks if not 0 <= r < a.gpus]
     if bad:

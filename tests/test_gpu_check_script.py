@@ -23,17 +23,18 @@ def run_check(*argv):
     return rc, out.getvalue(), err.getvalue()
 
 
-def passing_then_failing():
+def passing_then_failing(nvme):
     # the failing run: a peak a million times too low makes MFU > 100%, which the check must refuse
-    return run_check(), run_check("--only", "s0+ckpt", "--peak-tflops", "1e-12")
+    return run_check("--nvme-path", nvme), run_check("--only", "s0+ckpt", "--peak-tflops", "1e-12")
 
 
-def test_tiny_check_passes_on_cpu_and_fails_on_an_impossible_mfu():
-    (rc, out, err), (bad_rc, bad_out, bad_err) = spawn(passing_then_failing, 1, timeout=120)[0]
+def test_tiny_check_passes_on_cpu_and_fails_on_an_impossible_mfu(tmp_path):
+    runs = spawn(passing_then_failing, 1, str(tmp_path), timeout=180)[0]
+    (rc, out, err), (bad_rc, bad_out, bad_err) = runs
     assert rc == 0, err
     rows = [line.split()[0] for line in out.splitlines() if line.startswith(("s0", "s1", "s2", "s3"))]
     assert rows == ["s0", "s1", "s2", "s3", "s0+ckpt", "s1+ckpt", "s2+ckpt", "s3+ckpt", "s2+ckpt+Pa+cpu",
-                    "s2+offload"]
+                    "s2+offload", "s3+nvme", "s3+param-cpu", "s2+fp16", "s3+qwZ+qgZ", "s1+debug"]
     assert "worst rel. diff to CPU 0.0e+00" in out and "all checks passed" in out
     assert bad_rc == 1 and "MFU" in bad_err and "impossible" in bad_err and "FAILED" in bad_out
 

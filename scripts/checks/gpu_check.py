@@ -20,6 +20,10 @@ and plan (``parallelize_gpt``):
    memory model's prediction (``estimate.memory_model``; it must lie between half the prediction
    and the prediction with its fragmentation margin), and the attention kernel SDPA really ran,
    recorded from the dispatched aten ops (flash or cuDNN expected in bf16 on sm80+).
+   Then the paths a CPU run cannot see on a device: ZeRO-Infinity's NVMe optimizer tier
+   (``s3+nvme``, files under ``--nvme-path``), stage 3's partition in host memory
+   (``s3+param-cpu``), fp16 with loss scaling (``s2+fp16``), ZeRO++'s int8 quantization
+   (``s3+qwZ+qgZ``) and the debug sequence check (``s1+debug``), under the same checks.
 3. **pinned host<->device bandwidth** (what Pa+cpu and offload move): at least 5 GiB/s each way.
 
 With one GPU the DP degree is 1, so every collective returns before reaching NCCL; the stages
@@ -52,11 +56,19 @@ from zerotron.training.parallelize import parallelize_gpt
 from zerotron.training.step import run_step
 from zerotron.zero.optimizer import DTYPES
 
-ROWS = [  # name, zero stage, activation checkpointing, Pa+cpu, optimizer CPU offload
-    *((f"s{s}", s, False, False, False) for s in range(4)),
-    *((f"s{s}+ckpt", s, True, False, False) for s in range(4)),
-    ("s2+ckpt+Pa+cpu", 2, True, True, False),
-    ("s2+offload", 2, False, False, True),
+ROWS = [  # name, zero stage, activation checkpointing, Pa+cpu, optimizer CPU offload, others
+    *((f"s{s}", s, False, False, False, {}) for s in range(4)),
+    *((f"s{s}+ckpt", s, True, False, False, {}) for s in range(4)),
+    ("s2+ckpt+Pa+cpu", 2, True, True, False, {}),
+    ("s2+offload", 2, False, False, True, {}),
+    # the device paths issue 41 found untested: the NVMe tier's host Adam, stage 3's host
+    # partition, fp16's loss scaling and overflow read, ZeRO++'s int8 kernels, the debug check
+    ("s3+nvme", 3, False, False, False, {"zero.offload_optimizer_device": "nvme"}),
+    ("s3+param-cpu", 3, False, False, False, {"zero.offload_param_device": "cpu"}),
+    ("s2+fp16", 2, False, False, False, {"training.precision": "fp16"}),
+    ("s3+qwZ+qgZ", 3, False, False, False, {"zero.zero_quantized_weights": True,
+                                            "zero.zero_quantized_gradients": True}),
+    ("s1+debug", 1, False, False, False, {"debug_collectives": True}),
 ]
 PARITY_RTOL, LOSS_RTOL, MIN_GBPS = 1e-4, 0.02, 5.0
 FUSED_BF16 = ("flash", "cudnn")
@@ -91,15 +103,23 @@ def run_config(cfg: RunConfig) -> RunConfig:
 
 
 def train(mcfg: GPTConfig, grid, device, precision: str, stage: int, ckpt: bool, pa_cpu: bool, offload: bool,
-          args) -> dict:
-    """``args.warmup + args.steps`` steps of ``args.micro`` micro-batches; times, losses, memory, kernel."""
+          args, other: dict | None = None) -> dict:
+    """``args.warmup + args.steps`` steps of ``args.micro`` micro-batches; times, losses, memory,
+    kernel. ``other``: the row's ``{"section.field": value}``; ``debug_collectives``: the check."""
     cfg = RunConfig()
     cfg.zero.stage, cfg.zero.offload_optimizer = stage, offload
+    other = dict(other or {})
+    grid.health.check_sequence = other.pop("debug_collectives", False)  # ZEROTRON_DEBUG_COLLECTIVES
+    if other.get("zero.offload_optimizer_device") == "nvme":
+        cfg.zero.offload_optimizer_nvme_path = args.nvme_path
     ac = cfg.activation_checkpointing
     ac.checkpoint_activations, ac.partition_activations, ac.cpu_checkpointing = ckpt, pa_cpu, pa_cpu
     t = cfg.training
     t.precision, t.seed, t.micro_batch_size = precision, 1, args.micro_batch
     t.global_batch_size = args.micro_batch * args.micro
+    for key, value in other.items():
+        section, name = key.split(".")
+        setattr(getattr(cfg, section), name, value)
     cfg = run_config(cfg)
     plan = parallelize_gpt(cfg, mcfg, grid, device=device, layout_independent_init=False)
     g = torch.Generator().manual_seed(7)
@@ -129,7 +149,7 @@ def train(mcfg: GPTConfig, grid, device, precision: str, stage: int, ckpt: bool,
         pass
     hardware = flops_per_iteration(mcfg, t.global_batch_size, recompute=ckpt)
     model = flops_per_iteration(mcfg, t.global_batch_size, recompute=False)
-    peak = args.peak_tflops or device_peak_tflops(device, DTYPES[precision])
+    peak = args.peak_tflops or device_peak_tflops(device, DTYPES[cfg.training.precision])
     row["tflops"] = hardware / row["step_s"] / 1e12
     row["mfu"] = model / row["step_s"] / 1e12 / peak if peak else None
     row["hfu"] = row["tflops"] / peak if peak else None
@@ -195,6 +215,8 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=nonnegative_int, default=2)
     p.add_argument("--steps", type=positive_int, default=3)
     p.add_argument("--peak-tflops", type=positive_float, default=None, help="override the device table (model.flops)")
+    p.add_argument("--nvme-path", default=os.path.join(".cache", "zerotron", "gpu_check_nvme"),
+                   help="directory for the s3+nvme row's optimizer files (node-local NVMe)")
     p.add_argument("--only", nargs="*", choices=[r[0] for r in ROWS], metavar="ROW",
                    help=f"run only these of {[r[0] for r in ROWS]} (parity always runs)")
     args = p.parse_args(argv)
@@ -241,10 +263,10 @@ def main(argv=None) -> int:
     print(f"{'fp32 parity':<16}{'':>8}{'':>9}{'':>7}{'':>7}{'':>10}{'':>10}{'':>11}{here[-1]:>9.4f}"
           f"  worst rel. diff to CPU {worst:.1e}{itself}", flush=True)
     ref = None
-    for row_name, stage, ckpt, pa_cpu, offload in ROWS:
+    for row_name, stage, ckpt, pa_cpu, offload, other in ROWS:
         if args.only and row_name not in args.only:
             continue
-        r = train(big, grid, device, "bf16", stage, ckpt, pa_cpu, offload, args)
+        r = train(big, grid, device, "bf16", stage, ckpt, pa_cpu, offload, args, other)
         ref = r["losses"][-1] if ref is None else ref
         check_row(row_name, r, ref, device, failures)
         model_gb = r["predicted"]["before_margin"] / 2**30 if r["predicted"] else None

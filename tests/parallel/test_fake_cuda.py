@@ -1,7 +1,8 @@
 """The fake ``cuda`` device of a CPU-only torch (``parallel/fake_cuda.py``), in a fresh process.
 
 What the dry run relies on: autograd runs backward on fake ``cuda`` tensors, a host tensor meeting
-one fails with torch's own device-mismatch error (as it would on a GPU), and a driver feature not
+one fails (as it would on a GPU) -- also in an operator that returns nothing, a fused Adam, which
+fake tensors alone do not check (``device_mixing``) -- and a driver feature not
 routed through ``host_sync`` (here a bare ``torch.cuda.Event``) fails rather than silently working.
 """
 
@@ -23,6 +24,7 @@ PROBE = textwrap.dedent("""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError
     from zerotron.parallel import fake_cuda, host_sync, simulation
+    from zerotron.parallel.device_mixing import DeviceMixingError
 
     assert fake_cuda.active()
     device = simulation.accelerator("cuda")
@@ -34,8 +36,17 @@ PROBE = textwrap.dedent("""
         print("grad", w.grad.device, tuple(w.grad.shape))
         try:
             w + torch.ones(32)
-        except FakeTensorDeviceMismatchError:
+        except (FakeTensorDeviceMismatchError, DeviceMixingError):
             print("mismatch caught")
+        host = [torch.zeros(32) for _ in range(3)]  # a host Adam state fed a device gradient
+        try:  # returns nothing: FakeTensorMode alone lets it through
+            torch._fused_adamw_([host[0]], [w.grad[0]], [host[1]], [host[2]], [], [torch.ones(())],
+                                lr=0.1, beta1=0.9, beta2=0.99, weight_decay=0.0, eps=1e-8,
+                                amsgrad=False, maximize=False)
+        except DeviceMixingError as e:
+            print("fused adam mixing caught", "_fused_adamw_" in str(e))
+        host[0].copy_(w.grad[0])  # copies and 0-dim host scalars are allowed
+        print("copy and scalar", (w * torch.tensor(2.0)).device)
         print("event", host_sync.event(), "stream", host_sync.stream(device), "pinned", host_sync.pinned(device))
     try:
         torch.empty(2, pin_memory=True)
@@ -51,7 +62,8 @@ def test_backward_mismatch_and_driver_features_on_fake_cuda(tmp_path, monkeypatc
     proc = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
-    assert lines == ["grad cuda:0 (64, 32)", "mismatch caught", "event None stream None pinned False",
+    assert lines == ["grad cuda:0 (64, 32)", "mismatch caught", "fused adam mixing caught True",
+                     "copy and scalar cuda:0", "event None stream None pinned False",
                      "pinned memory refused"], proc.stdout
 
 
@@ -70,3 +82,30 @@ def test_without_the_library_cuda_backward_is_what_fails():
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
     proc = subprocess.run([sys.executable, "-c", BARE_BACKWARD], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode != 0 and "not linked with support for cuda devices" in proc.stderr, proc.stderr[-2000:]
+
+
+DEBUG_BARRIER = textwrap.dedent("""
+    import torch
+    from zerotron.parallel import Grid, ParallelDims, host_sync, simulation
+    from zerotron.parallel import collectives as C
+
+    with simulation.fake_world(0, 2), host_sync.simulate(), simulation.fake_mode():
+        grid = Grid(ParallelDims())
+        grid.health.check_sequence = True  # ZEROTRON_DEBUG_COLLECTIVES=1
+        C.barrier(grid.world_group)  # no tensor: the descriptor must go where the group takes them
+        C.all_reduce(torch.ones(4, device="cuda"), grid.world_group)
+        print("checked", grid.health.counts)
+        try:  # the fake group serves cuda only, as NCCL: a host tensor is refused
+            C.all_reduce(torch.ones(4), grid.world_group)
+        except RuntimeError as e:
+            print("refused", "does not serve" in str(e))
+""")
+
+
+def test_the_debug_check_of_a_barrier_runs_on_a_cuda_only_group():
+    """``ZEROTRON_DEBUG_COLLECTIVES=1`` on NCCL: a barrier's descriptor was a host tensor, which a
+    group without a CPU backend refuses (``No backend type associated with device type cpu``)."""
+    proc = subprocess.run([sys.executable, "-c", DEBUG_BARRIER], capture_output=True, text=True,
+                          timeout=120, env=fake_cuda.environ())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines() == ["checked {'world': 2}", "refused True"], proc.stdout

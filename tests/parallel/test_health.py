@@ -11,6 +11,7 @@ from tests.harness import spawn
 from zerotron.parallel import Grid, ParallelDims
 from zerotron.parallel import collectives as C
 from zerotron.parallel.health import CollectiveError, Health
+from zerotron.testing.drill_run import NAMED
 
 
 def diverging_shapes():
@@ -179,3 +180,68 @@ def test_a_peer_that_has_made_only_part_of_a_p2p_batch_is_followed():
     h._read = lambda m: {**beats[m], "t": float(next(clock))}  # alive: a newer time at every read
     found = h._blame([("pp:2-6", (2, 6), 5), ("pp:2-6", (2, 6), 6)])
     assert found == [(4, "rank 6 is behind on pp:2-6, waiting for: rank 4 is alive but stuck behind: it is at recv on pp:0-4 #6")]
+
+
+def fault_under_nccl_semantics(tp: int, pp: int, sig: int):
+    """Rank 1 is killed or frozen mid-run; no collective raises (``ZEROTRON_EMULATE_NCCL``)."""
+    import signal as signals
+
+    import torch.distributed as dist
+
+    os.environ["ZEROTRON_EMULATE_NCCL"] = "1"
+    grid = Grid(ParallelDims(tp=tp, pp=pp))
+    C.all_reduce(torch.ones(1), grid.world_group)
+    time.sleep(1.5)  # let every heartbeat be published once
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signals.Signals(sig))
+    other = grid.pp_group if pp > 1 else grid.dp_group
+    for _ in range(3):  # rank 0 waits for rank 1 on TP; ranks 2 and 3 for rank 0 on DP or PP
+        C.all_reduce(torch.ones(1), grid.tp_group)
+        C.all_reduce(torch.ones(1), other)
+    return "no error"
+
+
+@pytest.mark.parametrize("tp,pp,sig", [(2, 1, 9), (2, 2, 19)],
+                         ids=["tp2xdp2-kill9", "tp2xpp2-sigstop"])
+def test_under_nccl_semantics_the_watchdog_names_the_culprit_and_exits_3(tp, pp, sig, capfd):
+    """NCCL's ``wait()`` never raises on a dead or frozen peer: every survivor's own watchdog must
+    name rank 1 and end the process with exit 3, within the collective timeout + 10 s."""
+    from zerotron.testing.launch import Ranks
+
+    timeout = 6.0
+    with Ranks(fault_under_nccl_semantics, 4, tp, pp, sig, collective_timeout=timeout,
+               may_die=(0, 1, 2, 3)) as job:
+        start, bound = time.monotonic(), 1.5 + timeout + 10
+        survivors = [job.procs[r] for r in (0, 2, 3)]
+        while any(p.is_alive() for p in survivors) and time.monotonic() - start < bound + 20:
+            time.sleep(0.2)
+        took = time.monotonic() - start
+        codes = [p.exitcode for p in survivors]
+    err = capfd.readouterr().err
+    named = re.findall(r"^\[rank (\d+)\] CollectiveError: .*", err, flags=re.M)
+    assert codes == [3, 3, 3], (codes, err[-3000:])
+    assert sorted(named) == ["0", "2", "3"], err[-3000:]
+    for line in re.findall(r"^\[rank \d+\] CollectiveError: .*", err, flags=re.M):
+        assert set(re.findall(NAMED, line)) == {"1"}, line  # as the drills read it: rank 1 alone
+    assert took < bound, took
+
+
+def test_many_ops_in_flight_are_pruned_in_amortized_constant_time():
+    """A pipeline keeps hundreds of async transfers in flight: pruning on every launch past 256
+    rescanned them all each time (quadratic); now it waits until the list has doubled."""
+    import types
+
+    polls = []
+
+    class Pending:  # a torch Work that never completes
+        def is_completed(self):
+            polls.append(1)
+            return False
+
+    h, group = Health(0, 1), types.SimpleNamespace(name="pp", ranks=[0, 1], size=2)
+    n = 3000
+    for _ in range(n):
+        h.before("send", group, torch.ones(1), peer=1)
+        h.issued(Pending())
+    assert len(h._inflight) == n
+    assert len(polls) < 4 * n, len(polls)  # was ~n^2/2 = 4.5 million polls

@@ -140,3 +140,17 @@ def test_a_deepspeed_json_batch_is_sized_by_gpus(tmp_path, monkeypatch):
          "--deepspeed-config", str(ds)])
     cfg, _, _ = dry.load(a, overrides)
     assert (cfg.parallel.dp, cfg.training.micro_batch_size, cfg.training.global_batch_size) == (4, 4, 4 * 2 * 4)
+
+
+def test_zeropp_with_sequence_parallel_in_fp16_on_fake_cuda(tmp_path):
+    """ZeRO++ (qwZ, qgZ, hpZ over 4-GPU nodes) with TP 2 x SP in fp16: the configurations the other
+    dry runs here leave out, under the device-mixing check and the cuda-only fake group."""
+    out = run_script(tmp_path, "--gpus", "8", "--ranks", "0", "--gpus-per-node", "4",
+                     "--parallel.tp", "2", "--parallel.sequence_parallel", "true",
+                     "--training.precision", "fp16", "--zero.stage", "3",
+                     "--zero.zero_quantized_weights", "true",
+                     "--zero.zero_quantized_gradients", "true",
+                     "--zero.zero_hpz_partition_size", "2",
+                     "--activation_checkpointing.checkpoint_activations", "true")
+    ops = set(out["ranks"]["0"]["comm_ops"])
+    assert {"all_to_all/dp_inner", "all_to_all/dp_outer", "reduce_scatter/tp"} <= ops, sorted(ops)

@@ -135,3 +135,14 @@ def test_the_job_trains_logs_where_the_header_says_and_checkpoints_on_sigterm(cl
     assert f"[zerotron] summary: stopped by SIGTERM at step {m.group(1)} of 500" in text
     assert f"last checkpoint: {m.group(2)} (written by this run)" in text
     assert "Traceback" not in text and "SignalException" not in text, text[-3000:]
+
+
+def test_the_job_sets_the_cuda_allocator_and_queue_and_no_hca_prefix():
+    """DGX set-up (issue 41): expandable segments, one CUDA connection for SP's overlap, and no
+    ``NCCL_IB_HCA=mlx5`` default (a prefix match that takes storage ports too)."""
+    text = SCRIPT.read_text()
+    exports = dict(re.findall(r"^export (\w+)=(.*)$", text, flags=re.M))
+    alloc = "${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
+    assert exports["PYTORCH_CUDA_ALLOC_CONF"] == alloc
+    assert exports["CUDA_DEVICE_MAX_CONNECTIONS"] == "${CUDA_DEVICE_MAX_CONNECTIONS:-1}"
+    assert "NCCL_IB_HCA" not in exports

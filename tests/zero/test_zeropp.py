@@ -91,3 +91,32 @@ def test_from_deepspeed_reads_zeropp_keys():
         "stage": 3, "zero_quantized_weights": True, "zero_quantized_gradients": True,
         "zero_hpz_partition_size": 8}})[0].zero
     assert (cfg.zero_quantized_weights, cfg.zero_quantized_gradients, cfg.zero_hpz_partition_size) == (True, True, 8)
+
+
+def _hpz_run(tp: int, hpz: int, qgz_node: int = 0):
+    from zerotron.training.config import RunConfig
+
+    cfg = RunConfig()
+    cfg.parallel.tp, cfg.zero.stage, cfg.zero.zero_hpz_partition_size = tp, 3, hpz
+    cfg.zero.zero_quantized_gradients = bool(qgz_node)
+    cfg.zero.zero_quantized_gradients_node_size = qgz_node
+    cfg.training.micro_batch_size, cfg.training.global_batch_size = 1, 64
+    return cfg
+
+
+def test_node_local_groups_that_would_cross_nodes_are_refused(monkeypatch):
+    """4 DGX nodes x 8 GPUs, tp 2: DP members are 2 ranks apart (Megatron's order: TP fastest), so
+    a node holds 4 of each DP group and an hpZ (or qgZ) group of 8 would span two nodes -- its
+    "node-local" backward gathers would cross the slow link. Nodes worked out by hand: ranks
+    0, 2, ..., 14 are on nodes 0 (0-7) and 1 (8-15)."""
+    from zerotron.training.config import ConfigError
+
+    want = (r"zero_hpz_partition_size=8: .*\[0, 2, 4, 6, 8, 10, 12, 14\] spans nodes \[0, 1\] "
+            r"of 8 GPUs.*use 4")
+    with pytest.raises(ConfigError, match=want):
+        _hpz_run(tp=2, hpz=8).validate(32, gpus_per_node=8)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # torchrun's: the default when not given
+    with pytest.raises(ConfigError, match="zero_quantized_gradients_node_size=8: .* spans nodes"):
+        _hpz_run(tp=2, hpz=1, qgz_node=8).validate(32)
+    _hpz_run(tp=2, hpz=4, qgz_node=4).validate(32)  # 4 members x tp 2 = one node
+    _hpz_run(tp=1, hpz=8, qgz_node=8).validate(32)  # no TP: 8 consecutive ranks

@@ -11,11 +11,13 @@ Collectives take a ``Group`` from the ``Grid``; ``async_op=True`` returns a ``Ha
 
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
+from zerotron.parallel import runtime
 from zerotron.parallel.grid import Group
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives; older releases only have the old names.
@@ -54,9 +56,17 @@ class Handle:
 
 
 def _explain(op: str, group: Group | None, exc: RuntimeError) -> RuntimeError:
-    """Turn a backend error (peer died, timeout) into one that names the responsible rank."""
+    """Turn a backend error (peer died, timeout) into one that names the responsible rank.
+
+    Under ``ZEROTRON_EMULATE_NCCL=1`` the error never arrives, as under NCCL, whose ``wait()``
+    neither raises nor blocks the host, which then sits in its next device read: this thread
+    blocks for good and the health watchdog names the culprit and ends the process (exit 3)."""
     if group is None or group.health is None:
         return exc
+    if runtime.emulate_nccl():
+        group.health.hold(op, group)  # still in flight for the watchdog, as a hung NCCL call is
+        while True:
+            time.sleep(3600)
     return group.health.diagnose(op, group, exc)
 
 

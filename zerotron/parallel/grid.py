@@ -98,6 +98,11 @@ def layout(dims: ParallelDims) -> dict[str, list[tuple[int, ...]]]:
     }
 
 
+def split_blocks(ranks: tuple[int, ...], inner_size: int) -> list[tuple[int, ...]]:
+    """``ranks`` cut into consecutive blocks of ``inner_size``: ``split_group``'s inner groups."""
+    return [ranks[i:i + inner_size] for i in range(0, len(ranks), inner_size)]
+
+
 @dataclass
 class Group:
     """One process group as this rank sees it: name, member ranks, this rank's index, counters."""
@@ -180,7 +185,7 @@ class Grid:
         if key not in self._split_cache:
             mine = None
             for ranks in all_groups:
-                blocks = [ranks[i:i + inner_size] for i in range(0, size, inner_size)]
+                blocks = split_blocks(ranks, inner_size)
                 inner = [(f"{kind}_inner", b) for b in blocks]
                 outer = [(f"{kind}_outer", tuple(b[j] for b in blocks)) for j in range(inner_size)]
                 for name, members in inner + outer:  # every rank creates every group, same order

@@ -16,8 +16,10 @@ Four mechanisms, all owned by the ``Grid`` and used by every collective and p2p 
   so every survivor names the same root; a rank that gave up first leaves its verdict behind.
 * **Watchdog.** With a timeout, a second thread diagnoses any op in flight for longer than the
   timeout less ``lead_s`` and prints the verdict. NCCL's own watchdog aborts the process at the
-  timeout (``TORCH_NCCL_ASYNC_ERROR_HANDLING``) without unwinding to Python, so this is the
-  only chance to name the culprit there; on gloo the exception at the timeout reuses the verdict.
+  timeout (``TORCH_NCCL_ASYNC_ERROR_HANDLING``) without unwinding to Python, and no NCCL
+  ``wait()`` ever raises (the host sits in its next device read), so under NCCL -- or gloo with
+  ``ZEROTRON_EMULATE_NCCL=1`` -- the watchdog prints the survivor's ``CollectiveError`` line
+  and exits 3 itself once a culprit is named; on gloo the exception reuses the verdict.
 * **Sequence check** (``ZEROTRON_DEBUG_COLLECTIVES=1``): before every collective the group
   all-gathers a fixed-size descriptor (op, group, shape, dtype, call site) and every rank
   compares; the first divergence raises on all ranks with both ranks' call sites -- the usual
@@ -38,14 +40,22 @@ import torch.distributed as dist
 
 from zerotron.parallel import host_sync
 from zerotron.parallel.blame import blame
+from zerotron.parallel.runtime import collective_device, nccl_semantics, serves
 
 DESCRIPTOR_BYTES = 512
+EXIT_COLLECTIVE_FAILED = 3  # scripts/pretrain_gpt.py's exit status for a dead or stuck peer
 _PARALLEL_DIR = os.path.dirname(os.path.abspath(__file__))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 
 
 class CollectiveError(RuntimeError):
     """A collective failed or would diverge; the message names the rank(s) responsible."""
+
+
+def _require_served(group, device: torch.device, what: str) -> None:
+    if not serves(group.pg, device):
+        raise CollectiveError(f"{what} on group {group.name}: its backend does not serve "
+                              f"{device.type} tensors (NCCL has no CPU one): move it to the device")
 
 
 def _inside(filename: str) -> bool:
@@ -78,6 +88,7 @@ class _Op:
     probe: object = None
     verdict: tuple | None = None  # (culprit text, blamed ranks), once diagnosed
     failed: bool = False  # kept in the heartbeat after its error: peers follow the chain through it
+    reported: bool = False  # the watchdog has printed its verdict
 
     def done(self) -> bool:
         if self.probe is None or self.failed:
@@ -97,6 +108,7 @@ class Health:
         if check_sequence is None:
             check_sequence = os.environ.get("ZEROTRON_DEBUG_COLLECTIVES", "") not in ("", "0")
         self.check_sequence = check_sequence
+        self.exit_on_verdict = nccl_semantics()  # no exception will come (see ``_watch``)
         self.timeout_s = timeout_s
         # Diagnosing takes ~2.5 heartbeats: start 10 s before the timeout fires (less for short
         # timeouts, never less than the diagnosis needs unless that is most of the timeout).
@@ -108,6 +120,7 @@ class Health:
         self._lock, self._diagnosing = threading.Lock(), threading.Lock()
         self._current: _Op | None = None
         self._inflight: list[_Op] = []
+        self._prune_at = 256
         self._verdict_op: _Op | None = None  # the op whose diagnosis ``verdict`` publishes
         self._store = self._default_store()
         self._stop = threading.Event()
@@ -165,6 +178,8 @@ class Health:
         if peer is not None:  # sends and receives pair up per link, not per group
             members = tuple(sorted((self.rank, peer)))
             key = f"{group.name}:{members[0]}-{members[1]}"
+        if tensor is not None and host_sync.simulated():  # NCCL refuses it; fake tensors do not
+            _require_served(group, tensor.device, op)
         self.counts[key] = self.counts.get(key, 0) + 1
         shape = tuple(tensor.shape) if tensor is not None else ()
         dtype = str(tensor.dtype).replace("torch.", "") if tensor is not None else "-"
@@ -196,8 +211,9 @@ class Health:
                 event.record()
             else:
                 self._inflight.remove(op)
-            if len(self._inflight) > 256:  # without a heartbeat thread nobody else prunes
-                self._pending()
+            if len(self._inflight) > self._prune_at:  # without a heartbeat thread nobody prunes
+                self._pending()  # O(n): next time only once the list has doubled (amortized O(1))
+                self._prune_at = max(256, 2 * len(self._inflight))
 
     def completed(self, probe) -> None:
         """The issuing code has waited for ``probe`` (the work, or list of works, given to ``issued``):
@@ -220,11 +236,17 @@ class Health:
         raw = f"{signature}\n{site}".encode()[:DESCRIPTOR_BYTES]
         mine = torch.zeros(DESCRIPTOR_BYTES, dtype=torch.uint8)
         mine[: len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
-        device = tensor.device if tensor is not None and tensor.device.type == "cuda" else torch.device("cpu")
+        # beside the collective's tensor, or where the group takes tensors (a barrier has none)
+        device = tensor.device if tensor is not None else collective_device(group.pg)
+        if host_sync.simulated():
+            _require_served(group, device, f"{op}'s debug descriptor")
         everyone = torch.empty(DESCRIPTOR_BYTES * group.size, dtype=torch.uint8, device=device)
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         gather(everyone, mine.to(device), group=group.pg)
-        texts = [bytes(c.cpu().tolist()).rstrip(b"\0").decode(errors="replace") for c in everyone.chunk(group.size)]
+        rows = host_sync.read(everyone.view(group.size, -1), "debug_collectives", placeholder=None)
+        if rows is None:  # a dry run: the gather is issued, but there are no peers' descriptors
+            return
+        texts = [bytes(row).rstrip(b"\0").decode(errors="replace") for row in rows]
         for member, text in zip(group.ranks, texts):
             their_sig, _, their_site = text.partition("\n")
             if their_sig != signature:
@@ -235,32 +257,65 @@ class Health:
 
     # watchdog ------------------------------------------------------------------------------------
     def _watch(self) -> None:
-        """Diagnose (once) every op in flight past ``timeout_s - lead_s``; print the verdict."""
+        """Diagnose (once) every op in flight past ``timeout_s - lead_s``; print the verdict.
+
+        Under NCCL semantics (``runtime.nccl_semantics``) no error ever reaches the waiting thread
+        (it sits in a CUDA sync, where no signal handler runs either), so the watchdog itself ends
+        the process with exit 3 once the verdict names a culprit -- before NCCL's own watchdog
+        aborts it at the timeout, nameless -- or at the timeout whatever the verdict."""
         while not self._stop.wait(min(0.5, self.heartbeat_s)):
             with self._lock:
-                late = [op for op in self._pending()
-                        if op.verdict is None and time.monotonic() - op.t0 >= self.timeout_s - self.lead_s]
+                due = time.monotonic() - (self.timeout_s - self.lead_s)
+                late = [op for op in self._pending() if op.t0 <= due
+                        and (op.verdict is None or self.exit_on_verdict)]
             for op in late[:1]:
-                try:
-                    text, _ = self._verdict_of(op)
-                except Exception:  # noqa: BLE001 - the store went away: the job is ending
-                    return
-                print(f"[rank {self.rank}] zerotron watchdog: {op.desc} has waited "
-                      f"{time.monotonic() - op.t0:.0f}s of the {self.timeout_s:.0f}s collective timeout: {text}",
-                      file=sys.stderr, flush=True)
+                waited = time.monotonic() - op.t0
+                if op.verdict is None:
+                    try:
+                        text, _ = self._verdict_of(op)
+                    except Exception:  # noqa: BLE001 - the store went away: the job is ending
+                        return
+                    if not op.reported:
+                        op.reported = True
+                        print(f"[rank {self.rank}] zerotron watchdog: {op.desc} has waited "
+                              f"{waited:.0f}s of the {self.timeout_s:.0f}s collective timeout: "
+                              f"{text}", file=sys.stderr, flush=True)
+                if self.exit_on_verdict:
+                    if op.verdict[1] or waited >= self.timeout_s:
+                        self._exit(op, waited)
+                    op.verdict = None  # nobody named yet (no stale heartbeat yet): ask again
+
+    def _exit(self, op: _Op, waited: float) -> None:
+        """The line a survivor's ``CollectiveError`` would print (drills read it), then exit 3."""
+        print(f"[rank {self.rank}] CollectiveError: rank {self.rank}: {op.desc} has waited "
+              f"{waited:.0f}s and no error reaches the waiting thread under NCCL: {op.verdict[0]}. "
+              f"Exiting (3) from the health watchdog", file=sys.stderr, flush=True)
+        os._exit(EXIT_COLLECTIVE_FAILED)  # the run lock left behind is taken over as stale
 
     # after a failure -----------------------------------------------------------------------------
-    def diagnose(self, op: str, group, exc: BaseException) -> CollectiveError:
-        """Explain a failed collective by reading the other ranks' heartbeats."""
+    def _failed_op(self, op: str, group) -> tuple[_Op, str]:
+        """The op a failure on ``group`` belongs to, marked failed (kept in flight), and where."""
         key = group.name
         with self._lock:  # the oldest op on the group: the one waited for (async ones complete in order)
             candidates = ([self._current] if self._current else []) + self._inflight
         ours = lambda o: [(k, n) for k, _, n in o.links if k == key or k.startswith(key + ":")]  # noqa: E731
-        failed = next((o for o in candidates if ours(o)), None) or \
-            _Op([(key, tuple(group.ranks), self.counts.get(key, 0))])
+        failed = next((o for o in candidates if ours(o)), None)
+        if failed is None:
+            failed = _Op([(key, tuple(group.ranks), self.counts.get(key, 0))])
+            with self._lock:
+                self._inflight.append(failed)
         seqs = ", ".join(f"its collective #{n}" if k == key else f"transfer {k} #{n}" for k, n in ours(failed))
         where = f"{op} on group {key} ({seqs}) at {call_site()}"
         failed.desc, failed.failed = failed.desc or where, True
+        return failed, where
+
+    def hold(self, op: str, group) -> None:
+        """NCCL semantics: the failure is not raised; the op stays in flight for ``_watch``."""
+        self._failed_op(op, group)
+
+    def diagnose(self, op: str, group, exc: BaseException) -> CollectiveError:
+        """Explain a failed collective by reading the other ranks' heartbeats."""
+        failed, where = self._failed_op(op, group)
         culprit = "no peer to ask (no rendezvous store)"
         if self._store is not None:
             culprit, _ = self._verdict_of(failed)

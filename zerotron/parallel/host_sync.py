@@ -109,6 +109,21 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def pinned_rounding(tensors) -> int:
+    """Bytes the pinned ``tensors`` take beyond their size: torch's caching host allocator rounds
+    every pinned block up to a power of two, so a 5 GiB pinned state holds 8 GiB of host RAM."""
+    extra = 0
+    for t in tensors:
+        n = t.untyped_storage().nbytes() if t is not None and _is_pinned(t) else 0
+        extra += (1 << (n - 1).bit_length()) - n if n else 0
+    return extra
+
+
+def _is_pinned(t: torch.Tensor) -> bool:
+    real = t.device.type == "cpu" and not _state.simulated and torch.cuda.is_available()
+    return real and t.is_pinned()
+
+
 def pinned(device: torch.device) -> bool:
     """Whether host buffers that feed ``device`` should be pinned: only for a real CUDA device."""
     return device.type == "cuda" and not _state.simulated and torch.cuda.is_available()

@@ -87,6 +87,47 @@ def group_timeout() -> datetime.timedelta:
     return collective_timeout()
 
 
+def emulate_nccl() -> bool:
+    """``ZEROTRON_EMULATE_NCCL=1``: a gloo run behaves as NCCL does when a peer dies or freezes --
+    no error ever reaches the waiting thread, which stays blocked (as in a CUDA sync) -- so the
+    CPU tests and drills see what a GPU cluster sees (``collectives``, ``health``)."""
+    return os.environ.get("ZEROTRON_EMULATE_NCCL", "") not in ("", "0")
+
+
+def nccl_semantics() -> bool:
+    """Whether a failed collective is never raised to the waiting thread: NCCL, or its emulation."""
+    if emulate_nccl():
+        return True
+    try:
+        return dist.is_initialized() and dist.get_backend() == "nccl"
+    except Exception:  # noqa: BLE001 - a default group of several backends, or none
+        return False
+
+
+def gpus_per_node() -> int | None:
+    """Processes per node as the launcher says (torchrun's ``LOCAL_WORLD_SIZE``), None if unsaid."""
+    value = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
+    return int(value) if value.isdigit() and int(value) > 0 else None
+
+
+def serves(pg, device: torch.device) -> bool:
+    """Whether process group ``pg`` (None: the default group) has a backend for ``device``'s
+    tensors: an NCCL group has none for the host ("No backend type associated with device type
+    cpu"). Collectives on fake tensors skip that lookup, so the dry run asks here."""
+    pg = pg if pg is not None else dist.distributed_c10d._get_default_group()
+    try:
+        pg._get_backend(torch.device(device.type))  # private API, present in torch 2.x
+        return True
+    except Exception:  # noqa: BLE001 - no backend registered for this device type
+        return False
+
+
+def collective_device(pg=None) -> torch.device:
+    """Where a tensor of the group's own making goes (a barrier's debug descriptor): the host when
+    ``pg`` has a CPU backend (gloo), else the current CUDA device (NCCL)."""
+    return torch.device("cpu") if serves(pg, torch.device("cpu")) else torch.device("cuda")
+
+
 @dataclass(frozen=True)
 class DistEnv:
     """What a process knows about itself once the default process group exists."""

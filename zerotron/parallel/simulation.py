@@ -4,10 +4,11 @@ The dry run (``scripts/dry_run.py``) runs the real code -- grid, model, ZeRO opt
 as one rank of, say, 400 GPUs, on a laptop. Three torch tools make that possible:
 
 * ``FakeTensorMode``: tensors carry shape, dtype and device but no data, so a 100B model costs
-  nothing to "allocate" and every operator still checks devices and shapes (a CPU tensor meeting a
-  device tensor raises ``FakeTensorDeviceMismatchError``, as it would fail on a GPU);
-* the ``fake`` process-group backend (``FakeStore``): every collective returns at once, so one
-  process can be rank 0 of 400 without the other 399; ``CommStats`` still counts what it would move;
+  nothing to "allocate"; under it ``DeviceMixingCheck`` fails any operator whose tensors span
+  devices, as it would fail on a GPU;
+* the ``fake`` process-group backend (``FakeStore``), registered for the ``cuda`` device only, as
+  NCCL is: every collective returns at once, so one process can be rank 0 of 400 without the
+  other 399; ``CommStats`` still counts what it would move; a host-tensor collective fails;
 * ``host_sync.simulate()``: device reads return placeholders, driver-only CUDA objects are no-ops.
 
 The device: ``cuda``. A CUDA build of torch puts its own guard under fake tensors, so no GPU is
@@ -26,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from zerotron.parallel import fake_cuda
+from zerotron.parallel.device_mixing import DeviceMixingCheck
 
 
 def cuda_is_built() -> bool:
@@ -45,24 +47,29 @@ def accelerator(kind: str = "cuda") -> torch.device:
     return torch.device("cuda", 0)
 
 
+@contextlib.contextmanager
 def fake_mode():
     """A ``FakeTensorMode`` that takes real tensors as inputs (host RNG states, numpy data) as fake
-    ones on their own device: a real CPU tensor meeting a device tensor still fails with torch's
-    device-mismatch error, and the dry run watches for host tensors made inside the step."""
+    ones on their own device, under ``DeviceMixingCheck``: a CPU tensor meeting a device tensor
+    fails in every operator, also those that return nothing (``_fused_adamw_``), which fake
+    tensors alone let through. The dry run watches for host tensors made inside the step."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    return FakeTensorMode(allow_non_fake_inputs=True)
+    with FakeTensorMode(allow_non_fake_inputs=True), DeviceMixingCheck():
+        yield
 
 
 @contextlib.contextmanager
-def fake_world(rank: int, world_size: int):
-    """Be ``rank`` of ``world_size`` for the block: the default group is a ``fake`` one."""
+def fake_world(rank: int, world_size: int, device_type: str = "cuda"):
+    """Be ``rank`` of ``world_size`` for the block: the default group is a ``fake`` one serving
+    ``device_type`` only."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
         raise RuntimeError("fake_world: a process group already exists in this process; the dry run "
                            "needs its own process (scripts/dry_run.py)")
-    backend = "cpu:fake,cuda:fake"  # p2p looks its backend up by the tensors' device
+    # cuda only, as NCCL: a collective on a host tensor fails here as it would on a GPU cluster
+    backend = "cuda:fake" if device_type == "cuda" else "cpu:fake"
     dist.init_process_group(backend, store=FakeStore(), rank=rank, world_size=world_size)
     try:
         with fake_cuda.device_queries() if fake_cuda.active() else contextlib.nullcontext():

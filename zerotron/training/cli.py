@@ -89,6 +89,9 @@ def build_parser(exit_codes: str = "") -> argparse.ArgumentParser:
         else:
             p.add_argument(f"--{flag}", dest=f"{section}.{name}", metavar="V",
                            help=config_help.short_flag_help(section, name))
+    p.add_argument("--profile-steps", dest="logging.profile_steps", nargs=2, metavar=("A", "B"),
+                   help="write a torch.profiler trace of steps A to B under <run_dir>/profile "
+                        "(logging.profile_steps; Perfetto, TensorBoard; CUDA: a memory snapshot)")
     return p
 
 

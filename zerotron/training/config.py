@@ -21,11 +21,13 @@ from typing import Any
 
 from zerotron.activation import ActivationCheckpointConfig
 from zerotron.model.config import GPTConfig
-from zerotron.parallel import ParallelDims
+from zerotron.parallel import ParallelDims, runtime
 from zerotron.parallel.pipeline import SCHEDULES
+from zerotron.training.profiling import check_profile_steps
 from zerotron.training.schedule import betas_at, check_schedule, min_lr_used
 from zerotron.zero.config import PRECISIONS, ZeroConfig
 from zerotron.zero.loss_scaler import check_loss_scaling
+from zerotron.zero.zeropp.groups import check_node_local
 
 
 RUN_DIR = "{run_dir}"  # in checkpoint.save: stands for logging.run_dir, so each run has its own checkpoints
@@ -116,6 +118,7 @@ class LoggingSection:
     peak_tflops: float | None = None  # per-device peak for MFU; None: from the device table
     wall_clock_breakdown: bool = False  # forward / backward / step seconds in each record (device-synchronized)
     tensorboard: bool = False  # also write <run_dir>/tensorboard (needs the tensorboard package)
+    profile_steps: list[int] = field(default_factory=list)  # [A, B]: trace steps A..B
 
 
 @dataclass
@@ -149,14 +152,15 @@ class RunConfig:
         return dataclasses.asdict(self)
 
     # validation ----------------------------------------------------------------------------
-    def validate(self, world_size: int) -> "RunConfig":
+    def validate(self, world_size: int, gpus_per_node: int | None = None) -> "RunConfig":
         """Check every field that can be checked without the model or data; returns self.
 
-        The parallel sizes are checked against ``world_size`` and ``dp`` is filled in. An error
-        about a field a DeepSpeed JSON set names that JSON and its key as well.
+        The parallel sizes are checked against ``world_size`` and ``dp`` is filled in; ZeRO++'s
+        node-local groups against ``gpus_per_node`` (default: the launcher's ``LOCAL_WORLD_SIZE``).
+        An error about a field a DeepSpeed JSON set names that JSON and its key as well.
         """
         try:
-            return self._check(world_size)
+            return self._check(world_size, gpus_per_node or runtime.gpus_per_node())
         except ConfigError as e:
             named = [(f, key) for f, key in self.deepspeed_keys.items() if re.search(rf"\b{re.escape(f)}\b", str(e))]
             if not named:
@@ -164,7 +168,7 @@ class RunConfig:
             keys = ", ".join(key if key == f else f"{key} (read as {f})" for f, key in named)
             raise ConfigError(f"--deepspeed-config {self.deepspeed_file}: {keys}: {e}") from None
 
-    def _check(self, world_size: int) -> "RunConfig":
+    def _check(self, world_size: int, gpus_per_node: int | None) -> "RunConfig":
         _check_finite(self)
         _choice("training.precision", self.training.precision, PRECISIONS)
         _choice("optimizer.decay", self.optimizer.decay, ("cosine", "linear", "constant"))
@@ -173,6 +177,7 @@ class RunConfig:
         try:
             self.parallel = self.parallel.resolve(world_size)
             self.zero.validate(dp_size=self.parallel.dp, precision=self.training.precision)
+            check_node_local(self.zero, self.parallel, gpus_per_node)
             self.activation_checkpointing.validate()
         except ValueError as e:
             raise ConfigError(str(e)) from None
@@ -238,6 +243,8 @@ class RunConfig:
                               "config and {run_dir} checkpoints go there")
         for name in ("log_interval", "eval_interval", "eval_steps"):
             _positive(f"logging.{name}", getattr(lg, name), allow_zero=name != "log_interval")
+        if (fix := check_profile_steps(lg.profile_steps, self.training.train_steps)) is not None:
+            raise ConfigError(f"logging.profile_steps={lg.profile_steps}: {fix}")
         if lg.peak_tflops is not None:
             _positive("logging.peak_tflops", lg.peak_tflops, fix="the device's peak TFLOP/s, or null for the table")
         if lg.tensorboard and importlib.util.find_spec("tensorboard") is None:

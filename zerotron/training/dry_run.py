@@ -17,8 +17,8 @@ What it measures, per rank, never from the optimizer's own sizes:
   none (on a GPU each would be a host round trip); with ZeRO-Offload or Pa+cpu they are the
   offloaded states and checkpoints, reported, not refused.
 
-A device mismatch inside the step raises ``FakeTensorDeviceMismatchError`` from torch itself, as
-it would on the GPU.
+A device mismatch inside the step raises (``parallel.device_mixing``), as it would on the GPU,
+also in operators that return nothing (fused Adam), which fake tensors alone let through.
 """
 
 from __future__ import annotations
@@ -144,7 +144,8 @@ def simulate_rank(cfg: RunConfig, mcfg: GPTConfig, world_size: int, rank: int, s
         raise ValueError(f"steps={steps}: simulate at least one step")
     device = simulation.accelerator(device_kind)
     start = time.perf_counter()
-    with simulation.fake_world(rank, world_size), host_sync.simulate(), simulation.fake_mode():
+    world = simulation.fake_world(rank, world_size, device.type)
+    with world, host_sync.simulate(), simulation.fake_mode():
         grid = Grid(cfg.parallel)
         try:
             memory = StepMemory(1, device_type=device.type)

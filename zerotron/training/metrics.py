@@ -31,6 +31,29 @@ def peak_memory(device: torch.device) -> dict[str, int]:
     return out
 
 
+class PeakWindow:
+    """The allocator's peaks per log window on CUDA: each ``read`` returns the peaks since the last
+    one and resets torch's counters, so ``peak_allocated_bytes`` sits beside the window's other
+    figures instead of being the run's lifetime high; ``run`` keeps the highest of all windows for
+    the end-of-run summary. ``peak_rss_bytes`` is the process's lifetime peak (no reset exists)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.run: dict[str, int] = {}
+
+    def read(self) -> dict[str, int]:
+        out = peak_memory(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self.run = {k: max(v, self.run.get(k, 0)) for k, v in out.items()}
+        return out
+
+    def run_peaks(self) -> dict[str, int]:
+        """The highest of every window and of what came after the last one."""
+        last = peak_memory(self.device)
+        return {k: max(v, self.run.get(k, 0)) for k, v in last.items()}
+
+
 def host_values(record: dict[str, Any]) -> dict[str, Any]:
     """``record`` with its tensor values as Python numbers: the one-element tensors stacked and
     read in a single host read (reason ``"log"``; exact through float64 for every float dtype and

@@ -177,9 +177,7 @@ class RunLog:
     # the summary ----------------------------------------------------------------------------
     def summary(self, last: dict, stopped: bool) -> None:
         """Printed by rank 0 at the end of ``Trainer.train``; one collective (peak memory over ranks)."""
-        from zerotron.training.metrics import peak_memory
-
-        peaks = peak_memory(self.t.env.device)
+        peaks = self.t.peaks.run_peaks()
         keys = ["tracked", *peaks]
         values = self._reduce_max([float(self.tracked_peak), *map(float, peaks.values())], "summary")
         peak = dict(zip(keys, values))

@@ -4,11 +4,10 @@ checkpoints and a graceful stop on SIGTERM (checkpoint, then exit) for preemptib
 Before any work the run takes its run and checkpoint directories' locks and decides which
 checkpoint it continues from (``resume.py``), so a refused or finished run stops in seconds.
 
-The step itself (``training.step.run_step``) reads nothing on the host, and neither does the
-trainer around it: the loss stays a device tensor, the first non-finite loss is remembered on
-the device (``_watch_loss``) and read at the log interval, before a checkpoint and at a stop;
-the metrics of a logged step are read in one go. What remains per step is the SIGTERM agreement
-(``_stop_agreed``) and, in fp16, the optimizer's overflow decision (``parallel.host_sync``).
+The step (``training.step.run_step``) reads nothing on the host, nor does the trainer: the loss
+stays on the device, a non-finite one is remembered there (``_watch_loss``) and read at the log
+interval, before a checkpoint and at a stop; a logged step's metrics are read in one go. Left per
+step: the SIGTERM agreement (``_stop_agreed``) and fp16's overflow decision (``host_sync``).
 """
 
 from __future__ import annotations
@@ -29,8 +28,9 @@ from zerotron.training import faults, resume
 from zerotron.training.batches import BatchLoader
 from zerotron.training.config import RunConfig
 from zerotron.training.export import write_consolidated
-from zerotron.training.metrics import CommWindow, MetricsLogger, Throughput, host_values, peak_memory
+from zerotron.training.metrics import CommWindow, MetricsLogger, PeakWindow, Throughput, host_values
 from zerotron.training.phase_times import PhaseTimes
+from zerotron.training.profiling import StepProfiler
 from zerotron.training.schedule import betas_at, lr_at
 from zerotron.training.parallelize import parallelize_gpt
 from zerotron.training.run_log import RunLog
@@ -65,17 +65,17 @@ class Trainer:
         if self.resume.path is not None:
             resume.check_tokenizer(self.resume.path, self.data.tokenizer_path, cfg)
         self.mcfg = model_config(cfg, self.data.vocab_size, self.data.tokenizer_path)
-        t = cfg.training
-        self.memory = StepMemory(cfg.logging.log_interval)
-        self.phases = PhaseTimes(self.memory, env.device) if cfg.logging.wall_clock_breakdown else None
+        t, lg, dev = cfg.training, cfg.logging, env.device
+        self.memory, self.peaks = StepMemory(lg.log_interval, dev.type), PeakWindow(dev)
+        self.profiler = StepProfiler(lg.profile_steps, lg.run_dir, grid.rank, dev)
+        self.phases = PhaseTimes(self.memory, env.device) if lg.wall_clock_breakdown else None
         with self.memory.construction():
             plan = parallelize_gpt(cfg, self.mcfg, grid, device=env.device)
         self.model, self.opt, self.activations = plan.model, plan.optimizer, plan.activations
         self.memory.register(self.opt)
-        seq = self.mcfg.seq_length
         # from the checkpoint's count on: train_steps x G falls short after a resume that shrank G
         num_samples = self.resume.consumed + (t.train_steps - self.resume.step) * t.global_batch_size
-        ds_args = dict(seq_length=seq, seed=t.seed, cache_dir=cfg.data.cache_dir)
+        ds_args = dict(seq_length=self.mcfg.seq_length, seed=t.seed, cache_dir=cfg.data.cache_dir)
         if grid.rank == 0:  # the sample index is built once and cached; the others wait, then read it
             prepare_dataset_index(self.data.train_prefixes, self.data.train_weights, num_samples=num_samples, **ds_args)
         C.barrier(grid.world_group)
@@ -100,10 +100,9 @@ class Trainer:
             self._restore_rng(state["rng"])
         self.throughput = Throughput.of_run(cfg, self.mcfg, grid.world_size, env.device)
         self.run_log = RunLog(self)  # prints the banner (training/run_log.py)
-        self.logger = MetricsLogger(cfg.logging.run_dir, self.run_log.tracked_config(), enabled=grid.rank == 0,
-                                    wandb_mode=cfg.logging.wandb_mode, project=cfg.logging.wandb_project,
-                                    total_steps=t.train_steps, start_step=self.step,
-                                    tensorboard=cfg.logging.tensorboard)
+        self.logger = MetricsLogger(lg.run_dir, self.run_log.tracked_config(), grid.rank == 0,
+                                    lg.wandb_mode, lg.wandb_project, t.train_steps, self.step,
+                                    lg.tensorboard)
         self._stop_requested = self.stopped = False
         # first step whose loss was non-finite (-1: none yet) and that loss, kept on the device
         self._bad_step = torch.full((), -1.0, dtype=torch.float64, device=env.device)
@@ -282,7 +281,7 @@ class Trainer:
                "grad_norm": out.get("grad_norm"),
                "loss_scale": out.get("loss_scale"), "skipped_steps": self.step - self.opt.updates,  # resumes too
                **self.throughput.read(),
-               **peak_memory(self.env.device), "comm_bytes": self.comm.read(window)}
+               **self.peaks.read(), "comm_bytes": self.comm.read(window)}
         rec.update({f"model_state_{k}": v for k, v in self.opt.memory_report().items()})
         if self.phases is not None:  # logging.wall_clock_breakdown: seconds per phase
             rec.update(self.phases.record())
@@ -315,7 +314,8 @@ class Trainer:
         self.throughput.restart()
         self.run_log.start()
         while self.step < t.train_steps:
-            out = self.train_step()
+            with self.profiler.step(self.step + 1):  # logging.profile_steps: a torch.profiler trace
+                out = self.train_step()
             self.throughput.step()
             self.logger.progress()
             window += 1

@@ -69,6 +69,8 @@ def memory_report(opt) -> dict:
         "total_model_states": sum(held.values()),
         "offloaded_to_host": sum(host.get(kind, 0) for kind in MODEL_STATES),
         "offloaded_to_disk": sum(n for kind, n in disk.items() if kind in MODEL_STATES),
+        # host RAM the pinned buffers hold beyond their size (power-of-two blocks; host_sync)
+        "pinned_rounding": host.get("pinned_rounding", 0),
     }
 
 

@@ -55,7 +55,8 @@ class HostParams:
         self.host[lo:lo + values.numel()].copy_(values)
 
     def memory_report(self) -> dict:
-        return {"host": {"params": self.host.numel() * self.host.element_size()}}
+        return {"host": {"params": self.host.numel() * self.host.element_size(),
+                         "pinned_rounding": host_sync.pinned_rounding([self.host])}}
 
     def io_report(self) -> dict:
         return {}

@@ -35,9 +35,8 @@ class OptimizerState:
         self.device = torch.device("cpu") if offload else device
         pin = offload and host_sync.pinned(device)
 
-        def alloc(n):
-            t = torch.zeros(n, dtype=dtype, device=self.device)
-            return t.pin_memory() if pin else t
+        def alloc(n):  # pinned directly: ``zeros(n).pin_memory()`` made a pageable copy first
+            return torch.zeros(n, dtype=dtype, device=self.device, pin_memory=pin)
 
         self.master = alloc(numel) if own_master else None
         self.exp_avg, self.exp_avg_sq = alloc(numel), alloc(numel)
@@ -102,7 +101,8 @@ class OptimizerState:
         master = self.master.numel() * size if self.own_master else 0
         return {"host" if self.offload else "device": {
             "master_fp32": master, "optimizer_moments": (self.exp_avg.numel() + self.exp_avg_sq.numel()) * size,
-            "fixed_buffers": self.grad_stage.numel() * self.grad_stage.element_size()}}
+            "fixed_buffers": self.grad_stage.numel() * self.grad_stage.element_size(),
+            "pinned_rounding": host_sync.pinned_rounding(self.resident())}}
 
     def io_report(self) -> dict:
         return {}

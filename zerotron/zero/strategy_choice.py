@@ -13,13 +13,14 @@ from dataclasses import dataclass
 
 import torch
 
+from zerotron.parallel import host_sync, runtime
 from zerotron.zero.host_params import HostParams
 from zerotron.zero.infinity.disk_optimizer_state import DiskOptimizerState
 from zerotron.zero.infinity.disk_params import DiskParams
 from zerotron.zero.optimizer_state import OptimizerState
 from zerotron.zero.strategies import (Gather, MemoryShards, OptimizerStateStore, PlainGather,
                                       PlainReduceScatter, ReduceScatter, ShardSource)
-from zerotron.zero.zeropp.groups import SecondaryPartition, node_groups
+from zerotron.zero.zeropp.groups import SecondaryPartition, check_node_local, node_groups
 from zerotron.zero.zeropp.strategies import QuantizedGather, QuantizedReduceScatter, SecondaryGather
 
 
@@ -33,12 +34,14 @@ class Strategies:
 
 def build(cfg, grid, layout, dtype: torch.dtype, master_dtype: torch.dtype, device: torch.device,
           owner, grad_dtype: torch.dtype | None = None) -> Strategies:
-    """The strategies ``cfg`` selects. Validates the ZeRO++ sizes against the DP size (on every rank,
-    before any collective), then creates the node-local groups (``Grid.split_group``: collective).
+    """The strategies ``cfg`` selects. Validates the ZeRO++ sizes against the DP size and the node
+    (``LOCAL_WORLD_SIZE``; on every rank, before any collective), then creates the node-local
+    groups (``Grid.split_group``: collective).
     ``owner``: the object whose lifetime the disk files follow; ``grad_dtype``: the reduced gradients'
     (default ``dtype``) -- in the master dtype on the device they need no fp32 staging buffer."""
     dp = grid.dp_group
     cfg.validate(dp_size=dp.size)
+    check_node_local(cfg, grid.dims, runtime.gpus_per_node())
     block = cfg.zero_quantization_block_size
     hpz, _ = node_groups(grid, cfg.zero_hpz_partition_size)
     scatter = PlainReduceScatter(dp)
@@ -58,7 +61,7 @@ def build(cfg, grid, layout, dtype: torch.dtype, master_dtype: torch.dtype, devi
     if cfg.optimizer_offload == "nvme":
         state = DiskOptimizerState(layout.part_numel, cfg.offload_optimizer_nvme_path, grid.rank,
                                    cfg.optimizer_tile(max(layout.numels), dp.size), cfg.offload_optimizer_buffer_count,
-                                   params=shards)
+                                   params=shards, pin=host_sync.pinned(device))
     else:
         # fp32 on the device: the parameters are the master weights (no 4-byte copy; K = 8, not 12),
         # except with the parameters on disk, whose file is derived from an authoritative master

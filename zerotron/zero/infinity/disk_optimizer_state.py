@@ -26,8 +26,10 @@ import weakref
 
 import torch
 
+from zerotron.parallel import host_sync
 from zerotron.zero.clip import apply_coef
 from zerotron.zero.infinity.disk_store import DiskTensorStore, rank_directory
+from zerotron.zero.optimizer_state import coef_for
 
 KEYS = ("master", "exp_avg", "exp_avg_sq")
 
@@ -44,11 +46,14 @@ def expected_infinity_bytes(psi: int, dp: int, param_bytes: int = 2, k: int = 12
 class DiskOptimizerState:
     """``OptimizerStateStore`` (``zero.strategies``) whose master and moments live in one file per rank."""
 
-    def __init__(self, numel: int, directory: str, rank: int, tile: int, buffer_count: int, params):
+    def __init__(self, numel: int, directory: str, rank: int, tile: int, buffer_count: int, params,
+                 pin: bool = False):
         self.dir = rank_directory(directory, f"zerotron_rank{rank}_")
         self.numel, self.tile = numel, max(1, min(tile, numel))
         self.store = DiskTensorStore(self.dir, buffer_count=buffer_count)
         self.store.create("state", torch.zeros(3 * numel))
+        # one tile of the reduced gradient in host memory: the host Adam cannot read device memory
+        self.grad_stage = torch.empty(self.tile, pin_memory=pin)
         self.params = params  # the stage-3 ShardSource: where each updated master tile is published
         self.step = 0
         self.device = torch.device("cpu")
@@ -126,9 +131,11 @@ class DiskOptimizerState:
     def update(self, grads, adamw, coef: torch.Tensor | float) -> None:
         """AdamW over the partition, tile by tile: read i+1 ahead, update i, write i-1 behind.
 
-        The gradient tiles are scaled where the reduced gradients (and ``coef``, computed from
-        their norm) live, so the coefficient is never read on the host."""
+        Each gradient tile is copied into the host staging tile (fp32) first: the reduced gradients
+        live on the device and the Adam here runs on the host, as ZeRO-Offload's does. The device
+        coefficient is read once per step (``coef_for``), not per tile."""
         self.commit()
+        coef = coef_for(coef, self.device)
         tiles = list(self.tiles())
         reads = [self.store.read_ahead("state", 3 * tiles[0][0], 3 * tiles[0][1])]
         writes = []
@@ -137,7 +144,7 @@ class DiskOptimizerState:
             if i + 1 < len(tiles):  # read ahead (blocks only when buffer_count tiles are in memory)
                 reads.append(self.store.read_ahead("state", 3 * tiles[i + 1][0], 3 * tiles[i + 1][1]))
             master, exp_avg, exp_avg_sq = buf[0], buf[1], buf[2]
-            grad = apply_coef(grads.grad_range(a, b).float(), coef)  # the coefficient's device
+            grad = self._stage(grads.grad_range(a, b), coef)
             segs = [(max(s, a) - a, min(e, b) - a) for s, e in self.decay if s < b and e > a]
             adamw(master, grad, exp_avg, exp_avg_sq, segs)
             self.params.write(a, master)
@@ -145,13 +152,22 @@ class DiskOptimizerState:
         for w in writes:
             w.result()
 
+    def _stage(self, grad: torch.Tensor, coef) -> torch.Tensor:
+        """``grad`` (a reduced-gradient tile) as fp32 host memory, scaled by ``coef``; an fp32 host
+        tile is scaled in place (it is consumed by this step and zeroed after it)."""
+        if grad.device != self.device or grad.dtype != torch.float32:
+            grad = self.grad_stage[:grad.numel()].copy_(grad)  # blocking: the host Adam reads it
+        return apply_coef(grad, coef)
+
     # accounting -----------------------------------------------------------------------------------
     def resident(self) -> list[torch.Tensor]:
-        return list(self.cache.values())  # tiles in flight belong to the disk store's buffers
+        # tiles in flight belong to the disk store's buffers
+        return list(self.cache.values()) + [self.grad_stage]
 
     def memory_report(self) -> dict:
         return {"disk": {"master_fp32": 4 * self.numel, "optimizer_moments": 2 * 4 * self.numel},
-                "host": {"fixed_buffers": self.store.buffer_count * 3 * 4 * self.tile}}
+                "host": {"fixed_buffers": (self.store.buffer_count * 3 + 1) * 4 * self.tile,
+                         "pinned_rounding": host_sync.pinned_rounding([self.grad_stage])}}
 
     def io_report(self) -> dict:
         return {"read": self.store.bytes_read, "written": self.store.bytes_written}

@@ -24,6 +24,42 @@ from __future__ import annotations
 import torch
 
 from zerotron.parallel import collectives as C
+from zerotron.parallel.grid import layout, split_blocks
+
+
+def node_crossing(dims, size: int, gpus_per_node: int) -> tuple[int, ...] | None:
+    """The first inner group of ``size`` consecutive DP members whose ranks lie on more than one
+    node (ranks fill nodes in order: node = rank // gpus_per_node), or None when every one is local.
+
+    Pure arithmetic over the grid's layout, the same blocks ``Grid.split_group`` makes. DP members
+    are ``tp`` ranks apart, so a block of k spans k·tp ranks: on 8-GPU nodes with tp 2, k = 8 spans
+    two nodes."""
+    if not 1 < size < dims.dp:
+        return None
+    for ranks in layout(dims)["dp"]:
+        for block in split_blocks(ranks, size):
+            if len({r // gpus_per_node for r in block}) > 1:
+                return block
+    return None
+
+
+def check_node_local(zero, dims, gpus_per_node: int | None) -> None:
+    """Refuse hpZ / qgZ sizes whose "node-local" groups would cross nodes (``ValueError`` naming the
+    key, the value and the fix); ``gpus_per_node`` None (unknown): nothing to check."""
+    if not gpus_per_node:
+        return
+    for key, size in (("zero_hpz_partition_size", zero.zero_hpz_partition_size),
+                      ("zero_quantized_gradients_node_size", zero.qgz_node_size)):
+        if key == "zero_quantized_gradients_node_size" and not zero.zero_quantized_gradients:
+            continue
+        block = node_crossing(dims, size, gpus_per_node)
+        if block is not None:
+            nodes = sorted({r // gpus_per_node for r in block})
+            fit = max(1, gpus_per_node // dims.tp)
+            raise ValueError(
+                f"zero.{key}={size}: its node-local group of DP ranks {list(block)} spans nodes "
+                f"{nodes} of {gpus_per_node} GPUs with parallel.tp={dims.tp}; a node holds {fit} "
+                f"members of each DP group: use {fit} or a divisor of it")
 
 
 def node_groups(grid, size: int) -> tuple:
