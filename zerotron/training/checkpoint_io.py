@@ -22,17 +22,10 @@ from safetensors import SafetensorError
 from safetensors.torch import safe_open, save_file
 
 from zerotron.data.atomic import publish
+from zerotron.training.checkpoint_schema import (FORMAT_VERSION, LOAD_EARLIER, STEP_DIR,  # noqa: F401
+                                                 CheckpointError, check_metadata, inside)
 
-FORMAT_VERSION = 1
-STEP_DIR = re.compile(r"^step_(\d{8})$")
 PARTIAL_STEP_DIR = re.compile(r"^step_(\d{8})\.tmp$")  # a save that has not committed (renamed) yet
-LOAD_EARLIER = "; load an earlier checkpoint"  # the fix a damaged checkpoint's message ends with
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete, corrupt or does not fit the model/layout."""
-
-
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` via a temporary name, fsync, rename: readers see all or nothing."""
     tmp = path.with_name(path.name + ".partial")
@@ -84,7 +77,6 @@ class ShardReader:
         self.directory, self.files, self._verified = directory, files, set(verified)
 
     def _verified_path(self, filename: str) -> str:
-        from zerotron.training.checkpoint_schema import inside
 
         if filename not in self.files:
             raise CheckpointError(f"{self.directory}: shard {filename} is not listed in metadata.json")
@@ -195,7 +187,6 @@ def read_metadata(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path}/metadata.json is corrupt ({e})" + LOAD_EARLIER) from None
     except OSError as e:
         raise CheckpointError(f"{path}/metadata.json cannot be read ({e})") from None
-    from zerotron.training.checkpoint_schema import check_metadata
 
     return check_metadata(meta, path)  # sealed, well formed, every file it names inside ``path``
 

@@ -28,6 +28,15 @@ import re
 from pathlib import Path
 from typing import Any
 
+FORMAT_VERSION = 1
+STEP_DIR = re.compile(r"^step_(\d{8})$")
+LOAD_EARLIER = "; load an earlier checkpoint"  # the fix a damaged checkpoint's message ends with
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete, corrupt or does not fit the model/layout."""
+
+
 SEAL = "metadata_sha256"
 SHARD_NAME = re.compile(r"^rank_(\d{5})\.safetensors$")
 TOKENIZER_FILE = "tokenizer.model"
@@ -39,7 +48,6 @@ MASTER_BYTES = 4  # a shard's master, exp_avg, exp_avg_sq: fp32 (fp64 in fp64 ru
 
 
 def _error(path: Path, text: str):
-    from zerotron.training.checkpoint_io import LOAD_EARLIER, CheckpointError
 
     return CheckpointError(f"{path}/metadata.json is corrupt: {text}" + LOAD_EARLIER)
 
@@ -96,13 +104,11 @@ def _need(meta: dict, key: str, path: Path, prefix: str = "") -> Any:
 def check_metadata(meta: Any, path: Path) -> dict:
     """Raise ``CheckpointError`` unless ``meta`` is sealed and well formed for checkpoint ``path``;
     returns it. Reads no shard: only the sizes of the files it names."""
-    from zerotron.training.checkpoint_io import FORMAT_VERSION, STEP_DIR
 
     meta = _dict(meta, "metadata.json", path)
     got = meta.get(SEAL)
     if not isinstance(got, str) or hashlib.sha256(canonical(meta)).hexdigest() != got:
         if got is None:  # no earlier checkpoint of that zerotron is sealed either: another fix
-            from zerotron.training.checkpoint_io import CheckpointError
 
             raise CheckpointError(f"{path}/metadata.json carries no checksum ({SEAL}): written "
                                   f"before checkpoints were sealed, or edited; if you trust it, "
@@ -110,7 +116,6 @@ def check_metadata(meta: Any, path: Path) -> dict:
         raise _error(path, f"its checksum does not match its contents ({SEAL}; it was edited or "
                            f"damaged after it was written)")
     if meta.get("format_version") != FORMAT_VERSION:
-        from zerotron.training.checkpoint_io import CheckpointError
 
         raise CheckpointError(f"{path}: checkpoint format version {meta.get('format_version')!r} "
                               f"is not {FORMAT_VERSION}, the one this zerotron reads")
