@@ -17,6 +17,12 @@ if ! .venv/bin/python -c 'import torch' 2>/dev/null; then
   echo "[setup] installing torch==${ZEROTRON_TORCH_VERSION:-2.13.0}"
   "${pip[@]}" "torch==${ZEROTRON_TORCH_VERSION:-2.13.0}"
 fi
+# torch from the system site-packages (a cluster image's, or one installed before) brings no
+# .venv/bin/torchrun; the commands in the README call that one, so give the venv its own
+if [ ! -x .venv/bin/torchrun ]; then
+  printf '#!/bin/sh\nexec "$(dirname "$0")/python" -m torch.distributed.run "$@"\n' > .venv/bin/torchrun
+  chmod +x .venv/bin/torchrun
+fi
 stamp=".venv/.zerotron-$(cat pyproject.toml | sha1sum | cut -c1-12)${extras:+-dev}"
 if [ ! -f "$stamp" ]; then
   echo "[setup] installing zerotron${extras} (editable)"
