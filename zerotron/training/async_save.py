@@ -120,6 +120,7 @@ class BackgroundWriter:
         try:
             if ready is not None:
                 ready.synchronize()
+            faults.hit("hold_writer", pending.step, self.grid.rank)  # test hook: a write in flight
             pending.error = ckpt.write_own_shard(pending.tmp, pending.step, self.grid, host, meta)
             faults.hit("kill_in_writer", pending.step, self.grid.rank)  # test hook: uncommitted
         except BaseException as e:  # noqa: BLE001 - re-raised on the main thread by finish()
