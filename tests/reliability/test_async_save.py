@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 
-from tests.reliability.common import run, tiny
+from tests.reliability.common import run, start, tiny
 
 
 def _records(run_dir: Path) -> list[dict]:
@@ -21,6 +22,19 @@ def _records(run_dir: Path) -> list[dict]:
 def _shas(checkpoint: Path) -> dict[str, str]:
     files = json.loads((checkpoint / "metadata.json").read_text())["files"]
     return {name: entry["sha256"] for name, entry in files.items()}
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    path = run_dir / "metrics.jsonl"
+    losses = {}
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:  # the line rank 0 is writing: read at the next poll
+            continue
+        if "loss" in rec:
+            losses[rec["step"]] = rec["loss"]
+    return losses
 
 
 def test_killed_in_background_write_resumes_bit_identical(zerotron_cache, tmp_path):
@@ -42,15 +56,25 @@ def test_killed_in_background_write_resumes_bit_identical(zerotron_cache, tmp_pa
     # the previous checkpoint, written in the background too: committed, bitwise the synchronous one
     assert _shas(ck / "step_00000002") == _shas(tmp_path / "ck_sync" / "step_00000002")
 
-    res = run(async_argv + ["--run-dir", str(tmp_path / "b")])  # load=auto: the same command
+    # the same command (load=auto); its step-4 writers are held until step 5 has been trained,
+    # so the shard written must be the step-4 copy, not the state the loop has moved on to
+    release = tmp_path / "release"
+    hold = {"ZEROTRON_FAULT_PAUSE_FILE": str(release), "ZEROTRON_FAULT_STALL_S": "90"}
+    with start(async_argv + ["--run-dir", str(tmp_path / "b")], fault="hold_writer@step=4",
+               env=hold) as ranks:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and 5 not in _losses(tmp_path / "b"):
+            time.sleep(0.1)
+        release.touch()
+        res = ranks.wait(60)
     assert [r[0] for r in res] == [0, 0], res[0][2]
+    assert _shas(ck / "step_00000004") == _shas(tmp_path / "ck_sync" / "step_00000004")
     out = res[0][1]
     assert "skipping partial checkpoint(s) step_00000004.tmp" in out, out
     assert "(step 2," in out, out
     assert _shas(ck / "step_00000006") == _shas(tmp_path / "ck_sync" / "step_00000006")
 
-    whole = {r["step"]: r["loss"] for r in _records(sync) if "loss" in r}
-    resumed = {r["step"]: r["loss"] for r in _records(tmp_path / "b") if "loss" in r}
+    whole, resumed = _losses(sync), _losses(tmp_path / "b")
     assert sorted(resumed) == [3, 4, 5, 6] and resumed == {s: whole[s] for s in resumed}  # bitwise
 
     saves = [r for r in _records(tmp_path / "b") if "checkpoint_total_s" in r]
