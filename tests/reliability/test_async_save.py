@@ -85,3 +85,16 @@ def test_killed_in_background_write_resumes_bit_identical(zerotron_cache, tmp_pa
     assert [(r["step"], r["checkpoint_step"], r["checkpoint_async"]) for r in sync_saves] == [
         (2, 2, False), (4, 4, False), (6, 6, False)]
     assert all(r["checkpoint_blocking_s"] == r["checkpoint_total_s"] for r in sync_saves)
+
+
+def test_a_stopped_run_commits_the_save_in_flight(zerotron_cache, tmp_path):
+    """A NaN loss at step 3 raises ``TrainingStopped`` inside step 3, before any step boundary
+    could commit the step-2 background save: the stop itself must wait for it and commit it."""
+    ck = tmp_path / "ck"
+    argv = tiny(zerotron_cache) + ["--train-steps", "6", "--save-interval", "2", "--save", str(ck),
+                                   "--checkpoint.async_save", "true", "--run-dir", str(tmp_path)]
+    res = run(argv, fault="nan@step=3")
+    for code, _, err, _ in res:
+        assert code == 2 and "TrainingStopped: loss is nan at step 3" in err, err
+    assert f"[checkpoint] saved {ck / 'step_00000002'}" in res[0][1], res[0][1]
+    assert (ck / "step_00000002" / "metadata.json").is_file() and not list(ck.glob("*.tmp"))
