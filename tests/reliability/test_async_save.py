@@ -98,3 +98,43 @@ def test_a_stopped_run_commits_the_save_in_flight(zerotron_cache, tmp_path):
         assert code == 2 and "TrainingStopped: loss is nan at step 3" in err, err
     assert f"[checkpoint] saved {ck / 'step_00000002'}" in res[0][1], res[0][1]
     assert (ck / "step_00000002" / "metadata.json").is_file() and not list(ck.glob("*.tmp"))
+
+
+def _sigterm_at_step_3(run_dir, cache, ck):
+    """2 ranks, async saves every 2 steps, the step-2 writers held 2 s; rank 0 alone gets SIGTERM
+    after step 3 (as test_trainer's synchronous case)."""
+    import os
+    import signal
+
+    import torch.distributed as dist
+
+    from tests.training.test_trainer import make_config
+    from zerotron.parallel.runtime import init_distributed
+    from zerotron.training.trainer import Trainer
+
+    os.environ.update(ZEROTRON_FAULT="hold_writer@step=2", ZEROTRON_FAULT_STALL_S="2")
+    cfg = make_config(run_dir, cache, "--save", ck, "--save-interval", "2",
+                      "--checkpoint.async_save", "true").validate(dist.get_world_size())
+    trainer = Trainer(cfg, init_distributed())
+    step = trainer.train_step
+
+    def preempted_step():
+        out = step()
+        if trainer.step == 3 and dist.get_rank() == 0:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return out
+
+    trainer.train_step = preempted_step
+    trainer.train()
+    return trainer.step
+
+
+def test_sigterm_waits_for_the_background_saves(zerotron_cache, tmp_path):
+    from tests.harness import spawn
+
+    ck = tmp_path / "ck"
+    out = spawn(_sigterm_at_step_3, 2, tmp_path / "run", zerotron_cache, ck, timeout=120)
+    assert out == [3, 3]
+    steps = ["step_00000002", "step_00000003"]
+    assert sorted(p.name for p in ck.iterdir()) == steps
+    assert all((ck / s / "metadata.json").is_file() for s in steps)
