@@ -1,6 +1,6 @@
 """Reliability drill: inject faults into real multi-process runs (torchrun) and check nothing is lost.
 
-    .venv/bin/python scripts/drill.py                          # 24 scenarios x 4 layouts
+    .venv/bin/python scripts/drill.py                          # 25 scenarios x 4 layouts
     # (~35 min on 2 cores for the first three; the 8-rank fourth adds more, not timed whole)
     .venv/bin/python scripts/drill.py --only kill9,sigstop --layouts tp2xpp2
     .venv/bin/python scripts/drill.py --list
@@ -59,6 +59,8 @@ SCENARIOS = {  # key: (what is done, how)
                    P(R.crash_in_save, name="ckpt_crash", fault="kill_after_shard", victim=1)),
     "commit_crash": ("rank 0 dies after metadata.json, before the rename",
                      P(R.crash_in_save, name="commit_crash", fault="kill_before_commit", victim=0)),
+    "async_kill9": ("async_save: rank 1 SIGKILLed while its step-8 background write is in flight",
+                    R.kill_in_background_write),
     "restart": ("torchrun --max-restarts 1, kill -9 of rank 1 at step 6", R.restart),
     "overflow": ("fp16 overflow storm at the minimum loss scale", I.overflow),
     "nan": ("NaN weight at step 6 (bf16)", I.nan),

@@ -52,6 +52,8 @@ BAD_FLAGS = [  # script under scripts/, argv, what the message must name
     ("checks/smoke_grid.py", ["--tp", "3"], "--tp*--pp=3*1=3 does not divide the 1 processes"),
     ("checks/gpu_check.py", ["--heads", "5"], "--hidden=2048 is not divisible by --heads=5"),
     ("checks/gpu_check.py", ["--tiny", "--only", "s9"], "argument --only: invalid choice: 's9'"),
+    ("bench/async_save.py", ["--hidden", "500", "--out", "{tmp}"], "--hidden=500 is not divisible by the model's 8"),
+    ("bench/async_save.py", ["--steps", "2", "--out", "{tmp}"], "--steps 2 leaves no interval save before the last"),
     ("drill.py", ["--nproc", "1", "--out", "{tmp}"], "--nproc 1: the DP layout needs at least 2 ranks"),
     ("drill.py", ["--timeout", "-1", "--out", "{tmp}"], "argument --timeout: -1 is not a finite number > 0"),
 ]

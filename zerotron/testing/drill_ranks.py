@@ -31,7 +31,7 @@ def _await_survivors(d: Drill, job: Job, t_fault: float) -> None:
 
 
 def _judge(d: Drill, job: Job, code: int, victim: int, t_fault: float, frozen: bool, name: str,
-           save, resume_to: int | None) -> Row:
+           save, resume_to: int | None, extra: tuple[str, ...] = ()) -> Row:
     detect, text, everyone = d.blame(job, victim, t_fault)
     exits = job.worker_exits()
     survivors_3 = all(exits.get(r) == 3 for r in range(d.layout.nproc) if r != victim)
@@ -44,7 +44,7 @@ def _judge(d: Drill, job: Job, code: int, victim: int, t_fault: float, frozen: b
         notes.append(f"survivor exit codes {exits}")
     before = (complete_steps(save) or [None])[-1]
     partial = sorted(p.name for p in save.glob("*.tmp")) if save.exists() else []
-    lost, resumed = d.resume(name, save, resume_to or (before or 0) + 4, before)
+    lost, resumed = d.resume(name, save, resume_to or (before or 0) + 4, before, extra)
     if partial:
         lost += f"; partial {', '.join(partial)} skipped"
     return Row(text, detect, job.exit_text(code), lost, ok and resumed, notes)
@@ -102,6 +102,22 @@ def crash_in_save(d: Drill, name: str, fault: str, victim: int) -> Row:
     _await_survivors(d, job, t_fault)
     code = job.wait(120)
     return _judge(d, job, code, victim, t_fault, False, name, save, BASE_STEPS)
+
+
+def kill_in_background_write(d: Drill, name: str = "async_kill9") -> Row:
+    """``checkpoint.async_save``: rank 1's writer thread is held before writing its step-8 shard
+    (``hold_writer``) while the loop trains on, and the drill kills rank 1 (SIGKILL) then. Step 8
+    stays a ``.tmp``; step 4, written in the background too, must verify and resume."""
+    save, flags = d.root / name / "ck", ("--checkpoint.async_save", "true")
+    job = d.job(d.argv(name, BASE_STEPS, save, *flags), {"ZEROTRON_FAULT": f"hold_writer@step=8@rank={VICTIM}"})
+    if job.wait_for(r"\[fault\] rank \d+: injected hold_writer", JOB_S) is None:
+        job.kill()
+        return Row(f"DRILL FAILED: the writer was never held (exit {job.wait(10)})", None, "-", "-", False)
+    t_fault = now()
+    os.kill(job.worker_pid(VICTIM), signal.SIGKILL)
+    _await_survivors(d, job, t_fault)
+    code = job.wait(120)
+    return _judge(d, job, code, VICTIM, t_fault, False, name, save, BASE_STEPS, flags)
 
 
 def restart(d: Drill, name: str = "restart") -> Row:

@@ -91,10 +91,21 @@ def save_checkpoint(save: str, step: int, model, opt, grid, *, consumed_samples:
 
     ``run_id`` goes into the metadata (and into the ``.tmp`` directory while it is written), so
     pruning deletes only checkpoints this run wrote. ``tokenizer``: the run's sentencepiece model,
-    kept in the checkpoint (``_keep_tokenizer``).
+    kept in the checkpoint (``_keep_tokenizer``). The three phases are separate functions so
+    ``async_save.py`` can run the middle one on a writer thread and the collective ones here.
     """
-    final = step_dir(save, step)
-    tmp = final.with_name(final.name + ".tmp")
+    tmp = open_checkpoint(save, step, grid, run_id, opt.device)
+    tensors, meta, state = shard_contents(model, opt, grid, rng_states)
+    header = checkpoint_header(step, opt, grid, state, consumed_samples=consumed_samples,
+                               model_config=model_config, run_config=run_config, run_id=run_id)
+    error = write_own_shard(tmp, step, grid, tensors, meta)
+    return commit_checkpoint(save, tmp, error, grid, opt.device, header, keep_last=keep_last,
+                             tokenizer=tokenizer)
+
+
+def open_checkpoint(save: str, step: int, grid, run_id: str, device: torch.device) -> Path:
+    """Collective: rank 0 makes the empty ``step_XXXXXXXX.tmp`` (naming its run); returns it."""
+    tmp = step_dir(save, step).with_name(step_dir(save, step).name + ".tmp")
     error = None  # an OSError (full disk, quota, ...) stops every rank together: checkpoint_agree
     if grid.rank == 0:
         try:
@@ -103,17 +114,46 @@ def save_checkpoint(save: str, step: int, model, opt, grid, *, consumed_samples:
             (tmp / OWNER).write_text(run_id)
         except OSError as e:
             error = e
-    agree(error, grid, opt.device, tmp, step)
-    tensors, meta, state = shard_contents(model, opt, grid, rng_states)
+    agree(error, grid, device, tmp, step)
+    return tmp
+
+
+def checkpoint_header(step: int, opt, grid, state: dict, *, consumed_samples: int,
+                      model_config: dict, run_config: dict, run_id: str) -> dict:
+    """metadata.json but for the shard list, parameters and tokenizer, as of this step. A JSON
+    round trip: an asynchronous save commits it later, after the loss scaler has moved on."""
+    return json.loads(json.dumps({
+        "format_version": FORMAT_VERSION, "step": step, "consumed_samples": consumed_samples,
+        "run_id": run_id, "adam_step": int(state.get("step", step)), "loss_scaler": state.get("loss_scaler"),
+        "layout": {"tp": grid.tp_size, "pp": grid.pp_size, "dp": grid.dp_size, "stage": opt.stage,
+                   "virtual_stages": getattr(grid.dims, "virtual_stages", 1),
+                   "world_size": grid.world_size},
+        "model": model_config, "config": run_config}))
+
+
+def write_own_shard(tmp: Path, step: int, grid, tensors: dict[str, torch.Tensor],
+                    meta: dict) -> OSError | None:
+    """Not collective (a writer thread may run it): this rank's shard and its sidecar JSON;
+    returns the write's ``OSError`` (None: written) for the next ``agree``."""
     filename = f"rank_{grid.rank:05d}.safetensors"
+    error = None
     try:
         faults.hit("enospc", step, grid.rank, tmp / filename)  # test hook: this rank's disk is full
         sha = write_shard(tmp / filename, tensors, {"rank": grid.rank, "coords": grid.coords})
         atomic_write_json(tmp / f"rank_{grid.rank:05d}.json", {"sha256": sha, **meta})
     except OSError as e:
         error = e
-    faults.hit("kill_after_shard", step, grid.rank)  # test hook (zerotron/training/faults.py); off by default
-    agree(error, grid, opt.device, tmp, step)
+    faults.hit("kill_after_shard", step, grid.rank)  # test hook (training/faults.py)
+    return error
+
+
+def commit_checkpoint(save: str, tmp: Path, error: OSError | None, grid, device: torch.device,
+                      header: dict, *, keep_last: int, tokenizer: str | None) -> Path:
+    """Collective: every rank's shard written (``error``: this rank's), rank 0 writes metadata.json
+    and renames ``tmp`` to the step directory -- the commit -- then prunes; returns it."""
+    step = header["step"]
+    final = step_dir(save, step)
+    agree(error, grid, device, tmp, step)
     if grid.rank == 0:
         try:
             files, params = {}, {}
@@ -123,12 +163,7 @@ def save_checkpoint(save: str, step: int, model, opt, grid, *, consumed_samples:
                 params.update(entry.pop("params"))
                 files[f"rank_{r:05d}.safetensors"] = entry
             atomic_write_json(tmp / "metadata.json", seal({
-                "format_version": FORMAT_VERSION, "step": step, "consumed_samples": consumed_samples, "run_id": run_id,
-                "adam_step": int(state.get("step", step)), "loss_scaler": state.get("loss_scaler"),
-                "layout": {"tp": grid.tp_size, "pp": grid.pp_size, "dp": grid.dp_size, "stage": opt.stage,
-                           "virtual_stages": getattr(grid.dims, "virtual_stages", 1),
-                           "world_size": grid.world_size},
-                "model": model_config, "config": run_config, "params": params, "files": files,
+                **header, "params": params, "files": files,
                 "tokenizer": _keep_tokenizer(tokenizer, tmp) if tokenizer else None}))
             for r in range(grid.world_size):
                 (tmp / f"rank_{r:05d}.json").unlink()
@@ -143,8 +178,8 @@ def save_checkpoint(save: str, step: int, model, opt, grid, *, consumed_samples:
         except OSError as e:
             error = e
         else:
-            prune(save, keep_last, run_id, step)
-    agree(error, grid, opt.device, tmp, step)
+            prune(save, keep_last, header["run_id"], step)
+    agree(error, grid, device, tmp, step)
     return final
 
 

@@ -130,6 +130,7 @@ class CheckpointSection:
     fallback: bool = False  # newest checkpoint corrupt: load the newest intact earlier one
     override_schedule: bool = False  # resume although lr schedule / global batch / seed differ
     consolidated_16bit: bool = False  # each checkpoint also holds consolidated.safetensors (DeepSpeed's gather_16bit)
+    async_save: bool = False  # loop waits only for a host copy; a thread writes (Megatron --async-save)
 
 
 @dataclass

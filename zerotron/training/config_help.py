@@ -167,6 +167,7 @@ HELP: dict[str, str] = {
     "checkpoint.fallback": "newest checkpoint corrupt: load the newest intact earlier one",
     "checkpoint.consolidated_16bit": "each checkpoint also holds consolidated.safetensors (working dtype)",
     "checkpoint.override_schedule": "resume although lr schedule, global batch or seed differ",
+    "checkpoint.async_save": "copy the shard to host memory, write it on a thread as training goes on",
 }
 
 

@@ -10,6 +10,11 @@ matching step -- any step when ``@step`` is absent):
 * ``kill_after_shard``   checkpoint.save_checkpoint: this rank's shard is written, the checkpoint
                          is not yet committed -> ``os._exit(9)`` (a writer crash mid-checkpoint)
 * ``kill_before_commit`` checkpoint.save_checkpoint: metadata.json written, ``.tmp`` not renamed
+* ``hold_writer``        async_save's writer thread, before it writes: waits as ``pause`` does, while
+                         the loop trains on -- a background write in flight for a drill to kill -9
+* ``kill_in_writer``     async_save's writer thread (checkpoint.async_save): this rank's shard and its
+                         sidecar are written, the checkpoint is not committed, the loop trains on
+                         -> ``os._exit(9)`` from that thread (a rank killed during a background save)
 * ``enospc``             checkpoint.save_checkpoint: this rank's shard write raises ``OSError(ENOSPC)``,
                          as a full disk of this rank's node alone would (the ranks of one host share
                          a file system: a real full disk cannot single out one of them)
@@ -67,7 +72,7 @@ def hit(point: str, step: int, rank: int, path: os.PathLike | str | None = None)
     print(f"[fault] rank {rank}: injected {point} at step {step}", file=sys.stderr, flush=True)
     if point == "enospc":
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
-    if point == "pause":
+    if point in ("pause", "hold_writer"):
         until = time.monotonic() + float(os.environ.get("ZEROTRON_FAULT_STALL_S", "3600"))
         release = os.environ.get("ZEROTRON_FAULT_PAUSE_FILE", "")
         while time.monotonic() < until and not (release and os.path.exists(release)):

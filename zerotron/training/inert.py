@@ -64,7 +64,8 @@ def _rules() -> list[Rule]:
     rules += [("data.default_corpus_vocab", lambda c: not c.data.data_path,
                lambda c: "data.data_path replaces the built-in corpus; model.vocab_size sizes the model")]
     rules += [(f"checkpoint.{k}", lambda c: bool(c.checkpoint.save),
-               lambda c: "no checkpoint is written: checkpoint.save is unset") for k in ("save_interval", "keep_last")]
+               lambda c: "no checkpoint is written: checkpoint.save is unset")
+              for k in ("save_interval", "keep_last", "async_save")]
     rules += [(f"checkpoint.{k}", lambda c: c.checkpoint.load is not None,
                lambda c: "nothing is loaded: checkpoint.load=none") for k in ("fallback", "override_schedule")]
     return rules

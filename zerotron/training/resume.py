@@ -45,7 +45,7 @@ from zerotron.training.run_lock import RunLock, RunLockError
 # taken (a checkpoint directory copied or moved elsewhere still continues the same run)
 IGNORED = ("training.train_steps", "training.skip_memory_check", "logging.*", "checkpoint.save",
            "checkpoint.load", "checkpoint.fallback", "checkpoint.override_schedule",
-           "checkpoint.keep_last", "checkpoint.save_interval")
+           "checkpoint.keep_last", "checkpoint.save_interval", "checkpoint.async_save")
 SCHEDULE = ("optimizer.lr", "optimizer.min_lr", "optimizer.warmup_steps", "optimizer.decay",
             "optimizer.schedule", "optimizer.warmup_min_lr", "optimizer.warmup_type", "optimizer.schedule_steps",
             "training.global_batch_size", "training.seed")

@@ -27,13 +27,13 @@ from zerotron.training import checkpoint as ckpt
 from zerotron.training import faults, resume
 from zerotron.training.batches import BatchLoader
 from zerotron.training.config import RunConfig
-from zerotron.training.export import write_consolidated
 from zerotron.training.metrics import CommWindow, MetricsLogger, PeakWindow, Throughput, host_values
 from zerotron.training.phase_times import PhaseTimes
 from zerotron.training.profiling import StepProfiler
 from zerotron.training.schedule import betas_at, lr_at
 from zerotron.training.parallelize import parallelize_gpt
 from zerotron.training.run_log import RunLog
+from zerotron.training.saves import Saves
 from zerotron.training.setup_run import build_grid, model_config, prepare_data
 from zerotron.training.step import run_step
 from zerotron.training.step_memory import StepMemory
@@ -103,7 +103,8 @@ class Trainer:
         self.logger = MetricsLogger(lg.run_dir, self.run_log.tracked_config(), grid.rank == 0,
                                     lg.wandb_mode, lg.wandb_project, t.train_steps, self.step,
                                     lg.tensorboard)
-        self._stop_requested = self.stopped = False
+        self.saves = Saves(self)  # synchronous, or in the background (checkpoint.async_save)
+        self._stop_requested = self.stopped = self._writes_done = False
         # first step whose loss was non-finite (-1: none yet) and that loss, kept on the device
         self._bad_step = torch.full((), -1.0, dtype=torch.float64, device=env.device)
         self._bad_loss = torch.zeros((), dtype=torch.float64, device=env.device)
@@ -248,32 +249,28 @@ class Trainer:
         loss = host_sync.read(self._dp_mean(total / count), "eval", placeholder=0.0)  # once per evaluation
         return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
 
-    def save(self) -> Path:
-        """Write a checkpoint of this step; a run whose loss went non-finite raises instead."""
+    def save(self, wait: bool = True) -> Path:
+        """Write a checkpoint of this step (``wait=False`` with async_save: start writing it in the
+        background, ``training/saves.py``); a run whose loss went non-finite raises instead."""
         self._check_finite()
-        c = self.cfg.checkpoint
-        path = ckpt.save_checkpoint(c.save, self.step, self.model, self.opt, self.grid,
-                                    consumed_samples=self.consumed, model_config=self.model_config_dict(),
-                                    run_config=self.cfg.to_dict(), rng_states=self._rng_states(),
-                                    run_id=self.run_id, keep_last=c.keep_last, tokenizer=self.data.tokenizer_path)
-        self.log(f"[checkpoint] saved {path}")
-        if c.consolidated_16bit:  # DeepSpeed's stage3_gather_16bit_weights_on_model_save
-            if self.grid.rank == 0:
-                self.log(f"[checkpoint] wrote {write_consolidated(path, self.cfg.training.precision)}")
-            C.barrier(self.grid.world_group)
-        self.run_log.saved(path)
-        return path
+        return self.saves.save(wait)
 
     def _stop_agreed(self) -> bool:
         """Whether any rank got SIGTERM: the one host read of a bf16/fp32 step (``"stop"``). Its
-        flag also carries rank 0's failure to write the run directory: every rank names that."""
-        flag = 2.0 if self.logger.failed else float(self._stop_requested)
-        flag = torch.full((1,), flag, device=self.env.device)
+        flag also carries rank 0's failure to write the run directory (every rank names that) and,
+        with a background save in flight, whether every rank's writer is done (``_writes_done``):
+        a commit every rank then makes at the same step (async_save.py)."""
+        writing = self.saves.writing()  # None on every rank alike: no background save in flight
+        stop = 2.0 if self.logger.failed else float(self._stop_requested)
+        flag = torch.tensor([stop] + ([] if writing is None else [float(writing)]), device=self.env.device)
         C.all_reduce(flag, self.grid.world_group, op="max")
-        if (value := host_sync.read(flag, "stop", placeholder=0.0)) >= 2:
+        got = host_sync.read(flag, "stop", placeholder=0.0 if writing is None else [0.0, 0.0])
+        got = got if isinstance(got, list) else [got]
+        self._writes_done = writing is not None and got[1] == 0
+        if got[0] >= 2:
             run_dir = self.cfg.logging.run_dir
             raise TrainingStopped(self.logger.failed or f"rank 0 cannot write logging.run_dir={run_dir}")
-        return value > 0
+        return got[0] > 0
 
     def _record(self, out: dict, window: int) -> dict:
         """One metrics.jsonl object: loss, schedule, throughput, memory, comm bytes per step."""
@@ -300,7 +297,11 @@ class Trainer:
             last = self._loop()
             self.run_log.summary(last, self.stopped)
             return last
+        except TrainingStopped:  # raised on every rank at the same point: a save in flight commits
+            self.saves.finish()
+            raise
         finally:
+            self.saves.abandon()  # any other error: the writer finishes its file, nothing commits
             self.logger.close()
             self.release_lock()
             for loader in (self.batches, self.eval_batches):
@@ -329,10 +330,13 @@ class Trainer:
                 last.update(ev)
             stop = self._stop_agreed()
             path = None
+            if self._writes_done:  # every rank's background write is done: commit it now
+                with self.throughput.paused(), self.comm.excluded():
+                    self.saves.finish()
             if c.save and ((c.save_interval and self.step % c.save_interval == 0) or stop
                            or self.step == t.train_steps):
                 with self.throughput.paused(), self.comm.excluded():
-                    path = self.save()
+                    path = self.save(wait=stop or self.step == t.train_steps)
             if stop:
                 self._check_finite()
                 self.stopped = True
@@ -340,4 +344,5 @@ class Trainer:
                          f"[zerotron] SIGTERM: stopping at step {self.step}; no checkpoint written (checkpoint.save "
                          f"is not set), so this run cannot be resumed from here")
                 break
+        self.saves.finish()  # a run whose last step saves nothing still commits the one in flight
         return last

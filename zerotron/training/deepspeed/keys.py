@@ -251,8 +251,11 @@ TOP = {
     "pipeline": Key(N, "zerotron's pipeline is parallel.pp and parallel.pipeline_schedule", loose=True),
     "checkpoint": Key(N, "zerotron checkpoints are verified on every rank and load into any layout", loose=True),
     "aio": Key(N, "zerotron's NVMe tier has its own reader / writer threads", loose=True),
-    "nebula": Key(N, "zerotron writes its own atomic checkpoints", loose=True),
-    "datastates": Key(N, "zerotron writes its own atomic checkpoints", loose=True),
+    "nebula": Key(N, "an engine saving through Azure's Nebula service; zerotron writes its own atomic "
+                     "checkpoints (in the background with checkpoint.async_save, which this does not set)",
+                  loose=True),
+    "datastates": Key(N, "DeepSpeed's asynchronous checkpoint engine (the DataStates-LLM library); "
+                         "zerotron's is checkpoint.async_save, which this does not set", loose=True),
     "compile": Key(N, _OFF, loose=True, refuse=lambda v: "DeepCompile is " + _NOT_HERE if isinstance(v, dict)
                    and v.get("deepcompile") else None, refused_when="with deepcompile true"),
     "timers": Key(N, "zerotron times every step (step_time_s in the metrics)", loose=True),
