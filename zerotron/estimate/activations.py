@@ -72,10 +72,12 @@ def llama_extra_bytes(cfg, b: int, tp: int = 1, sequence_parallel: bool = False,
                       dense_document_mask: bool = False) -> float:
     """What a Llama-family layer (``model/block.py``) saves beyond ``layer_activation_bytes`` of
     the same shape; 0 for GPT-2's block, whose figures stay the paper's. Per layer, as autograd
-    saves it (held to ``testing/activation_bytes.py`` by ``tests/estimate/test_llama_activations.py``):
+    saves it (held to ``testing/activation_bytes.py`` by
+    ``tests/estimate/test_llama_activations.py``):
 
     * GQA: K and V are kv wide, not h: 2e·(kv/h - 1)/t per s·b·h (negative);
-    * SwiGLU: gate, up and silu(gate) beside fc2's input, 4 f-wide tensors to GeLU's 2: 2e·f/(h·t);
+    * SwiGLU: gate, up and silu(gate) beside fc2's input, 4 f-wide tensors to GeLU's 2:
+      2e·f/(h·t) more;
     * RMSNorm: its input at the statistics' width (16-bit values are normalised in fp32) and the
       normalised tensor before the weight, beside the GEMM input: max(e, 4) per norm beyond
       LayerNorm's input;
@@ -102,7 +104,8 @@ def llama_extra_bytes(cfg, b: int, tp: int = 1, sequence_parallel: bool = False,
 
 
 def norm_stats_bytes(cfg, b: int, tp: int = 1, sequence_parallel: bool = False,
-                     act_bytes: int = 2, recompute: str = "none", fused_attention: bool = True) -> float:
+                     act_bytes: int = 2, recompute: str = "none",
+                     fused_attention: bool = True) -> float:
     """The per-token statistics a layer saves, below Table 2's resolution: LayerNorm's two
     (``layernorm_stats_bytes``) or RMSNorm's one rsqrt per norm (fp32, or the value's own width
     above it), and a fused kernel's fp32 log-sum-exp per head and token (not kept by selective)."""

@@ -35,16 +35,17 @@ def block_layer_bytes(setup, act_bytes: int) -> float:
     RMSNorm, RoPE, a CPU's dense document mask); GPT-2's block is Table 2 alone."""
     cfg, t = setup.model, setup.tp
     sp, sel = setup.sequence_parallel and t > 1, setup.recompute_granularity == "selective"
-    table2 = layer_working_bytes(setup.micro_batch, cfg.seq_length, cfg.hidden_size, cfg.num_heads, t,
-                                 setup.fused_attention, sp, sel, act_bytes, dropout_mask_bytes(setup, act_bytes),
-                                 cfg.ffn_size)
+    table2 = layer_working_bytes(setup.micro_batch, cfg.seq_length, cfg.hidden_size,
+                                 cfg.num_heads, t, setup.fused_attention, sp, sel, act_bytes,
+                                 dropout_mask_bytes(setup, act_bytes), cfg.ffn_size)
     return table2 + llama_extra_bytes(cfg, setup.micro_batch, t, sp, "selective" if sel else "none",
                                       act_bytes, dense_document_mask=setup.device == "cpu")
 
 
 def recompute_working_bytes(b: int, s: int, h: int, heads: int, tp: int = 1, fused_attention: bool = True,
                             sequence_parallel: bool = False, selective: bool = False, act_bytes: int = 2,
-                            mask_bytes: int = 1, keep_gathers: bool = True, ffn: int | None = None) -> float:
+                            mask_bytes: int = 1, keep_gathers: bool = True,
+                            ffn: int | None = None) -> float:
     """Peak of one checkpointed layer's backward beyond its checkpoint (module docstring), per
     s·b·h: replicated 6e + 2m (14 at the paper's e = 2, m = 1), TP-split 12e/t; with sequence
     parallelism the replicated part is split along the sequence too, except that the recompute
@@ -188,7 +189,8 @@ def step_working_bytes(setup, *, psi: int, largest_group: int, kept: float, laye
     c = bucket_elements(setup.stage, setup.bucket_size, setup.dp, largest_group)
     copy = reduce_copy_bytes(setup, c, grad_bytes)
     one_tied = pb * (vocab // t) * h
-    tied = tied_gradient_bytes(vocab, h, t, pb) if cfg.tied else one_tied  # untied: the lookup's alone
+    # untied: the lookup's gradient alone at the end, no sum with the head's
+    tied = tied_gradient_bytes(vocab, h, t, pb) if cfg.tied else one_tied
     head_in = head_input_bytes(b, s, h, t, sp, param_bytes)
     if cfg.normalization == "RMSNorm":  # the final norm's input at fp32 width and its output
         head_in += b * s * h * max(pb, 4) / (t if sp else 1)
