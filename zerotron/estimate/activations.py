@@ -68,14 +68,16 @@ def korthikanti_table2(s: int, b: int, h: int, a: int, t: int) -> dict[str, floa
 
 
 def llama_extra_bytes(cfg, b: int, tp: int = 1, sequence_parallel: bool = False,
-                      recompute: str = "none", act_bytes: int = 2,
-                      dense_document_mask: bool = False) -> float:
-    """What a Llama-family layer (``model/block.py``) saves beyond ``layer_activation_bytes`` of
+                      recompute: str = "none", act_bytes: int = 2, cpu: bool = False,
+                      storages: bool = True) -> float:
+    """What a Llama-family layer (``model/block.py``) keeps beyond ``layer_activation_bytes`` of
     the same shape; 0 for GPT-2's block, whose figures stay the paper's. Per layer, as autograd
     saves it (held to ``testing/activation_bytes.py`` by
-    ``tests/estimate/test_llama_activations.py``):
+    ``tests/estimate/test_llama_activations.py``), per s·b·h unless said:
 
-    * GQA: K and V are kv wide, not h: 2e·(kv/h - 1)/t per s·b·h (negative);
+    * GQA: K and V are kv wide, not h: 2e·(kv/h - 1)/t (negative) -- on a CPU; a GPU's
+      memory-efficient kernel (the dry run's) takes one K/V head per query head, so there the
+      repeated K and V are saved h wide and nothing is gained;
     * SwiGLU: gate, up and silu(gate) beside fc2's input, 4 f-wide tensors to GeLU's 2:
       2e·f/(h·t) more;
     * RMSNorm: its input at the statistics' width (16-bit values are normalised in fp32) and the
@@ -83,8 +85,11 @@ def llama_extra_bytes(cfg, b: int, tp: int = 1, sequence_parallel: bool = False,
       LayerNorm's input;
     * RoPE: each layer's cos and sin tables, s·d each (b·s·d with per-document positions), not
       split by TP or SP (attention sees the whole sequence);
+    * ``storages``: what the allocator holds beyond the saved extents -- once q or k is a copy
+      (rotated, or regrouped by GQA) and V is saved as a view of the fused QKV output, V keeps
+      that whole (h + 2kv)/t-wide storage alive: e·(h + kv)/(h·t) more;
     * document masking on a CPU: SDPA turns the boolean mask into one b·s² additive mask in the
-      activation dtype, per layer (a GPU's flex block mask is O((s/128)²): left out).
+      activation dtype (a GPU's flex block mask is O((s/128)²): left out).
 
     Selective recompute re-runs the core, mask included; full recompute keeps only the checkpoint.
     Per-token statistics are left out as for GPT-2 (``norm_stats_bytes``)."""
@@ -92,13 +97,17 @@ def llama_extra_bytes(cfg, b: int, tp: int = 1, sequence_parallel: bool = False,
         raise ValueError(f"recompute={recompute!r}: use one of {RECOMPUTE}")
     if recompute == "full":
         return 0.0
-    e, t, s, h = act_bytes, tp, cfg.seq_length, cfg.hidden_size
-    split = 2 * e * (cfg.kv_size / h - 1) + (2 * e * cfg.ffn_size / h if cfg.gated else 0)
+    e, t, s, h, kv = act_bytes, tp, cfg.seq_length, cfg.hidden_size, cfg.kv_size
+    repeated = not cpu and kv != h  # the GPU kernel's K/V, one per query head
+    split = 2 * e * ((h if repeated else kv) / h - 1) + (2 * e * cfg.ffn_size / h if cfg.gated else 0)
+    copied_q = cfg.position_embedding_type == "rope" or kv != h
+    if storages and copied_q and not repeated:
+        split += e * (h + kv) / h  # V's view keeps the fused QKV output
     replicated = 2 * max(e, 4) if cfg.normalization == "RMSNorm" else 0
     extra = s * b * h * (split / t + (replicated / t if sequence_parallel else replicated))
     if cfg.position_embedding_type == "rope":  # cos and sin, made again in every layer
         extra += 2 * s * cfg.head_dim * e * (b if cfg.reset_position_ids else 1)
-    if recompute == "none" and dense_document_mask and cfg.reset_attention_mask:
+    if recompute == "none" and cpu and cfg.reset_attention_mask:
         extra += b * s * s * e
     return extra
 

@@ -39,7 +39,7 @@ def block_layer_bytes(setup, act_bytes: int) -> float:
                                  cfg.num_heads, t, setup.fused_attention, sp, sel, act_bytes,
                                  dropout_mask_bytes(setup, act_bytes), cfg.ffn_size)
     return table2 + llama_extra_bytes(cfg, setup.micro_batch, t, sp, "selective" if sel else "none",
-                                      act_bytes, dense_document_mask=setup.device == "cpu")
+                                      act_bytes, cpu=setup.device == "cpu")
 
 
 def recompute_working_bytes(b: int, s: int, h: int, heads: int, tp: int = 1, fused_attention: bool = True,
@@ -203,7 +203,7 @@ def step_working_bytes(setup, *, psi: int, largest_group: int, kept: float, laye
         segment = (recompute_working_bytes(b, s, h, cfg.num_heads, t, setup.fused_attention, sp, sel, pb,
                                            dropout_mask_bytes(setup, pb), keep, cfg.ffn_size)
                    + llama_extra_bytes(cfg, b, t, sp, "selective" if sel else "none", pb,
-                                       dense_document_mask=setup.device == "cpu")
+                                       cpu=setup.device == "cpu")
                    + (setup.checkpoint_every - 1) * (layer + (kept_gather_bytes(b, s, h, t, pb) if keep else 0)))
         mid = copy if setup.stage == 3 or c < psi else 0
         backward = max(head_bwd, segment + mid + waiting, tied - kept, one_tied + copy - kept)
