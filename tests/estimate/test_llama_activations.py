@@ -67,3 +67,21 @@ def test_llama_layer_activations_tp2():
     assert packed["none"] > plain["none"]  # the dense mask and per-sample RoPE tables
     # selective: per-sample RoPE tables only, the mask is made again in the recompute
     assert packed["selective"] > plain["selective"]
+
+
+def test_tiny_llama_dry_run_is_within_5_percent_of_the_model(tmp_path, zerotron_cache):
+    """configs/tiny-llama.yaml's rank 0 on the dry run's fake GPU: the MemoryTracker's peak (the
+    allocator's storages, no code shared with the memory model) against the model's bytes."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    cmd = [sys.executable, str(root / "scripts" / "dry_run.py"), "--config",
+           str(root / "configs" / "tiny-llama.yaml"), "--gpus", "4", "--ranks", "0", "--json",
+           "--out", str(tmp_path), "--data.cache_dir", zerotron_cache]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=root, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rank = next(iter(json.loads(proc.stdout)["ranks"].values()))
+    assert 0.95 <= rank["measured_vs_model"] <= 1.05, rank["measured_vs_model"]
