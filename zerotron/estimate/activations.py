@@ -99,7 +99,8 @@ def llama_extra_bytes(cfg, b: int, tp: int = 1, sequence_parallel: bool = False,
         return 0.0
     e, t, s, h, kv = act_bytes, tp, cfg.seq_length, cfg.hidden_size, cfg.kv_size
     repeated = not cpu and kv != h  # the GPU kernel's K/V, one per query head
-    split = 2 * e * ((h if repeated else kv) / h - 1) + (2 * e * cfg.ffn_size / h if cfg.gated else 0)
+    split = 2 * e * ((h if repeated else kv) / h - 1)  # K and V
+    split += 2 * e * cfg.ffn_size / h if cfg.gated else 0  # SwiGLU's two more f-wide tensors
     copied_q = cfg.position_embedding_type == "rope" or kv != h
     if storages and copied_q and not repeated:
         split += e * (h + kv) / h  # V's view keeps the fused QKV output
