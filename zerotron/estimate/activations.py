@@ -64,3 +64,66 @@ def korthikanti_table2(s: int, b: int, h: int, a: int, t: int) -> dict[str, floa
         "tp+sp+selective": sbh * 34 / t,
         "full": sbh * 2,
     }
+
+
+
+def llama_extra_bytes(cfg, b: int, tp: int = 1, sequence_parallel: bool = False,
+                      recompute: str = "none", act_bytes: int = 2, cpu: bool = False,
+                      storages: bool = True) -> float:
+    """What a Llama-family layer (``model/block.py``) keeps beyond ``layer_activation_bytes`` of
+    the same shape; 0 for GPT-2's block, whose figures stay the paper's. Per layer, as autograd
+    saves it (held to ``testing/activation_bytes.py`` by
+    ``tests/estimate/test_llama_activations.py``), per s·b·h unless said:
+
+    * GQA: K and V are kv wide, not h: 2e·(kv/h - 1)/t (negative) -- on a CPU; a GPU's
+      memory-efficient kernel (the dry run's) takes one K/V head per query head, so there the
+      repeated K and V are saved h wide and nothing is gained;
+    * SwiGLU: gate, up and silu(gate) beside fc2's input, 4 f-wide tensors to GeLU's 2:
+      2e·f/(h·t) more;
+    * RMSNorm: its input at the statistics' width (16-bit values are normalised in fp32) and the
+      normalised tensor before the weight, beside the GEMM input: max(e, 4) per norm beyond
+      LayerNorm's input;
+    * RoPE: each layer's cos and sin tables, s·d each (b·s·d with per-document positions), not
+      split by TP or SP (attention sees the whole sequence);
+    * ``storages``: what the allocator holds beyond the saved extents -- once q or k is a copy
+      (rotated, or regrouped by GQA) and V is saved as a view of the fused QKV output, V keeps
+      that whole (h + 2kv)/t-wide storage alive: e·(h + kv)/(h·t) more;
+    * document masking on a CPU: SDPA turns the boolean mask into one b·s² additive mask in the
+      activation dtype (a GPU's flex block mask is O((s/128)²): left out).
+
+    Selective recompute re-runs the core, mask included; full recompute keeps only the checkpoint.
+    Per-token statistics are left out as for GPT-2 (``norm_stats_bytes``)."""
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute={recompute!r}: use one of {RECOMPUTE}")
+    if recompute == "full":
+        return 0.0
+    e, t, s, h, kv = act_bytes, tp, cfg.seq_length, cfg.hidden_size, cfg.kv_size
+    repeated = not cpu and kv != h  # the GPU kernel's K/V, one per query head
+    split = 2 * e * ((h if repeated else kv) / h - 1)  # K and V
+    split += 2 * e * cfg.ffn_size / h if cfg.gated else 0  # SwiGLU's two more f-wide tensors
+    copied_q = cfg.position_embedding_type == "rope" or kv != h
+    if storages and copied_q and not repeated:
+        split += e * (h + kv) / h  # V's view keeps the fused QKV output
+    replicated = 2 * max(e, 4) if cfg.normalization == "RMSNorm" else 0
+    extra = s * b * h * (split / t + (replicated / t if sequence_parallel else replicated))
+    if cfg.position_embedding_type == "rope":  # cos and sin, made again in every layer
+        extra += 2 * s * cfg.head_dim * e * (b if cfg.reset_position_ids else 1)
+    if recompute == "none" and cpu and cfg.reset_attention_mask:
+        extra += b * s * s * e
+    return extra
+
+
+def norm_stats_bytes(cfg, b: int, tp: int = 1, sequence_parallel: bool = False,
+                     act_bytes: int = 2, recompute: str = "none",
+                     fused_attention: bool = True) -> float:
+    """The per-token statistics a layer saves, below Table 2's resolution: LayerNorm's two
+    (``layernorm_stats_bytes``) or RMSNorm's one rsqrt per norm (fp32, or the value's own width
+    above it), and a fused kernel's fp32 log-sum-exp per head and token (not kept by selective)."""
+    s, t = cfg.seq_length, tp
+    if cfg.normalization == "RMSNorm":
+        out = 2 * s * b * max(act_bytes, 4) / (t if sequence_parallel else 1)
+    else:
+        out = layernorm_stats_bytes(b, s, t, sequence_parallel)
+    if recompute == "none" and fused_attention:
+        out += 4 * b * s * cfg.num_heads / t
+    return out

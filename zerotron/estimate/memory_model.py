@@ -60,7 +60,7 @@ from dataclasses import dataclass
 
 from zerotron.estimate.stage3_memory import (forward_head_gathered_bytes, gathered_param_bytes,
                                              largest_gathered_group, persistent_bucket_bytes)
-from zerotron.estimate.working_memory import (dropout_mask_bytes, fixed_buffer_bytes, layer_working_bytes,
+from zerotron.estimate.working_memory import (block_layer_bytes, fixed_buffer_bytes,
                                               rng_snapshot_bytes, step_working_bytes)
 from zerotron.model.config import GPTConfig
 from zerotron.zero.accounting import expected_model_state_bytes
@@ -230,8 +230,7 @@ def estimate(setup: Setup) -> dict:
     states = model_state_bytes(psi, nd, setup.stage, pb, gb)
     sp, sel = setup.sequence_parallel and t > 1, setup.recompute_granularity == "selective"
     pa = setup.partition_activations and t > 1 and not sp  # with SP the checkpoint is already 1/t
-    layer = layer_working_bytes(b, s, h, cfg.num_heads, t, setup.fused_attention, sp, sel, pb,
-                                dropout_mask_bytes(setup, pb))
+    layer = block_layer_bytes(setup, pb)  # Table 2, and the Llama block's own tensors
     largest_group = psi if setup.stage < 3 else largest_gathered_group(setup)
     if setup.checkpoint_activations:
         ckpt = checkpoint_bytes(b, s, h, l, t, setup.checkpoint_every, pa or sp, setup.cpu_checkpointing, pb)

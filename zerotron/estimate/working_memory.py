@@ -7,7 +7,7 @@ docstring there derives each term, ``scripts/bench/memory_grid.py`` measures the
 
 from __future__ import annotations
 
-from zerotron.estimate.activations import layer_activation_bytes
+from zerotron.estimate.activations import layer_activation_bytes, llama_extra_bytes
 from zerotron.parallel.rng import STREAMS
 
 
@@ -22,15 +22,30 @@ def dropout_mask_bytes(setup, act_bytes: int) -> int:
 
 def layer_working_bytes(b: int, s: int, h: int, heads: int, tp: int = 1, fused_attention: bool = True,
                         sequence_parallel: bool = False, selective: bool = False, act_bytes: int = 2,
-                        mask_bytes: int = 1) -> float:
+                        mask_bytes: int = 1, ffn: int | None = None) -> float:
     """Activations one transformer layer saves for backward (Korthikanti 2022, eq. 2 / Table 2, TP t)."""
     return layer_activation_bytes(b, s, h, heads, tp, sequence_parallel, "selective" if selective else "none",
-                                  fused_attention=fused_attention, act_bytes=act_bytes, mask_bytes=mask_bytes)
+                                  ffn=ffn, fused_attention=fused_attention, act_bytes=act_bytes,
+                                  mask_bytes=mask_bytes)
+
+
+def block_layer_bytes(setup, act_bytes: int) -> float:
+    """What one layer of ``setup``'s block saves for backward without a checkpoint: Table 2 at
+    its MLP width, plus the Llama block's own tensors (``llama_extra_bytes``: GQA, SwiGLU,
+    RMSNorm, RoPE, a CPU's dense document mask); GPT-2's block is Table 2 alone."""
+    cfg, t = setup.model, setup.tp
+    sp, sel = setup.sequence_parallel and t > 1, setup.recompute_granularity == "selective"
+    table2 = layer_working_bytes(setup.micro_batch, cfg.seq_length, cfg.hidden_size,
+                                 cfg.num_heads, t, setup.fused_attention, sp, sel, act_bytes,
+                                 dropout_mask_bytes(setup, act_bytes), cfg.ffn_size)
+    return table2 + llama_extra_bytes(cfg, setup.micro_batch, t, sp, "selective" if sel else "none",
+                                      act_bytes, cpu=setup.device == "cpu")
 
 
 def recompute_working_bytes(b: int, s: int, h: int, heads: int, tp: int = 1, fused_attention: bool = True,
                             sequence_parallel: bool = False, selective: bool = False, act_bytes: int = 2,
-                            mask_bytes: int = 1, keep_gathers: bool = True) -> float:
+                            mask_bytes: int = 1, keep_gathers: bool = True,
+                            ffn: int | None = None) -> float:
     """Peak of one checkpointed layer's backward beyond its checkpoint (module docstring), per
     s·b·h: replicated 6e + 2m (14 at the paper's e = 2, m = 1), TP-split 12e/t; with sequence
     parallelism the replicated part is split along the sequence too, except that the recompute
@@ -39,14 +54,16 @@ def recompute_working_bytes(b: int, s: int, h: int, heads: int, tp: int = 1, fus
     output gradient all-gathered by g's backward, e, and that GEMM's result, 4e/t
     (``parallel.sequence_parallel._GatherLinear``). With ``keep_gathers`` off (Megatron's
     re-gather) a column-parallel GEMM's backward holds its re-gathered input and its whole input
-    gradient before the reduce-scatter instead, 2e."""
+    gradient before the reduce-scatter instead, 2e. ``ffn``: the MLP width f (4h, the
+    paper's), whose two f-wide tensors make 8e of the 12e/t."""
     e, m = act_bytes, mask_bytes
     replicated = 6 * e + 2 * m
+    split = 4 * e + 2 * e * (4 if ffn is None else ffn / h)
     probs = 0 if (fused_attention or selective) else (2 * e + m) * heads * s / (h * tp)
     if not sequence_parallel:
-        return s * b * h * (replicated + 12 * e / tp + probs)
+        return s * b * h * (replicated + split / tp + probs)
     extra = (_kept_gathers_per_sbh(tp, e) + e + 4 * e / tp) if keep_gathers else 2 * e
-    return s * b * h * (replicated / tp + extra + 12 * e / tp + probs)
+    return s * b * h * (replicated / tp + extra + split / tp + probs)
 
 
 def kept_gather_bytes(b: int, s: int, h: int, tp: int, act_bytes: int = 2) -> float:
@@ -174,8 +191,12 @@ def step_working_bytes(setup, *, psi: int, largest_group: int, kept: float, laye
     sp, sel = setup.sequence_parallel and t > 1, setup.recompute_granularity == "selective"
     c = bucket_elements(setup.stage, setup.bucket_size, setup.dp, largest_group)
     copy = reduce_copy_bytes(setup, c, grad_bytes)
-    tied, one_tied = tied_gradient_bytes(vocab, h, t, pb), pb * (vocab // t) * h
+    one_tied = pb * (vocab // t) * h
+    # untied: the lookup's gradient alone at the end, no sum with the head's
+    tied = tied_gradient_bytes(vocab, h, t, pb) if cfg.tied else one_tied
     head_in = head_input_bytes(b, s, h, t, sp, param_bytes)
+    if cfg.normalization == "RMSNorm":  # the final norm's input at fp32 width and its output
+        head_in += b * s * h * max(pb, 4) / (t if sp else 1)
     padded = vocab > cfg.vocab_size  # the TP rank holding the padding columns: the model is the worst rank's
     head_fwd = head_working_bytes(b, s, vocab, t, param_bytes, padded) + head_in
     head_bwd = head_backward_bytes(b, s, vocab, t) + head_in
@@ -183,7 +204,9 @@ def step_working_bytes(setup, *, psi: int, largest_group: int, kept: float, laye
     if setup.checkpoint_activations:
         keep = sp and setup.sequence_parallel_gather == "keep"
         segment = (recompute_working_bytes(b, s, h, cfg.num_heads, t, setup.fused_attention, sp, sel, pb,
-                                           dropout_mask_bytes(setup, pb), keep)
+                                           dropout_mask_bytes(setup, pb), keep, cfg.ffn_size)
+                   + llama_extra_bytes(cfg, b, t, sp, "selective" if sel else "none", pb,
+                                       cpu=setup.device == "cpu")
                    + (setup.checkpoint_every - 1) * (layer + (kept_gather_bytes(b, s, h, t, pb) if keep else 0)))
         mid = copy if setup.stage == 3 or c < psi else 0
         blocks = max(segment + mid + waiting, tied - kept, one_tied + copy - kept)

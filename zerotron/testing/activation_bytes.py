@@ -129,9 +129,12 @@ ROWS: dict[str, tuple[bool, dict]] = {
 }
 
 
-def measure_row(name: str, model_cfg, grid, micro_batch: int, dtype=torch.float32, seed: int = 1) -> dict:
+def measure_row(name: str, model_cfg, grid, micro_batch: int, dtype=torch.float32, seed: int = 1,
+                input_ids: torch.Tensor | None = None) -> dict:
     """Build the GPT of ``ROWS[name]`` on ``grid`` and measure its blocks (``measure_blocks``),
-    per layer: ``saved``, ``freed`` and ``freed_host`` divided by the number of layers."""
+    per layer: ``saved``, ``freed`` and ``freed_host`` divided by the number of layers.
+    ``input_ids`` [b, s]: the packed sample whose documents the blocks' attention then masks
+    (``model.reset_attention_mask``), laid out by the model's own ``embed``."""
     from zerotron.activation import ActivationCheckpointConfig, apply_activation_checkpointing
     from zerotron.model import GPT
 
@@ -139,6 +142,9 @@ def measure_row(name: str, model_cfg, grid, micro_batch: int, dtype=torch.float3
     model = GPT(model_cfg, grid, dtype=dtype, seed=seed, sequence_parallel=sp)
     apply_activation_checkpointing(model, grid, ActivationCheckpointConfig(**fields).validate())
     x = torch.randn(model.hidden_shape(micro_batch), dtype=dtype)
+    if input_ids is not None:
+        with torch.no_grad():
+            model.embed(input_ids)  # sets each block's document layout; the output is not used
     got = measure_blocks(model, x)
     layers = len(model.blocks)
     return {k: got[k] / layers for k in ("saved", "freed", "freed_host")}
