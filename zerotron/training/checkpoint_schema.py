@@ -176,9 +176,13 @@ def _check_layout(layout: dict, path: Path) -> dict:
 
 def _check_model(model: dict, tp: int, path: Path) -> None:
     """Every ``GPTConfig`` field present is rebuilt and validated as the run's own config is;
-    fields this zerotron does not know are left to the comparison with the run's model."""
+    fields this zerotron does not know are left to the comparison with the run's model. An empty
+    section is a library caller's save that named no model (``save_checkpoint(model_config={})``):
+    the shapes in ``params`` are still checked against the model it loads into."""
     from zerotron.model.config import GPTConfig
 
+    if not model:
+        return
     known = {f.name for f in dataclasses.fields(GPTConfig)}
     try:
         GPTConfig(**{k: v for k, v in model.items() if k in known}).validate(tp)
