@@ -79,12 +79,16 @@ def model_cfg(a, layers: int) -> GPTConfig:
                      make_vocab_size_divisible_by=64)
 
 
+# stage 3 gathers every parameter with its unit (no persistent group), in the run and its model
+PERSISTENCE_THRESHOLD = 0
+
+
 def setup_of(a, name: str, layers: int, tp: int, dp: int) -> Setup:
     s = ablation_settings(name)
     return Setup(model_cfg(a, layers), tp=tp, dp=dp, micro_batch=a.batch, stage=s["stage"],
                  partition_activations=s["pa"], cpu_checkpointing=s["cpu"], contiguous_memory=s["md"],
                  precision=a.precision, bucket_size=a.bucket, grad_bytes=2, backend="gloo",
-                 device="cpu")
+                 device="cpu", persistence_threshold=PERSISTENCE_THRESHOLD)
 
 
 # worker side ---------------------------------------------------------------------------------------
@@ -98,7 +102,7 @@ def train_and_measure(grid, a, name: str, layers: int, steps: int) -> dict:
     cfg.parallel = ParallelDims(tp=grid.tp_size)
     z, ac, t, o = cfg.zero, cfg.activation_checkpointing, cfg.training, cfg.optimizer
     z.reduce_bucket_size = z.allgather_bucket_size = a.bucket
-    z.stage3_param_persistence_threshold = 0
+    z.stage3_param_persistence_threshold = PERSISTENCE_THRESHOLD
     z.grad_accum_dtype = a.precision  # the paper's 16-bit gradients, so its 2 + 2 + K accounting holds
     ac.partition_activations = ac.partition_activations and grid.tp_size > 1  # Pa needs MP ranks (§6.1)
     t.precision, t.seed, t.micro_batch_size, t.global_batch_size = a.precision, 1234, a.batch, a.batch * grid.dp_size
