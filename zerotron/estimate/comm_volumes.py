@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 
 from zerotron.estimate.memory_model import block_params_per_rank
+from zerotron.estimate.stage3_memory import norm_numels
 from zerotron.model.config import GPTConfig
 
 DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
@@ -38,7 +39,7 @@ def rank_params(mcfg: GPTConfig, tp: int, pp: int) -> int:
     tables = 2 if pp == 1 and not mcfg.tied else 1
     learned = mcfg.position_embedding_type == "learned"
     positions = mcfg.max_positions * h if pp == 1 and learned else 0
-    final_norm = h if mcfg.normalization == "RMSNorm" else 2 * h
+    final_norm = sum(norm_numels(mcfg, h))
     block = block_params_per_rank(mcfg, tp)
     return math.ceil(mcfg.num_layers / pp) * block + tables * table + positions + final_norm
 

@@ -58,8 +58,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from zerotron.estimate.stage3_memory import (forward_head_gathered_bytes, gathered_param_bytes,
-                                             largest_gathered_group, persistent_bucket_bytes)
+from zerotron.estimate.stage3_memory import (block_param_numels, forward_head_gathered_bytes,
+                                             gathered_param_bytes, largest_gathered_group,
+                                             persistent_bucket_bytes, root_param_numels)
 from zerotron.estimate.working_memory import (block_layer_bytes, fixed_buffer_bytes,
                                               rng_snapshot_bytes, step_working_bytes)
 from zerotron.model.config import GPTConfig
@@ -176,27 +177,16 @@ def params_per_rank(cfg: GPTConfig, tp: int = 1) -> int:
     return cfg.num_layers * block_params_per_rank(cfg, tp) + root_params_per_rank(cfg, tp)
 
 
-def _norm_params(cfg: GPTConfig, width: int) -> int:
-    return width if cfg.normalization == "RMSNorm" else 2 * width  # RMSNorm: no bias
-
-
 def block_params_per_rank(cfg: GPTConfig, tp: int = 1) -> int:
-    """One transformer block's parameters on a TP rank (a stage-3 unit)."""
-    h, f = cfg.hidden_size, cfg.ffn_size
-    qkv = h + 2 * cfg.kv_size  # GQA: smaller K and V
-    fc1 = 2 * f if cfg.gated else f  # SwiGLU: gate and up rows
-    split = qkv * h + qkv * cfg.qkv_bias + h * h + h * fc1 + fc1 * cfg.add_bias_linear + f * h
-    replicated = 2 * h * cfg.add_bias_linear + 2 * _norm_params(cfg, h)  # proj/fc2 bias, 2 norms
-    replicated += 2 * _norm_params(cfg, cfg.head_dim) if cfg.qk_layernorm else 0
-    return split // tp + replicated
+    """One transformer block's parameters on a TP rank (a stage-3 unit): the sum of
+    ``stage3_memory.block_param_numels``, the one list of a block's parameters."""
+    return sum(block_param_numels(cfg, tp))
 
 
 def root_params_per_rank(cfg: GPTConfig, tp: int = 1) -> int:
     """What is not in a block: word-embedding slice (and an untied output layer's), a learned
-    position table, final norm (the root unit)."""
-    h, vocab_slice = cfg.hidden_size, cfg.padded_vocab_size(tp) * cfg.hidden_size // tp
-    positions = cfg.max_positions * h if cfg.position_embedding_type == "learned" else 0
-    return vocab_slice * (1 if cfg.tied else 2) + positions + _norm_params(cfg, h)
+    position table, final norm (the root unit; ``stage3_memory.root_param_numels``)."""
+    return sum(root_param_numels(cfg, tp))
 
 
 def model_state_bytes(psi: float, nd: int, stage: int, param_bytes: int = 2, grad_bytes: int | None = None) -> float:

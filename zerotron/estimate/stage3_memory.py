@@ -17,8 +17,9 @@ from __future__ import annotations
 from zerotron.model.config import GPTConfig
 
 
-def _norm(cfg: GPTConfig, width: int) -> list[int]:
-    return [width] if cfg.normalization == "RMSNorm" else [width, width]  # RMSNorm has no bias
+def norm_numels(cfg: GPTConfig, width: int) -> list[int]:
+    """A norm's parameters: weight and bias, or RMSNorm's weight alone."""
+    return [width] if cfg.normalization == "RMSNorm" else [width, width]
 
 
 def block_param_numels(cfg: GPTConfig, tp: int = 1) -> list[int]:
@@ -28,10 +29,10 @@ def block_param_numels(cfg: GPTConfig, tp: int = 1) -> list[int]:
     h, f, kv = cfg.hidden_size, cfg.ffn_size, cfg.kv_size
     fc1 = 2 * f if cfg.gated else f
     bias = cfg.add_bias_linear
-    attn = _norm(cfg, h) + [(h + 2 * kv) * h // tp] + [(h + 2 * kv) // tp] * cfg.qkv_bias
-    attn += (_norm(cfg, cfg.head_dim) * 2) if cfg.qk_layernorm else []
+    attn = norm_numels(cfg, h) + [(h + 2 * kv) * h // tp] + [(h + 2 * kv) // tp] * cfg.qkv_bias
+    attn += (norm_numels(cfg, cfg.head_dim) * 2) if cfg.qk_layernorm else []
     attn += [h * h // tp] + [h] * bias
-    mlp = _norm(cfg, h) + [fc1 * h // tp] + [fc1 // tp] * bias + [f * h // tp] + [h] * bias
+    mlp = norm_numels(cfg, h) + [fc1 * h // tp] + [fc1 // tp] * bias + [f * h // tp] + [h] * bias
     return attn + mlp
 
 
@@ -40,7 +41,7 @@ def root_param_numels(cfg: GPTConfig, tp: int = 1) -> list[int]:
     untied output layer's slice."""
     h, table = cfg.hidden_size, cfg.padded_vocab_size(tp) * cfg.hidden_size // tp
     positions = [cfg.max_positions * h] if cfg.position_embedding_type == "learned" else []
-    return [table] + positions + _norm(cfg, h) + ([] if cfg.tied else [table])
+    return [table] + positions + norm_numels(cfg, h) + ([] if cfg.tied else [table])
 
 
 def padded_group_numel(numel: int, chunk: int, dp: int) -> int:
