@@ -14,6 +14,7 @@ naming the fields that differ, and one written before those fields existed reads
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -100,7 +101,7 @@ def run_yaml_as_is(run_dir, cache, steps):
 
     argv = ["--config", str(ROOT / "configs" / "tiny-llama.yaml"), "--train-steps", str(steps),
             "--wandb-mode", "disabled", "--eval-interval", "0", "--run-dir", str(run_dir),
-            "--data.cache_dir", cache, "--save", "none"]
+            "--data.cache_dir", cache, "--save", str(run_dir / "checkpoints")]
     cfg = parse_config(argv).validate(dist.get_world_size())
     trainer = Trainer(cfg, init_distributed())
     m = trainer.mcfg
@@ -108,6 +109,8 @@ def run_yaml_as_is(run_dir, cache, steps):
     assert m.eod_token_id == 2  # the built-in tokenizer's
     losses = [float(trainer.train_step()["loss"]) for _ in range(steps)]
     assert all(math.isfinite(x) for x in losses)
+    saved = json.loads((trainer.save() / "metadata.json").read_text())
+    assert saved["model"]["architecture"] == "llama"  # the checkpoint names the family it holds
     return losses
 
 

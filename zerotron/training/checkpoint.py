@@ -191,7 +191,7 @@ def check_compatible(meta: dict, model_config: dict, names: dict[str, str]) -> N
     differ = [f"model.{k}={arch[k]!r} in the checkpoint, {ours[k]!r} in this run"
               for k in GPT2_ARCH if arch[k] != ours[k]]
     if differ:
-        family = saved.get("architecture", "gpt2")
+        family = "gpt2" if arch == GPT2_ARCH else "llama"  # derived: a label could disagree
         raise CheckpointError(f"checkpoint holds another architecture ({family}): "
                               f"{', '.join(differ)}; load a checkpoint of this architecture or set "
                               f"those fields to the checkpoint's")

@@ -10,7 +10,6 @@ so wandb's steps only grow) and the checkpoint's own (``checkpoint_step``).
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from pathlib import Path
 
@@ -40,7 +39,7 @@ class Saves:
         a save still being written is committed first."""
         t, c = self.t, self.t.cfg.checkpoint
         self.finish()
-        fields = dict(consumed_samples=t.consumed, model_config=dataclasses.asdict(t.mcfg),
+        fields = dict(consumed_samples=t.consumed, model_config=t.model_config_dict(),
                       run_config=t.cfg.to_dict(), rng_states=t._rng_states(), run_id=t.run_id)
         if self.writer is None:
             start = time.perf_counter()
