@@ -13,6 +13,7 @@ stay fp32 and bit-identical (same layout, same arithmetic).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 from pathlib import Path
@@ -146,7 +147,8 @@ def export_and_compare(ck: str, out: str) -> float:
     meta = read_metadata(resolve_load_path(ck)[0])
     from zerotron.model.config import GPTConfig
 
-    cfg = GPTConfig(**{k: v for k, v in meta["model"].items()})
+    fields = {f.name for f in dataclasses.fields(GPTConfig)}  # "architecture" is a label, not a field
+    cfg = GPTConfig(**{k: v for k, v in meta["model"].items() if k in fields})
     model = GPT(cfg, Grid(ParallelDims()), dtype=torch.float64, seed=0).eval()
     state = dict(full_tensors(ck))
     with torch.no_grad():
