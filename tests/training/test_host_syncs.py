@@ -181,8 +181,10 @@ def test_bf16_step_reads_nothing_per_micro_batch_and_only_the_stop_per_step(meas
         assert r["loss_is_tensor"] and r["grad_norm_is_tensor"]
         assert r["run_step"] == {}, (rank, r["run_step"])  # MICRO micro-batches, then the optimizer step
         assert r["train_step"] == [{}] * STEPS, (rank, r["train_step"])  # no log step among them
-        # nan, log: the last step; summary: the end-of-run peak memory over ranks (training/run_log.py)
-        assert r["loop"] == {"stop": STEPS, "nan": 1, "log": 1, "summary": 1}, (rank, r["loop"])
+        # nan, log, stragglers (every rank's busy time): the last step, a log step; summary: the
+        # end-of-run peak memory over ranks (training/run_log.py)
+        want = {"stop": STEPS, "nan": 1, "log": 1, "stragglers": 1, "summary": 1}
+        assert r["loop"] == want, (rank, r["loop"])
         assert math.isfinite(r["logged_loss"]) and r["logged_loss"] == measured[0][0][name]["logged_loss"]
 
 
@@ -191,7 +193,8 @@ def test_fp16_step_reads_only_its_overflow_decision(measured):
         r = res["fp16"]
         assert r["run_step"] == {"overflow": 1}, (rank, r["run_step"])
         assert r["train_step"] == [{"overflow": 1}] * STEPS, (rank, r["train_step"])
-        assert r["loop"] == {"overflow": STEPS, "stop": STEPS, "nan": 1, "log": 1, "summary": 1}, (rank, r["loop"])
+        want = {"overflow": STEPS, "stop": STEPS, "nan": 1, "log": 1, "stragglers": 1, "summary": 1}
+        assert r["loop"] == want, (rank, r["loop"])
 
 
 def test_tensor_clip_coefficient_gives_the_host_coefficients_parameters_bitwise(measured):

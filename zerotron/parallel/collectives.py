@@ -11,6 +11,8 @@ Collectives take a ``Group`` from the ``Grid``; ``async_op=True`` returns a ``Ha
 
 from __future__ import annotations
 
+import contextlib
+
 import time
 from typing import Callable
 
@@ -36,15 +38,21 @@ class Handle:
     """An in-flight collective; ``wait()`` blocks until it is done and returns its result."""
 
     def __init__(self, work=None, result=None, finish: Callable[[], object] | None = None,
-                 op: str = "", group: Group | None = None):
+                 op: str = "", group: Group | None = None, tensor: torch.Tensor | None = None):
         self._work, self._result, self._finish, self._done = work, result, finish, False
-        self._op, self._group = op, group
+        self._op, self._group, self._tensor = op, group, tensor
+
+    def _blocked(self):
+        if self._group is None:  # a handle of handles: each inner wait() counts itself
+            return contextlib.nullcontext()
+        return self._group.stats.waits.blocked(self._tensor)
 
     def wait(self):
         if not self._done:
             if self._work is not None:
                 try:
-                    self._work.wait()
+                    with self._blocked():
+                        self._work.wait()
                 except RuntimeError as e:
                     raise _explain(self._op, self._group, e) from e
                 if self._group is not None and self._group.health is not None:
@@ -78,7 +86,8 @@ def _launch(op: str, group: Group, tensor: torch.Tensor, numel: int, fn: Callabl
     if group.health is not None:
         group.health.before(op, group, tensor, peer=peer)
     try:
-        work = fn()
+        with group.stats.waits.blocked(tensor):  # a synchronous call blocks until peers arrive
+            work = fn()
     except RuntimeError as e:
         raise _explain(op, group, e) from e
     except BaseException:  # refused before it started (bad arguments): nothing is in flight
@@ -116,7 +125,7 @@ def all_reduce(tensor: torch.Tensor, group: Group, op: str = "sum", async_op: bo
         return tensor
 
     if async_op:
-        return Handle(work, finish=finish, op="all_reduce", group=group)
+        return Handle(work, finish=finish, op="all_reduce", group=group, tensor=tensor)
     return finish()
 
 
@@ -135,7 +144,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Group, op: 
         raise ValueError("reduce_scatter: 'avg' on integer tensors is not supported; use 'sum' and divide")
     work = _launch("reduce_scatter", group, input, input.numel(),
                    lambda: _reduce_scatter_single(output, input, op=red, group=group.pg, async_op=async_op))
-    return Handle(work, result=output, op="reduce_scatter", group=group) if async_op else output
+    return Handle(work, result=output, op="reduce_scatter", group=group, tensor=input) if async_op else output
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group, async_op: bool = False):
@@ -150,7 +159,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group, async_op
         return _done(output, async_op)
     work = _launch("all_gather", group, output, output.numel(),
                    lambda: _all_gather_single(output, input, group=group.pg, async_op=async_op))
-    return Handle(work, result=output, op="all_gather", group=group) if async_op else output
+    return Handle(work, result=output, op="all_gather", group=group, tensor=output) if async_op else output
 
 
 def all_gather_uneven(tensor: torch.Tensor, group: Group, sizes: list[int] | None = None, async_op: bool = False):
@@ -190,7 +199,7 @@ def broadcast(tensor: torch.Tensor, src: int, group: Group, async_op: bool = Fal
         return _done(tensor, async_op)
     work = _launch("broadcast", group, tensor, tensor.numel(),
                    lambda: dist.broadcast(tensor, src=src, group=group.pg, async_op=async_op))
-    return Handle(work, result=tensor, op="broadcast", group=group) if async_op else tensor
+    return Handle(work, result=tensor, op="broadcast", group=group, tensor=tensor) if async_op else tensor
 
 
 def all_to_all(output: torch.Tensor, input: torch.Tensor, group: Group, async_op: bool = False):
@@ -205,7 +214,7 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, group: Group, async_op
     moved = input.numel() // group.size * (group.size - 1)
     work = _launch("all_to_all", group, input, moved,
                    lambda: dist.all_to_all_single(output, input, group=group.pg, async_op=async_op))
-    return Handle(work, result=output, op="all_to_all", group=group) if async_op else output
+    return Handle(work, result=output, op="all_to_all", group=group, tensor=output) if async_op else output
 
 
 def barrier(group: Group) -> None:

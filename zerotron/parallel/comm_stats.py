@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
+from zerotron.parallel.wait_clock import WaitClock
+
 # How many "Ψ" a rank moves per element of the full tensor, per operation (ZeRO §7).
 VOLUME_FACTOR = {
     "all_reduce": 2,
@@ -40,6 +42,7 @@ class CommStats:
 
     def __init__(self) -> None:
         self._counts: dict[tuple[str, str], OpCount] = defaultdict(OpCount)
+        self.waits = WaitClock()  # time blocked in these collectives (straggler detection)
 
     def record(self, op: str, group_name: str, numel: int, element_size: int) -> None:
         """Record one call; ``numel`` is the full tensor the paper's Ψ refers to."""

@@ -68,8 +68,9 @@ def batch(ops: list[P2POp], group: Group) -> Handle:
 
     def finish():
         try:
-            for w in works:
-                w.wait()
+            with group.stats.waits.blocked(ops[0].tensor):  # the stage's stall on its peers
+                for w in works:
+                    w.wait()
         except RuntimeError as e:
             raise _explain("p2p", group, e) from e
         if group.health is not None:  # the works hold the buffers: let them go with the handle

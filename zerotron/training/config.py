@@ -119,6 +119,7 @@ class LoggingSection:
     wall_clock_breakdown: bool = False  # forward / backward / step seconds in each record (device-synchronized)
     tensorboard: bool = False  # also write <run_dir>/tensorboard (needs the tensorboard package)
     profile_steps: list[int] = field(default_factory=list)  # [A, B]: trace steps A..B
+    straggler_factor: float = 1.2  # name a rank busier than this x the median; 0: off
 
 
 @dataclass

@@ -31,6 +31,7 @@ from zerotron.training.metrics import CommWindow, MetricsLogger, PeakWindow, Thr
 from zerotron.training.phase_times import PhaseTimes
 from zerotron.training.profiling import StepProfiler
 from zerotron.training.schedule import betas_at, lr_at
+from zerotron.training.stragglers import StragglerWatch
 from zerotron.training.parallelize import parallelize_gpt
 from zerotron.training.run_log import RunLog
 from zerotron.training.saves import Saves
@@ -68,6 +69,7 @@ class Trainer:
         t, lg, dev = cfg.training, cfg.logging, env.device
         self.memory, self.peaks = StepMemory(lg.log_interval, dev.type), PeakWindow(dev)
         self.profiler = StepProfiler(lg.profile_steps, lg.run_dir, grid.rank, dev)
+        self.stragglers = StragglerWatch(grid, dev, lg.straggler_factor)
         self.phases = PhaseTimes(self.memory, env.device) if lg.wall_clock_breakdown else None
         with self.memory.construction():
             plan = parallelize_gpt(cfg, self.mcfg, grid, device=env.device)
@@ -143,9 +145,8 @@ class Trainer:
 
     def _inject_faults(self, step: int) -> None:
         """Drill hooks (zerotron/training/faults.py): kill or stall this rank, or poison a weight."""
-        faults.hit("kill", step, self.grid.rank)
-        faults.hit("stall", step, self.grid.rank)
-        faults.hit("pause", step, self.grid.rank)
+        for point in ("kill", "stall", "pause", "slow"):
+            faults.hit(point, step, self.grid.rank)
         if faults.armed("nan", step, self.grid.rank):
             with torch.no_grad():
                 next(self.model.parameters()).fill_(float("nan"))
@@ -278,7 +279,7 @@ class Trainer:
                "grad_norm": out.get("grad_norm"),
                "loss_scale": out.get("loss_scale"), "skipped_steps": self.step - self.opt.updates,  # resumes too
                **self.throughput.read(),
-               **self.peaks.read(), "comm_bytes": self.comm.read(window)}
+               **self.peaks.read(), "comm_bytes": self.comm.read(window), **self.stragglers.read()}
         rec.update({f"model_state_{k}": v for k, v in self.opt.memory_report().items()})
         if self.phases is not None:  # logging.wall_clock_breakdown: seconds per phase
             rec.update(self.phases.record())
@@ -315,7 +316,7 @@ class Trainer:
         self.throughput.restart()
         self.run_log.start()
         while self.step < t.train_steps:
-            with self.profiler.step(self.step + 1):  # logging.profile_steps: a torch.profiler trace
+            with self.profiler.step(self.step + 1), self.stragglers.step():  # a trace; busy time
                 out = self.train_step()
             self.throughput.step()
             self.logger.progress()
