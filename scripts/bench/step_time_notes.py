@@ -42,14 +42,9 @@ NOTES = {
     "explained",
     "table5/baseline-60b": "as 40B: MP 64 over 4 nodes, TP over InfiniBand; not explained",
     "table5/baseline-1.5b": "compute-bound in the model (h 1600, MP 2); not explained",
-    "table5/zero-1.5b": "compute-bound in the model (DP 0.13 s); the same model puts Table 10's "
-    "1.5B (h 1920, 128 GPUs) within 2 %; nothing in it grows with 400 vs 128 GPUs at MP 1 but ring "
-    "latency; not explained",
     "table5/zero-170b": "hypothesis: memory pressure -- the dry run measures 35.0 GB a rank, above "
     "32 (docs/dry_run.md); the paper ran it at its limit, where the caching allocator frees and "
     "re-allocates; the model has no allocator term",
-    "table6/zero-60b-64gpus": "at the edge of the tolerance; hypothesis: memory pressure "
-    "(29.5 GB measured of 32)",
     "table10/baseline-1.38b": "torch DDP at batch 1: a 0.43 s step where kernel-launch gaps and "
     "DDP's per-bucket all-reduce latency, not modelled, weigh most",
     "table10/zero-12b": "hypothesis: memory pressure (the dry run measures 31.4 GB of 32); "
