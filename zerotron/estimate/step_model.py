@@ -12,7 +12,9 @@ pipeline bubble and host copies, each its own term.
   measured by a dry run or counted from the config (``estimate.comm_volumes``), hidden behind
   backward where zerotron overlaps it (``default_overlap``) -- except the last gradient bucket,
   which has no backward left to hide behind, and at stage 3 the first unit's gather of each
-  forward and backward pass, which has nothing ahead of it to run behind.
+  forward and backward pass, which has nothing ahead of it to run behind. A preset whose stack
+  reduces stage 2's gradients per owner rank (``Hardware.grad_reduce``, the paper's DeepSpeed)
+  has them timed as those reduces (``per_rank_reduces``).
 * **bubble**: 1F1B idles (p − 1) micro-batch slots of forward + backward per step, so the
   bubble is (p − 1)/(m + p − 1) of the pipelined time (Narayanan et al. 2021 §2.2); with v
   interleaved chunks per rank each slot is 1/v as long.
