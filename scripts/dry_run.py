@@ -175,7 +175,7 @@ def print_rank(r: int, e: dict, a) -> None:
     p = e["predicted"]
     print(f"  predicted step {seconds(p['step_s'])} -> {p['tflops_per_gpu']:.1f} TFLOPs/GPU, MFU "
           f"{p['mfu']:.1%} on {p['hardware']} (GEMMs at {a.hardware.gemm_efficiency:g} of peak, "
-          f"{a.hardware.attention} attention):")
+          f"{a.hardware.attention} attention, stage 2 reducing by {a.hardware.grad_reduce}):")
     terms = [("compute", p["compute_s"]), ("pipeline bubble", p["bubble_s"])]
     terms += [(f"exposed comm {g}", s) for g, s in sorted(p["exposed_s"].items()) if s > 0]
     terms += [("optimizer", p["optimizer_s"]), ("host copies", p["host_copy_s"])]
