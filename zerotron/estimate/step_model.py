@@ -141,9 +141,10 @@ def per_rank_reduces(comm: dict, overlap: dict, dp: int, passes: int) -> dict:
     communicator, so they run one after another. A bucket boundary splits at most one rank's
     partition, so a pass over the gradients in b buckets issues b + n − 1 reduces; each is a
     pipelined chain (``step_time.CHAIN_OPS``): (n − 1) latency steps and every byte once over each
-    link. The bytes are the reduce-scatter's; the latency grows as n², which is what makes
-    ZeRO-1.5B slower at 400 GPUs than at 128 (Figure 2 vs Figure 4). ``passes``: how many times a
-    step reduces all its gradients (once per micro-batch under a pipeline at stage 2)."""
+    link. The bytes are the reduce-scatter's; the latency grows as n²: the model's account of the
+    paper's ZeRO-1.5B on 400 GPUs (Figure 2, 30.3 TFLOPs/GPU) running slower than its 1.5B on 128
+    (Figure 4, 40.3). ``passes``: how many times a step reduces all its gradients (once per
+    micro-batch under a pipeline at stage 2)."""
     rs = comm.get("reduce_scatter/dp")
     if rs is None or dp <= 1:
         return comm
