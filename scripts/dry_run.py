@@ -75,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--pcie-gbps", type=float, help="host <-> device GB/s per GPU (16, 64)")
     g.add_argument("--attention", choices=["unfused", "math", "flash"],
                    help="attention kernel modelled (V100: unfused, the 2019 stack; H100: flash)")
+    g.add_argument("--grad-reduce", choices=["reduce_scatter", "per_rank_reduce"],
+                   help="how stage 2 reduces a bucket (V100: per_rank_reduce, DeepSpeed's "
+                   "dist.reduce per owner as the paper ran; H100: reduce_scatter, zerotron's)")
     p.epilog = "Any other --section.field value overrides the config, as in scripts/pretrain_gpt.py."
     return p
 
@@ -119,7 +122,7 @@ def hardware(a, precision: str) -> Hardware:
                              gpus_per_node=a.gpus_per_node, intra_node_gbps=a.intra_node_gbps,
                              inter_node_gbps=a.inter_node_gbps, intra_latency_us=a.intra_latency_us,
                              inter_latency_us=a.inter_latency_us, pcie_gbps=a.pcie_gbps,
-                             attention=a.attention)
+                             attention=a.attention, grad_reduce=a.grad_reduce)
 
 
 def model_figures(cfg, mcfg, gpus: int) -> dict | None:
@@ -172,7 +175,7 @@ def print_rank(r: int, e: dict, a) -> None:
     p = e["predicted"]
     print(f"  predicted step {seconds(p['step_s'])} -> {p['tflops_per_gpu']:.1f} TFLOPs/GPU, MFU "
           f"{p['mfu']:.1%} on {p['hardware']} (GEMMs at {a.hardware.gemm_efficiency:g} of peak, "
-          f"{a.hardware.attention} attention):")
+          f"{a.hardware.attention} attention, stage 2 reducing by {a.hardware.grad_reduce}):")
     terms = [("compute", p["compute_s"]), ("pipeline bubble", p["bubble_s"])]
     terms += [(f"exposed comm {g}", s) for g, s in sorted(p["exposed_s"].items()) if s > 0]
     terms += [("optimizer", p["optimizer_s"]), ("host copies", p["host_copy_s"])]

@@ -8,7 +8,8 @@ Every config in ``configs/zero100b/{table5,table6,table10}`` at the GPU count of
 predicted on the V100 DGX-2 preset from the config alone (``estimate.step_model``, collectives
 counted by ``estimate.comm_volumes``: no dry run, a second for all 33), against the paper's
 TFLOPs/GPU (the header's Figure 2-4 reading). Megatron-core's published H100 MFU for GPT-175B
-is predicted on the H100 preset for the layout in ``MEGATRON_H100``. ``--dry-run`` also runs
+is predicted on the H100 preset for the layout in ``MEGATRON_H100``, and Megatron-LM's MP
+strong scaling of its 1.2B model (Table 8) on the V100 preset. ``--dry-run`` also runs
 ``scripts/dry_run.py`` on the named configs (30-60 s each) and sets the prediction on their
 measured collectives beside the counted one. Exit 2 on a bad flag, before writing anything.
 """
@@ -33,7 +34,7 @@ from zerotron.training.config import RunConfig  # noqa: E402
 from zerotron.training.setup_run import validate_model  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "scripts" / "bench"))
-from step_time_notes import INTRO, MEGATRON_NOTE, NOTES, TOLERANCE  # noqa: E402
+from step_time_notes import INTRO, MEGATRON_NOTE, MP_SCALING_NOTE, NOTES, TOLERANCE  # noqa: E402
 
 CONFIGS = ROOT / "configs" / "zero100b"
 GPT_175B = GPTConfig(num_layers=96, hidden_size=12288, num_heads=96, vocab_size=50257,
@@ -44,6 +45,11 @@ GPT_175B = GPTConfig(num_layers=96, hidden_size=12288, num_heads=96, vocab_size=
 # its gradient reduce-scatter and parameter all-gather overlapped, no recompute, bf16
 MEGATRON_H100 = [(96, 0.47), (4608, 0.42)]
 MEGATRON_OVERLAP = {"reduce_scatter/dp": 1.0, "all_gather/dp": 1.0}
+# Megatron-LM (arXiv 1909.08053) App. D.2 Table 8: the 1.2B model (40 x 1536, 16 heads, seq 1024,
+# checkpointed, fp16) at batch 8 on 1, 2, 4, 8 GPUs of one DGX-2H by MP alone: its speed-ups
+GPT_1_2B = GPTConfig(num_layers=40, hidden_size=1536, num_heads=16, vocab_size=50257,
+                     seq_length=1024, dropout=0.1, attention_dropout=0.1, name="gpt-1.2b")
+MEGATRON_TABLE8 = [(1, 1.0), (2, 1.64), (4, 2.34), (8, 2.98)]
 
 
 def megatron_config(gpus: int) -> RunConfig:
@@ -88,6 +94,28 @@ def megatron_rows() -> list[dict]:
                     "tp": 4, "batch": 1, "paper": mfu * 100, "predicted": pred.mfu * 100,
                     "pred": pred.as_dict()})
     return out
+
+
+def mp_scaling_rows() -> list[dict]:
+    """Megatron-LM's Table 8 strong scaling by MP inside a node, as speed-ups over one GPU."""
+    steps = {}
+    for mp, _ in MEGATRON_TABLE8:
+        cfg = RunConfig()
+        cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp = mp, 1, 1
+        cfg.training.micro_batch_size = cfg.training.global_batch_size = 8
+        cfg.training.precision = "fp16"
+        cfg.activation_checkpointing.checkpoint_activations = True
+        steps[mp] = step_model.predict(cfg, GPT_1_2B, mp, V100_DGX2).step_s
+    return [{"mp": mp, "paper": speedup, "predicted": steps[1] / steps[mp], "step_s": steps[mp]}
+            for mp, speedup in MEGATRON_TABLE8]
+
+
+def mp_scaling_table(rows: list[dict]) -> str:
+    lines = ["| MP (GPUs) | published speed-up | predicted speed-up | ratio | predicted step s |",
+             "|---|---|---|---|---|"]
+    lines += [f"| {r['mp']} | {r['paper']:.2f} | {r['predicted']:.2f} | "
+              f"{r['predicted'] / r['paper']:.2f} | {r['step_s']:.3f} |" for r in rows]
+    return "\n".join(lines)
 
 
 def pairs(rows: list[dict], gap: float = 0.0) -> tuple[int, list[tuple[str, str]]]:
@@ -178,7 +206,9 @@ def main(argv=None) -> str:
         parts += [f"## {title}", "", table(sub, "TFLOPs/GPU", TOLERANCE), "",
                   f"{within} of {len(sub)} rows within {TOLERANCE:.0%}. {ranking(sub)}", ""]
     parts += ["## Megatron-core on H100 (README): GPT-175B strong scaling", "", MEGATRON_NOTE, "",
-              table(mega, "MFU %", 0.20), ""]
+              table(mega, "MFU %", 0.20), "",
+              "## Megatron-LM Table 8: MP inside one node (a check, not a target)", "",
+              MP_SCALING_NOTE, "", mp_scaling_table(mp_scaling_rows()), ""]
     if a.dry_run:
         parts += ["## Counted against measured collectives", "",
                   "The same prediction on the collectives a dry run of the last rank records "

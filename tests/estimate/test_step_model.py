@@ -166,3 +166,22 @@ def test_llama_block_gemms_and_params_are_the_model_counts(preset):
     gemms = kernels.layer_gemms(cfg, tokens, 1) + kernels.attention_gemms(cfg, 2, seq, 1)
     assert sum(g.flops for g in gemms) == layer_forward_flops(cfg, tokens, seq)
     assert rank_params(cfg, tp=1, pp=1) == params_per_rank(cfg, 1)
+
+
+def test_per_rank_reduces_on_a_two_node_chain():
+    """DeepSpeed's stage 2 as the paper ran it: b + n − 1 chained reduces (n − 1 latency steps
+    each, every byte once over each link) in place of b reduce-scatters; counted here by hand."""
+    hw = V100_DGX2.with_overrides(gpus_per_node=2, inter_node_gbps=10.0, intra_node_gbps=100.0,
+                                  inter_latency_us=20.0)
+    cfg = run_config(dp=4, batch=8, stage=2)
+    cfg.zero.reduce_bucket_size = 0  # one bucket: b = 1
+    comm = analytic_comm(cfg, TINY)
+    nbytes = comm["reduce_scatter/dp"]["bytes"]
+    deepspeed = step_model.predict(cfg, TINY, 4, hw)
+    ours = step_model.predict(cfg, TINY, 4, hw.with_overrides(grad_reduce="reduce_scatter"))
+    n, bandwidth = 4, min(100e9, 2 * 10e9 / 2)
+    gather = ours.comm_s["dp"] - (3 * 20e-6 + (n - 1) / n * nbytes / bandwidth)
+    want = (1 + n - 1) * (n - 1) * 20e-6 + nbytes / bandwidth  # 4 reduces of 3 steps; whole bytes
+    assert deepspeed.comm_s["dp"] - gather == pytest.approx(want, rel=1e-12)
+    with pytest.raises(ValueError, match="grad_reduce='ring'"):
+        hw.with_overrides(grad_reduce="ring")

@@ -24,3 +24,16 @@ def test_every_row_of_the_page_is_the_model_now():
     for name, (published, predicted) in shown.items():
         assert published == round(rows[name]["paper"], 1), name
         assert predicted == round(rows[name]["predicted"], 1), (name, rows[name]["predicted"])
+
+
+def test_the_mp_scaling_table_is_the_model_now():
+    """Megatron-LM Table 8's rows on the page are the generator's (speed-ups over one GPU)."""
+    spec = importlib.util.spec_from_file_location(
+        "step_time_table", ROOT / "scripts" / "bench" / "step_time_table.py")
+    table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table)
+    page = (ROOT / "docs" / "step_time.md").read_text()
+    shown = re.findall(r"^\| (\d) \| ([\d.]+) \| ([\d.]+) \| [\d.]+ \| [\d.]+ \|$", page, re.M)
+    want = [(str(r["mp"]), f"{r['paper']:.2f}", f"{r['predicted']:.2f}")
+            for r in table.mp_scaling_rows()]
+    assert shown == want

@@ -4,11 +4,13 @@ Each preset is a node of a real machine. Peak FLOP/s, memory, HBM, NVLink, Infin
 host-memory bandwidths are datasheet numbers (``shared/reference/modern_gpt.md``; the ZeRO paper
 §10.1-10.2 for the DGX-2). Two entries are not: the per-step latencies, assumptions of the order
 of NCCL's small-message latency (they matter only for small messages or very long rings), and
-``gemm_efficiency``, the one tuned constant. ``attention`` names the software stack modelled:
+``gemm_efficiency``, the one tuned constant. ``attention`` and ``grad_reduce`` name the software
+stack modelled:
 
 * ``v100``: the ZeRO paper's cluster (§10.1), DGX-2 nodes of 16 V100 SXM3 32 GB on NVSwitch,
   8 x 100 Gb/s EDR InfiniBand per node (800 Gb/s = 100 GB/s), PCIe 3.0 x16 to the host; the
-  2019 Megatron-LM attention (unfused), as the paper ran.
+  2019 Megatron-LM attention (unfused) and DeepSpeed's stage-2 gradient reduction (one
+  ``dist.reduce`` per owner rank, ``step_model.per_rank_reduces``), as the paper ran.
 * ``h100``: a DGX H100, 8 H100 SXM 80 GB on NVLink4 (900 GB/s total, 450 per direction),
   8 x 400 Gb/s NDR InfiniBand per node (400 GB/s), PCIe 5.0 x16 to the host; flash attention.
 
@@ -30,6 +32,13 @@ from dataclasses import asdict, dataclass, replace
 from zerotron.estimate.kernels import SCORE_PASSES
 from zerotron.estimate.step_time import LinkModel
 
+# how a stack's Pos+g (ZeRO stage 2) sends each gradient bucket to the ranks that own it
+GRAD_REDUCE = {
+    "reduce_scatter": "one reduce-scatter per bucket (zerotron)",
+    "per_rank_reduce": "one dist.reduce per owner rank's slice of a bucket (DeepSpeed's stage 2 "
+                       "as the paper ran it, stage2.py average_tensor)",
+}
+
 
 @dataclass(frozen=True)
 class Hardware:
@@ -48,6 +57,7 @@ class Hardware:
     host_memory_gbps: float  # CPU memory bandwidth per GPU of the node (the offloaded Adam step)
     gemm_efficiency: float  # the tuned constant (see the module docstring)
     attention: str = "math"  # the attention kernel of the stack modelled (kernels.SCORE_PASSES)
+    grad_reduce: str = "reduce_scatter"  # how the stack's Pos+g reduces gradients (GRAD_REDUCE)
 
     def __post_init__(self):
         for name in ("memory_gb", "hbm_gbps", "gpus_per_node", "intra_node_gbps",
@@ -60,6 +70,9 @@ class Hardware:
         if self.attention not in SCORE_PASSES:
             raise ValueError(f"Hardware.attention={self.attention!r}: "
                              f"use one of {sorted(SCORE_PASSES)}")
+        if self.grad_reduce not in GRAD_REDUCE:
+            raise ValueError(f"Hardware.grad_reduce={self.grad_reduce!r}: "
+                             f"use one of {sorted(GRAD_REDUCE)}")
 
     def peak(self, precision: str) -> float:
         """Dense peak FLOP/s for a run's ``training.precision`` (fp16, bf16, fp32). A bf16 run on a
@@ -96,7 +109,8 @@ V100_DGX2 = Hardware(
     inter_node_gbps=100.0, intra_latency_us=5.0, inter_latency_us=10.0,
     pcie_gbps=16.0,  # PCIe 3.0 x16: 15.75 GB/s per direction
     host_memory_gbps=16.0,  # 2 Xeon 8168 sockets x 6 DDR4-2666 channels = 256 GB/s, over 16 GPUs
-    gemm_efficiency=0.42, attention="unfused")  # the paper's 2019 Megatron-LM attention
+    gemm_efficiency=0.42, attention="unfused",  # the paper's 2019 Megatron-LM attention
+    grad_reduce="per_rank_reduce")  # the paper's ZeRO-100B: DeepSpeed's stage-2 reduction
 
 H100_DGX = Hardware(
     name="H100 DGX", peak_tflops={"float16": 989.0, "bfloat16": 989.0, "float32": 67.0},

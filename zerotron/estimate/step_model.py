@@ -12,7 +12,9 @@ pipeline bubble and host copies, each its own term.
   measured by a dry run or counted from the config (``estimate.comm_volumes``), hidden behind
   backward where zerotron overlaps it (``default_overlap``) -- except the last gradient bucket,
   which has no backward left to hide behind, and at stage 3 the first unit's gather of each
-  forward and backward pass, which has nothing ahead of it to run behind.
+  forward and backward pass, which has nothing ahead of it to run behind. A preset whose stack
+  reduces stage 2's gradients per owner rank (``Hardware.grad_reduce``, the paper's DeepSpeed)
+  has them timed as those reduces (``per_rank_reduces``).
 * **bubble**: 1F1B idles (p − 1) micro-batch slots of forward + backward per step, so the
   bubble is (p − 1)/(m + p − 1) of the pipelined time (Narayanan et al. 2021 §2.2); with v
   interleaved chunks per rank each slot is 1/v as long.
@@ -131,6 +133,28 @@ def bubble_fraction(pp: int, microbatches: int, virtual_stages: int = 1) -> floa
     return idle / (microbatches + idle)
 
 
+def per_rank_reduces(comm: dict, overlap: dict, dp: int, passes: int) -> dict:
+    """The gradient reduce-scatter as DeepSpeed's stage 2 issued it when the paper ran ZeRO-100B.
+
+    DeepSpeed's ``average_tensor`` (``runtime/zero/stage2.py``) sends each bucket's gradients to
+    the ranks that own them with one ``dist.reduce`` per owner's slice, all queued on one NCCL
+    communicator, so they run one after another. A bucket boundary splits at most one rank's
+    partition, so a pass over the gradients in b buckets issues b + n − 1 reduces; each is a
+    pipelined chain (``step_time.CHAIN_OPS``): (n − 1) latency steps and every byte once over each
+    link. The bytes are the reduce-scatter's; the latency grows as n²: the model's account of the
+    paper's ZeRO-1.5B on 400 GPUs (Figure 2, 30.3 TFLOPs/GPU) running slower than its 1.5B on 128
+    (Figure 4, 40.3). ``passes``: how many times a step reduces all its gradients (once per
+    micro-batch under a pipeline at stage 2)."""
+    rs = comm.get("reduce_scatter/dp")
+    if rs is None or dp <= 1:
+        return comm
+    out = {k: v for k, v in comm.items() if k != "reduce_scatter/dp"}
+    out["reduce/dp"] = {"calls": rs["calls"] + passes * (dp - 1), "bytes": rs["bytes"]}
+    if "reduce_scatter/dp" in overlap:
+        overlap["reduce/dp"] = overlap["reduce_scatter/dp"]
+    return out
+
+
 def predict(cfg, mcfg: GPTConfig, world_size: int, hw: Hardware, comm: dict | None = None,
             ranks: dict[str, list[int]] | None = None,
             overlap: dict[str, float] | None = None) -> StepBreakdown:
@@ -159,6 +183,9 @@ def predict(cfg, mcfg: GPTConfig, world_size: int, hw: Hardware, comm: dict | No
         units = math.ceil(mcfg.num_layers / par.pp) + 1
         for key in ("all_gather/dp", "all_gather/dp_inner"):
             overlap[key] = overlap.get(key, 0.0) * (1 - 1 / units)
+    if hw.grad_reduce == "per_rank_reduce" and cfg.zero.stage == 2:
+        passes = m if par.pp > 1 else 1  # Pos+g under a pipeline reduces every micro-batch
+        comm = per_rank_reduces(comm, overlap, len(ranks.get("dp", [0])), passes)
     window = 0.75 if recompute else BACKWARD_SHARE  # recompute's forward runs inside backward
     comm_part = predict_step(0.0, comm, ranks, link=hw.link(), overlap=overlap,
                              overlap_window=window, compute_s=compute)

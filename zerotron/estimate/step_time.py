@@ -26,7 +26,7 @@ ring run at NVSwitch speed and cap B.
 
     ring (all_reduce, reduce_scatter, all_gather):  t = calls·steps·α + (n−1)/n · bytes / B
         steps = 2(n−1) for all_reduce, n−1 for reduce_scatter and all_gather
-    broadcast (pipelined chain, every link carries the tensor): t = calls·(n−1)·α + bytes / B
+    broadcast, reduce (pipelined chain, every link carries the tensor): t = calls·(n−1)·α + bytes / B
     all_to_all (recorded as the (n−1)/n that leaves the rank): every member sends across nodes,
         so t = calls·(n−1)·α + bytes · max(1/intra, (n−m)/(n−1) · c/inter) (1/intra on one node)
     send/recv (1F1B posts them together, ``parallel.p2p.batch``; links are full duplex):
@@ -58,7 +58,9 @@ from zerotron.model.config import GPTConfig
 from zerotron.model.flops import PEAK_TFLOPS, flops_per_iteration
 
 GB = 1e9
-RING_STEPS = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "broadcast": 1, "all_to_all": 1}
+RING_STEPS = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "broadcast": 1, "reduce": 1,
+              "all_to_all": 1}
+CHAIN_OPS = ("broadcast", "reduce")  # pipelined along a chain: every link carries the whole tensor
 P2P_OPS = ("send", "recv")
 P2P_GROUPS = ("pp",)
 V100_PEAK_TFLOPS = PEAK_TFLOPS["V100"]["float16"]
@@ -150,7 +152,7 @@ def collective_time(op: str, calls: int, nbytes: float, span: GroupSpan, link: L
             c = link.gpus_per_node if concurrent is None else concurrent
             per_byte = max(per_byte, (n - span.members_per_node) / (n - 1) * c / (link.inter_node_gbps * GB))
         return latency, nbytes * per_byte
-    ring = 1.0 if op == "broadcast" else (n - 1) / n
+    ring = 1.0 if op in CHAIN_OPS else (n - 1) / n
     return latency, ring * nbytes / ring_bandwidth(span, link, concurrent)
 
 
