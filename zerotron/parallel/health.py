@@ -18,8 +18,8 @@ Four mechanisms, all owned by the ``Grid`` and used by every collective and p2p 
   timeout less ``lead_s`` and prints the verdict. NCCL aborts at the timeout without unwinding
   to Python and no NCCL ``wait()`` raises, so under NCCL (or ``ZEROTRON_EMULATE_NCCL=1``) the
   watchdog prints the survivor's ``CollectiveError`` line and exits 3 itself once a culprit is
-  named; on gloo the exception reuses the verdict. A SIGTERM (torchrun ending the job) while an
-  op waits on a named culprit exits so at once (``signal_wakeup.py``), before the SIGKILL.
+  named; on gloo the exception reuses the verdict. So does a SIGTERM while an op waits on a
+  dead or frozen rank (``signal_wakeup.py``): torchrun's SIGKILL comes 30 s later.
 * **Sequence check** (``ZEROTRON_DEBUG_COLLECTIVES=1``): before every collective the group
   all-gathers a fixed-size descriptor (op, group, shape, dtype, call site) and every rank
   compares; the first divergence raises on all ranks with both ranks' call sites -- the usual
@@ -107,9 +107,8 @@ class Health:
     def __init__(self, rank: int, world_size: int, heartbeat_s: float = 1.0, check_sequence: bool | None = None,
                  timeout_s: float | None = None, lead_s: float | None = None):
         self.rank, self.world_size, self.heartbeat_s = rank, world_size, heartbeat_s
-        if check_sequence is None:
-            check_sequence = os.environ.get("ZEROTRON_DEBUG_COLLECTIVES", "") not in ("", "0")
-        self.check_sequence = check_sequence
+        debug = os.environ.get("ZEROTRON_DEBUG_COLLECTIVES", "") not in ("", "0")
+        self.check_sequence = debug if check_sequence is None else check_sequence
         self.exit_on_verdict = nccl_semantics()  # no exception will come (see ``_watch``)
         self.timeout_s = timeout_s
         # Diagnosing takes ~2.5 heartbeats: start 10 s before the timeout fires (less for short
@@ -129,7 +128,7 @@ class Health:
         self._threads: list[threading.Thread] = []
         if self._store is not None and world_size > 1 and not host_sync.simulated():  # no peers to watch
             self._publish()  # at once: a rank that dies in its first second is still "seen alive once"
-            self._wakeup = SignalWakeup()  # here: only the main thread may take the descriptor
+            self._wakeup, self._terminating = SignalWakeup(), False  # main thread only may take it
             loops = [("heartbeat", self._beat)] + ([("watchdog", self._watch)] if timeout_s else [])
             for name, loop in loops:
                 t = threading.Thread(target=loop, name=f"zerotron-{name}", daemon=True)
@@ -263,7 +262,8 @@ class Health:
         NCCL semantics no error reaches the waiting thread (a CUDA sync, where no signal handler
         runs either): exit 3 once a culprit is named, or at the timeout whatever the verdict."""
         while not self._stop.is_set():
-            terminating = signal.SIGTERM in self._wakeup.wait(min(0.5, self.heartbeat_s))
+            got = self._wakeup.wait(min(0.5, self.heartbeat_s))
+            terminating = self._terminating = self._terminating or signal.SIGTERM in got
             hold_s = 3 * self.heartbeat_s if terminating else self.timeout_s - self.lead_s
             with self._lock:  # on SIGTERM: any op older than a heartbeat's staleness
                 due = time.monotonic() - hold_s
@@ -283,7 +283,7 @@ class Health:
                         print(f"[rank {self.rank}] zerotron watchdog: {op.desc} has waited "
                               f"{waited:.0f}s of the {self.timeout_s:.0f}s collective timeout: "
                               f"{text}", file=sys.stderr, flush=True)
-                if terminating and "dead or frozen" in op.verdict[0]:  # SIGKILL follows in 30 s
+                if terminating and "dead or frozen" in op.verdict[0]:
                     self._exit(op, waited, "and this job is being stopped (SIGTERM)")
                 if self.exit_on_verdict:
                     if op.verdict[1] or waited >= self.timeout_s:
