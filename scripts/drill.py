@@ -3,6 +3,7 @@
     .venv/bin/python scripts/drill.py                          # 25 scenarios x 4 layouts
     # (~35 min on 2 cores for the first three; the 8-rank fourth adds more, not timed whole)
     .venv/bin/python scripts/drill.py --only kill9,sigstop --layouts tp2xpp2
+    .venv/bin/python scripts/drill.py --only kill9,sigstop --layouts tp2xdp2,tp2xpp2 --nccl-semantics
     .venv/bin/python scripts/drill.py --list
 
 Each scenario launches ``torchrun scripts/pretrain_gpt.py`` on the tiny config in one of four
@@ -107,6 +108,9 @@ def main(argv=None) -> int:
                     help="comma-separated: dp, tp2xdp2, tp2xpp2, tp2xpp2xdp2 (8 ranks)")
     ap.add_argument("--timeout", type=positive_float, default=20.0,
                     help="collective timeout, s (ZEROTRON_COLLECTIVE_TIMEOUT)")
+    ap.add_argument("--nccl-semantics", action="store_true",
+                    help="ZEROTRON_EMULATE_NCCL=1 in every job: no wait() raises, host reads block, "
+                         "as under NCCL; the watchdog alone must name a dead or frozen rank")
     ap.add_argument("--out", default=str(ROOT / "runs" / "drill"), help="where the drill's directory is made")
     ap.add_argument("--keep", action="store_true", help="keep the drill's run directories")
     ap.add_argument("--list", action="store_true", help="print the scenarios and exit")
@@ -128,7 +132,7 @@ def main(argv=None) -> int:
     rows, ok, failed, start = [], True, 0, time.monotonic()
     try:
         for key in wanted:
-            d = Drill(root, key, known[key], args.timeout, root / "tmp")
+            d = Drill(root, key, known[key], args.timeout, root / "tmp", args.nccl_semantics)
             for name in chosen:
                 desc, fn = SCENARIOS[name]
                 print(f"[drill] {d.layout.name} | {name}: {desc} ...", flush=True)

@@ -226,6 +226,50 @@ def test_under_nccl_semantics_the_watchdog_names_the_culprit_and_exits_3(tp, pp,
     assert took < bound, took
 
 
+def dead_peer_then_sigterm():
+    """Rank 1 is killed; the others block in a TP/DP all-reduce under NCCL semantics, with the
+    SIGTERM handler a trainer installs (its flag is never read: the main thread is blocked)."""
+    import signal as signals
+
+    import torch.distributed as dist
+
+    os.environ["ZEROTRON_EMULATE_NCCL"] = "1"
+    signals.signal(signals.SIGTERM, lambda *_: None)
+    grid = Grid(ParallelDims(tp=2))
+    C.all_reduce(torch.ones(1), grid.world_group)
+    time.sleep(1.5)  # let every heartbeat be published once
+    if dist.get_rank() == 1:
+        os._exit(9)
+    for _ in range(3):
+        C.all_reduce(torch.ones(1), grid.tp_group)
+        C.all_reduce(torch.ones(1), grid.dp_group)
+    return "no error"
+
+
+def test_a_sigterm_while_waiting_on_a_dead_rank_names_it_at_once(capfd):
+    """torchrun SIGTERMs the survivors of a dead rank and SIGKILLs them 30 s later; under NCCL the
+    blocked main thread never runs its handler, and the watchdog would wait for the timeout (60 s
+    here). The signal reaches the watchdog through the wakeup descriptor: every survivor names
+    rank 1 and exits 3 within seconds of the SIGTERM. (Mutation: no wakeup -> killed nameless.)"""
+    import signal as signals
+
+    from zerotron.testing.launch import Ranks
+
+    with Ranks(dead_peer_then_sigterm, 4, collective_timeout=60.0, may_die=(0, 1, 2, 3)) as job:
+        job.procs[1].join(timeout=60)  # at once, as torchrun: rank 1's heartbeat is not stale yet
+        survivors = [job.procs[r] for r in (0, 2, 3)]
+        start = time.monotonic()
+        for p in survivors:
+            os.kill(p.pid, signals.SIGTERM)
+        for p in survivors:  # the watchdog's own verdict would come only at 60 s - 10 s
+            p.join(timeout=max(1.0, start + 25 - time.monotonic()))
+        codes = [p.exitcode for p in survivors]
+    err = capfd.readouterr().err
+    assert codes == [3, 3, 3], (codes, err[-3000:])
+    lines = re.findall(r"^\[rank \d+\] CollectiveError: .*being stopped \(SIGTERM\).*", err, flags=re.M)
+    assert len(lines) == 3 and all(set(re.findall(NAMED, line)) == {"1"} for line in lines), err[-3000:]
+
+
 def test_many_ops_in_flight_are_pruned_in_amortized_constant_time():
     """A pipeline keeps hundreds of async transfers in flight: pruning on every launch past 256
     rescanned them all each time (quadratic); now it waits until the list has doubled."""

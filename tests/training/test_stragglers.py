@@ -21,9 +21,10 @@ def run_with_slow_rank(run_dir, cache):
 
 
 def test_a_slowed_rank_is_named_as_a_straggler(zerotron_cache, tmp_path, capfd):
-    """Rank 1 sleeps 0.4 s at the start of every step: the step takes as long on rank 0, which
+    """Rank 1 computes 0.4 s more at the start of every step: the step takes as long on rank 0, which
     waits for it in the gradient all-reduce, but rank 0's busy time stays small, so rank 1 alone
-    is above 1.2x the median. (Mutation: not subtracting the wait names no one.)"""
+    is above 1.2x the median. (Mutation: the step's wall time in place of the thread's CPU time
+    names no one.)"""
     out = spawn(run_with_slow_rank, 2, tmp_path / "run", zerotron_cache, timeout=240)
     for rank_out in out:  # every rank holds the same verdict
         assert rank_out["straggler_ranks"] == [1], rank_out

@@ -15,11 +15,11 @@ Four mechanisms, all owned by the ``Grid`` and used by every collective and p2p 
   third rank (rank 2 waits for rank 0 on DP, rank 0 for rank 1 on TP) is followed to that rank,
   so every survivor names the same root; a rank that gave up first leaves its verdict behind.
 * **Watchdog.** With a timeout, a second thread diagnoses any op in flight for longer than the
-  timeout less ``lead_s`` and prints the verdict. NCCL's own watchdog aborts the process at the
-  timeout (``TORCH_NCCL_ASYNC_ERROR_HANDLING``) without unwinding to Python, and no NCCL
-  ``wait()`` ever raises (the host sits in its next device read), so under NCCL -- or gloo with
-  ``ZEROTRON_EMULATE_NCCL=1`` -- the watchdog prints the survivor's ``CollectiveError`` line
-  and exits 3 itself once a culprit is named; on gloo the exception reuses the verdict.
+  timeout less ``lead_s`` and prints the verdict. NCCL aborts at the timeout without unwinding
+  to Python and no NCCL ``wait()`` raises, so under NCCL (or ``ZEROTRON_EMULATE_NCCL=1``) the
+  watchdog prints the survivor's ``CollectiveError`` line and exits 3 itself once a culprit is
+  named; on gloo the exception reuses the verdict. So does a SIGTERM while an op waits on a
+  dead or frozen rank (``signal_wakeup.py``): torchrun's SIGKILL comes 30 s later.
 * **Sequence check** (``ZEROTRON_DEBUG_COLLECTIVES=1``): before every collective the group
   all-gathers a fixed-size descriptor (op, group, shape, dtype, call site) and every rank
   compares; the first divergence raises on all ranks with both ranks' call sites -- the usual
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -41,6 +42,7 @@ import torch.distributed as dist
 from zerotron.parallel import host_sync
 from zerotron.parallel.blame import blame
 from zerotron.parallel.runtime import collective_device, nccl_semantics, serves
+from zerotron.parallel.signal_wakeup import SignalWakeup
 
 DESCRIPTOR_BYTES = 512
 EXIT_COLLECTIVE_FAILED = 3  # scripts/pretrain_gpt.py's exit status for a dead or stuck peer
@@ -105,9 +107,8 @@ class Health:
     def __init__(self, rank: int, world_size: int, heartbeat_s: float = 1.0, check_sequence: bool | None = None,
                  timeout_s: float | None = None, lead_s: float | None = None):
         self.rank, self.world_size, self.heartbeat_s = rank, world_size, heartbeat_s
-        if check_sequence is None:
-            check_sequence = os.environ.get("ZEROTRON_DEBUG_COLLECTIVES", "") not in ("", "0")
-        self.check_sequence = check_sequence
+        debug = os.environ.get("ZEROTRON_DEBUG_COLLECTIVES", "") not in ("", "0")
+        self.check_sequence = debug if check_sequence is None else check_sequence
         self.exit_on_verdict = nccl_semantics()  # no exception will come (see ``_watch``)
         self.timeout_s = timeout_s
         # Diagnosing takes ~2.5 heartbeats: start 10 s before the timeout fires (less for short
@@ -127,6 +128,7 @@ class Health:
         self._threads: list[threading.Thread] = []
         if self._store is not None and world_size > 1 and not host_sync.simulated():  # no peers to watch
             self._publish()  # at once: a rank that dies in its first second is still "seen alive once"
+            self._wakeup, self._terminating = SignalWakeup(), False  # main thread only may take it
             loops = [("heartbeat", self._beat)] + ([("watchdog", self._watch)] if timeout_s else [])
             for name, loop in loops:
                 t = threading.Thread(target=loop, name=f"zerotron-{name}", daemon=True)
@@ -255,21 +257,22 @@ class Health:
                     f"rank {self.rank} calls {signature} at {site}, but rank {member} calls {their_sig} at "
                     f"{their_site}")
 
-    # watchdog ------------------------------------------------------------------------------------
     def _watch(self) -> None:
-        """Diagnose (once) every op in flight past ``timeout_s - lead_s``; print the verdict.
-
-        Under NCCL semantics (``runtime.nccl_semantics``) no error ever reaches the waiting thread
-        (it sits in a CUDA sync, where no signal handler runs either), so the watchdog itself ends
-        the process with exit 3 once the verdict names a culprit -- before NCCL's own watchdog
-        aborts it at the timeout, nameless -- or at the timeout whatever the verdict."""
-        while not self._stop.wait(min(0.5, self.heartbeat_s)):
-            with self._lock:
-                due = time.monotonic() - (self.timeout_s - self.lead_s)
+        """Diagnose (once) every op in flight past ``timeout_s - lead_s``; print the verdict. Under
+        NCCL semantics no error reaches the waiting thread (a CUDA sync, where no signal handler
+        runs either): exit 3 once a culprit is named, or at the timeout whatever the verdict."""
+        while not self._stop.is_set():
+            got = self._wakeup.wait(min(0.5, self.heartbeat_s))
+            terminating = self._terminating = self._terminating or signal.SIGTERM in got
+            hold_s = 3 * self.heartbeat_s if terminating else self.timeout_s - self.lead_s
+            with self._lock:  # on SIGTERM: any op older than a heartbeat's staleness
+                due = time.monotonic() - hold_s
                 late = [op for op in self._pending() if op.t0 <= due
-                        and (op.verdict is None or self.exit_on_verdict)]
+                        and (op.verdict is None or self.exit_on_verdict or terminating)]
             for op in late[:1]:
                 waited = time.monotonic() - op.t0
+                if op.verdict is not None and terminating and not op.verdict[1]:
+                    op.verdict = None  # nobody was named then: ask again now
                 if op.verdict is None:
                     try:
                         text, _ = self._verdict_of(op)
@@ -280,16 +283,18 @@ class Health:
                         print(f"[rank {self.rank}] zerotron watchdog: {op.desc} has waited "
                               f"{waited:.0f}s of the {self.timeout_s:.0f}s collective timeout: "
                               f"{text}", file=sys.stderr, flush=True)
+                if terminating and "dead or frozen" in op.verdict[0]:
+                    self._exit(op, waited, "and this job is being stopped (SIGTERM)")
                 if self.exit_on_verdict:
                     if op.verdict[1] or waited >= self.timeout_s:
-                        self._exit(op, waited)
+                        self._exit(op, waited, "and no error reaches the waiting thread under NCCL")
                     op.verdict = None  # nobody named yet (no stale heartbeat yet): ask again
 
-    def _exit(self, op: _Op, waited: float) -> None:
+    def _exit(self, op: _Op, waited: float, why: str) -> None:
         """The line a survivor's ``CollectiveError`` would print (drills read it), then exit 3."""
         print(f"[rank {self.rank}] CollectiveError: rank {self.rank}: {op.desc} has waited "
-              f"{waited:.0f}s and no error reaches the waiting thread under NCCL: {op.verdict[0]}. "
-              f"Exiting (3) from the health watchdog", file=sys.stderr, flush=True)
+              f"{waited:.0f}s {why}: {op.verdict[0]}. Exiting (3) from the health watchdog",
+              file=sys.stderr, flush=True)
         os._exit(EXIT_COLLECTIVE_FAILED)  # the run lock left behind is taken over as stale
 
     # after a failure -----------------------------------------------------------------------------

@@ -29,8 +29,12 @@ JOB_S = 300  # no drill job should run longer, even on a loaded machine
 class Drill:
     """Launches the jobs of one layout under ``root/<key>`` with ``timeout_s`` as collective timeout."""
 
-    def __init__(self, root: Path, key: str, layout: Layout, timeout_s: float, tmp: Path):
+    def __init__(self, root: Path, key: str, layout: Layout, timeout_s: float, tmp: Path,
+                 nccl_semantics: bool = False):
         self.root, self.key, self.layout, self.timeout_s, self.tmp = root / key, key, layout, timeout_s, tmp
+        # ZEROTRON_EMULATE_NCCL: no wait() raises, as under NCCL; the watchdog must name the culprit
+        self.env = {"ZEROTRON_COLLECTIVE_TIMEOUT": f"{timeout_s:g}",
+                    **({"ZEROTRON_EMULATE_NCCL": "1"} if nccl_semantics else {})}
         self.root.mkdir(parents=True, exist_ok=True)
         self._base: Path | None = None
         self.base_losses: dict[int, float] = {}
@@ -45,7 +49,7 @@ class Drill:
 
     def job(self, argv: list[str], env: dict[str, str] | None = None, torchrun: tuple[str, ...] = ()) -> Job:
         run_dir = Path(argv[argv.index("--run-dir") + 1])
-        return Job(self.layout.nproc, argv, {"ZEROTRON_COLLECTIVE_TIMEOUT": f"{self.timeout_s:g}", **(env or {})},
+        return Job(self.layout.nproc, argv, {**self.env, **(env or {})},
                    self.tmp, torchrun, log=run_dir.parent / "job.log")
 
     def run(self, argv: list[str], env: dict[str, str] | None = None, timeout: float = JOB_S) -> tuple[Job, int]:

@@ -160,8 +160,8 @@ HELP: dict[str, str] = {
     "logging.wall_clock_breakdown": "forward/backward/step seconds in each record (synchronizes the device)",
     "logging.tensorboard": "also write TensorBoard event files to run_dir/tensorboard",
     "logging.profile_steps": "[A, B]: a torch.profiler trace of steps A to B in run_dir/profile",
-    "logging.straggler_factor": "at each log step, name a rank whose busy time a step (less time "
-                                "blocked in communication) exceeds this x the median; 0: off",
+    "logging.straggler_factor": "at each log step, name a rank whose own compute time a step "
+                                "exceeds this x the median; 0: off",
     "checkpoint.save": "checkpoint directory ({run_dir} = logging.run_dir); null: none",
     "checkpoint.save_interval": "steps between checkpoints; 0: only at the end and on SIGTERM",
     "checkpoint.load": "auto: this run's newest in save; a directory; none: from scratch",

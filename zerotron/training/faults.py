@@ -21,8 +21,9 @@ matching step -- any step when ``@step`` is absent):
 * ``kill``               trainer, start of a step -> ``os._exit(9)`` (a rank dies, like kill -9)
 * ``stall``              trainer, start of a step: sleeps ``ZEROTRON_FAULT_STALL_S`` seconds (default
                          3600; the heartbeat thread keeps running: "alive but stuck"), then exits 9
-* ``slow``               trainer, start of a step: sleeps ``ZEROTRON_FAULT_SLOW_S`` seconds (default
-                         0.5) and goes on: a straggler, alive but slow (``training/stragglers.py``)
+* ``slow``               trainer, start of a step: computes for ``ZEROTRON_FAULT_SLOW_S`` seconds
+                         (default 0.5; a busy loop, as a slower device or more work would) and goes
+                         on: a straggler, alive but slow (``training/stragglers.py``)
 * ``nan``                trainer, start of a step: fills the first parameter with NaN (a blown-up weight)
 * ``pause``              trainer, start of a step: waits until the file ``ZEROTRON_FAULT_PAUSE_FILE``
                          exists (at most ``ZEROTRON_FAULT_STALL_S`` s), then goes on. Armed on every
@@ -81,7 +82,9 @@ def hit(point: str, step: int, rank: int, path: os.PathLike | str | None = None)
             time.sleep(0.1)
         return
     if point == "slow":
-        time.sleep(float(os.environ.get("ZEROTRON_FAULT_SLOW_S", "0.5")))
+        until = time.thread_time() + float(os.environ.get("ZEROTRON_FAULT_SLOW_S", "0.5"))
+        while time.thread_time() < until:  # this thread's own CPU time, however loaded the host
+            pass
         return
     if point == "stall":
         time.sleep(float(os.environ.get("ZEROTRON_FAULT_STALL_S", "3600")))

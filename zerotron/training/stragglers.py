@@ -2,11 +2,13 @@
 
 A slow rank (a throttled GPU, a noisy neighbour, a slow data read) hides in the step time,
 because every collective makes the others wait for it; the heartbeat sees it alive. What tells
-it apart is that it waits least. Busy time is the step's time less the time this rank was
-blocked in communication (``parallel/wait_clock.py``); it is gathered over the world at each log
-step and a rank above ``logging.straggler_factor`` x the median is named, like Megatron-LM's
-straggler detector names its slowest ranks. One all-gather of a float and one host read per log
-interval (reason ``"stragglers"``); nothing per step but a clock read (CUDA: an event).
+it apart is that it waits least. Busy time is, on a GPU, the step's time on the device clock
+less the time its stream was blocked in communication (``parallel/wait_clock.py``); on the host,
+the main thread's CPU time in the step (a blocked gloo wait uses none, and time lost to other
+processes sharing the cores is not the rank's own slowness). It is gathered over the world at
+each log step and a rank above ``logging.straggler_factor`` x the median is named, as
+Megatron-LM's straggler detector names its slowest ranks. One all-gather of a float and one host
+read per log interval (reason ``"stragglers"``); per step only clock reads (GPU: two events).
 """
 
 from __future__ import annotations
@@ -26,19 +28,12 @@ class StragglerWatch:
     def __init__(self, grid, device: torch.device, factor: float):
         self.grid, self.device, self.factor = grid, device, factor
         self.clock = grid.stats.waits
-        self.clock.enabled = factor > 0
         self._events = device.type == "cuda" and not host_sync.simulated()
-        self._spans: list = []  # CUDA: (start, end) events of each step of the window
-        self._step_s, self._steps = 0.0, 0
-        self._wait_host_s, self._wait_spans = 0.0, []  # blocked in the window's steps
+        self.clock.enabled = factor > 0 and self._events
+        self._spans: list = []  # GPU: (start, end) events of each step of the window
+        self._waits: list = []  # GPU: the spans its stream was blocked in those steps
+        self._cpu_s, self._steps = 0.0, 0
         self.message = ""  # the last verdict, printed by rank 0
-
-    def _now(self):
-        if self._events:
-            ev = host_sync.event(enable_timing=True)
-            ev.record()
-            return ev
-        return time.perf_counter()
 
     @contextlib.contextmanager
     def step(self):
@@ -46,31 +41,36 @@ class StragglerWatch:
         if self.factor <= 0:
             yield
             return
+        if not self._events:
+            start = time.thread_time()
+            yield
+            self._cpu_s += time.thread_time() - start
+            self._steps += 1
+            return
         self.clock.take()  # drop what was blocked between steps (evaluation, a save)
-        start = self._now()
+        start = host_sync.event(enable_timing=True)
+        start.record()
         yield
-        end = self._now()
-        if self._events:
-            self._spans.append((start, end))
-        else:
-            self._step_s += end - start
-        host_s, spans = self.clock.take()
-        self._wait_host_s += host_s
-        self._wait_spans += spans
+        end = host_sync.event(enable_timing=True)
+        end.record()
+        self._spans.append((start, end))
+        self._waits += self.clock.take()
         self._steps += 1
+
+    def _busy_per_step(self) -> float:
+        if not self._events:
+            return self._cpu_s / self._steps
+        self._spans[-1][1].synchronize()  # a log step: the record's host read already synced
+        step_s = sum(s.elapsed_time(e) for s, e in self._spans) / 1e3
+        return max(0.0, step_s - seconds(self._waits)) / self._steps
 
     def read(self) -> dict:
         """``busy_s_median``/``busy_s_max`` (seconds per step over the window) and
-        ``straggler_ranks``; sets ``message`` when a rank is above the factor."""
+        ``straggler_ranks``; a rank above the factor is printed by rank 0."""
         if self.factor <= 0 or self._steps == 0:
             return {}
-        step_s = self._step_s
-        if self._events:  # a log step: the record's host read has already synced the stream
-            self._spans[-1][1].synchronize()
-            step_s = sum(s.elapsed_time(e) for s, e in self._spans) / 1e3
-        busy = max(0.0, step_s - seconds(self._wait_host_s, self._wait_spans)) / self._steps
-        self._spans, self._step_s, self._steps = [], 0.0, 0
-        self._wait_host_s, self._wait_spans = 0.0, []
+        busy = self._busy_per_step()
+        self._spans, self._waits, self._cpu_s, self._steps = [], [], 0.0, 0
         world = self.grid.world_group
         everyone = torch.zeros(world.size, dtype=torch.float64, device=self.device)
         C.all_gather(everyone, torch.tensor([busy], dtype=torch.float64, device=self.device), world)
@@ -82,6 +82,6 @@ class StragglerWatch:
             f"rank {r} busy {per_rank[r]:.3g} s a step, {per_rank[r] / median:.1f}x the median "
             f"{median:.3g} s" for r in slow)
         if self.message and self.grid.rank == 0:
-            print(f"[zerotron] straggler: {self.message} (busy: a step's time less the time "
-                  f"blocked in communication; logging.straggler_factor={self.factor})", flush=True)
+            print(f"[zerotron] straggler: {self.message} (busy: its own compute time in a step; "
+                  f"logging.straggler_factor={self.factor})", flush=True)
         return {"busy_s_median": median, "busy_s_max": max(per_rank), "straggler_ranks": slow}

@@ -13,6 +13,12 @@ the counted collectives, so the byte counters show the saving directly.
   node-local position, the chunks that position will own; then an all-to-all across nodes
   finishes the sum. Quantization error is paid once per level, and the cross-node step moves
   only 1/inner_size of the data.
+
+Both take ``async_op`` like the plain collectives (ZeRO++ overlaps them as DeepSpeed does): the
+int8 transfers are issued at once and the handle's ``wait()`` dequantizes. Under NCCL a
+synchronous collective would sit in the compute stream, so ``overlap_comm`` and the stage-3
+prefetch would overlap nothing. The hierarchical qgZ's cross-node level needs the node level's
+sum: it is issued when the handle is waited on (the node level, most of the bytes, overlaps).
 """
 
 from __future__ import annotations
@@ -24,26 +30,44 @@ from zerotron.parallel.grid import Group
 from zerotron.zero.zeropp.quantize import dequantize, num_blocks, quantize
 
 
-def quantized_all_gather(output: torch.Tensor, shard: torch.Tensor, group: Group, block_size: int) -> torch.Tensor:
+def _result(finish, handles: list, async_op: bool):
+    """``finish()`` now, or a handle whose ``wait()`` waits for ``handles`` and then finishes."""
+    if not async_op:
+        return finish()
+
+    def wait_then_finish():
+        for h in handles:
+            h.wait()
+        return finish()
+
+    return C.Handle(finish=wait_then_finish)
+
+
+def quantized_all_gather(output: torch.Tensor, shard: torch.Tensor, group: Group, block_size: int,
+                         async_op: bool = False):
     """qwZ: ``output`` (flat, ``group.size * shard.numel()``) <- every rank's dequantized shard."""
     n = shard.numel()
     if output.numel() != n * group.size:
         raise ValueError(f"quantized_all_gather: output has {output.numel()} elements, expected {n}*{group.size}")
     if group.size == 1:
         output.copy_(shard.reshape(-1))
-        return output
+        return C.Handle(result=output) if async_op else output
     q, s = quantize(shard, block_size)
     qs = torch.empty(q.numel() * group.size, dtype=torch.int8, device=shard.device)
     ss = torch.empty(s.numel() * group.size, dtype=torch.float32, device=shard.device)
-    C.all_gather(qs, q, group)
-    C.all_gather(ss, s, group)
-    for r, (qr, sr) in enumerate(zip(qs.chunk(group.size), ss.chunk(group.size))):
-        output[r * n:(r + 1) * n] = dequantize(qr, sr, n, output.dtype)
-    return output
+    handles = [C.all_gather(qs, q, group, async_op=async_op), C.all_gather(ss, s, group, async_op=async_op)]
+
+    def finish():
+        for r, (qr, sr) in enumerate(zip(qs.chunk(group.size), ss.chunk(group.size))):
+            output[r * n:(r + 1) * n] = dequantize(qr, sr, n, output.dtype)
+        return output
+
+    return _result(finish, handles, async_op)
 
 
-def _quantized_exchange(chunks: torch.Tensor, group: Group, block_size: int) -> torch.Tensor:
-    """All-to-all of ``chunks`` [group.size, n] quantized; returns the received rows, dequantized fp32."""
+def _quantized_exchange(chunks: torch.Tensor, group: Group, block_size: int, async_op: bool = False):
+    """All-to-all of ``chunks`` [group.size, n] quantized; the received rows, dequantized fp32
+    (with ``async_op``: a handle whose ``wait()`` returns them)."""
     size, n = chunks.shape
     nb = num_blocks(n, block_size)
     q = torch.empty(size, nb * block_size, dtype=torch.int8, device=chunks.device)
@@ -51,13 +75,15 @@ def _quantized_exchange(chunks: torch.Tensor, group: Group, block_size: int) -> 
     for j in range(size):
         q[j], s[j] = quantize(chunks[j], block_size)
     q_in, s_in = torch.empty_like(q), torch.empty_like(s)
-    C.all_to_all(q_in.view(-1), q.view(-1), group)
-    C.all_to_all(s_in.view(-1), s.view(-1), group)
-    return torch.stack([dequantize(q_in[j], s_in[j], n) for j in range(size)])
+    handles = [C.all_to_all(q_in.view(-1), q.view(-1), group, async_op=async_op),
+               C.all_to_all(s_in.view(-1), s.view(-1), group, async_op=async_op)]
+    return _result(lambda: torch.stack([dequantize(q_in[j], s_in[j], n) for j in range(size)]),
+                   handles, async_op)
 
 
 def quantized_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Group, block_size: int,
-                             inner: Group | None = None, outer: Group | None = None) -> torch.Tensor:
+                             inner: Group | None = None, outer: Group | None = None,
+                             async_op: bool = False):
     """qgZ: ``output`` <- this rank's chunk of the sum over ``group`` of ``input`` (fp32 sum).
 
     ``input`` holds ``group.size`` equal chunks in group order. With ``inner``/``outer`` (from
@@ -71,16 +97,20 @@ def quantized_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: G
     chunks = input.reshape(size, n)
     if size == 1:
         output.copy_(chunks[0])
-        return output
+        return C.Handle(result=output) if async_op else output
     if inner is None or inner.size in (1, size):
-        received = _quantized_exchange(chunks, group, block_size)
-        output.copy_(received.sum(0).to(output.dtype))
-        return output
+        exchange = _quantized_exchange(chunks, group, block_size, async_op)
+        received = (lambda: exchange.wait()) if async_op else (lambda: exchange)
+        return _result(lambda: output.copy_(received().sum(0).to(output.dtype)), [], async_op)
     k, m = inner.size, size // inner.size
     # level 1 (inside the block): position l receives, from every block member, the m chunks {b*k + l}
     by_position = chunks.view(m, k, n).transpose(0, 1).reshape(k, m * n)  # row l: chunks b*k+l for all b
-    partial = _quantized_exchange(by_position, inner, block_size).sum(0)  # [m*n]: block sums of my chunks
-    # level 2 (across blocks): the rank at block b keeps chunk b*k+l; the others' partial sums arrive
-    final = _quantized_exchange(partial.view(m, n), outer, block_size).sum(0)
-    output.copy_(final.to(output.dtype))
-    return output
+    level1 = _quantized_exchange(by_position, inner, block_size, async_op)
+
+    def finish():
+        partial = (level1.wait() if async_op else level1).sum(0)  # [m*n]: block sums of my chunks
+        # level 2 (across blocks): the rank at block b keeps chunk b*k+l; the others' partial sums arrive
+        final = _quantized_exchange(partial.view(m, n), outer, block_size).sum(0)
+        return output.copy_(final.to(output.dtype))
+
+    return _result(finish, [], async_op)

@@ -1,15 +1,14 @@
 """ZeRO++ (arXiv 2306.10209) as strategies at the seams of ``zero.strategies``.
 
 * ``QuantizedGather`` -- qwZ (§3.1): the stage-3 all-gather moves int8 block-quantized shards
-  (``quantized_all_gather``). It is synchronous, so a prefetch of a quantized group is complete
-  when issued and returns no handle.
+  (``quantized_all_gather``), asynchronous like the plain gather, so the prefetch overlaps it.
 * ``SecondaryGather`` -- hpZ (§3.2): wraps the forward gather (plain or qwZ); what it delivers
   fills this rank's slice of the secondary partition, and a backward gather of a group whose
   slice is valid runs inside the node only (``SecondaryPartition.gather``). A step invalidates the
   slices; persistent groups are not held twice.
 * ``QuantizedReduceScatter`` -- qgZ (§3.3): the gradient reduce-scatter of stages 1-3 as int8
   all-to-alls summed in fp32 by the owner, hierarchically (node first, then across nodes) when
-  node groups are given. Synchronous: its handle is already finished when the reducer queues it.
+  node groups are given. Asynchronous under ``overlap_comm``, as the plain reduce-scatter.
 """
 
 from __future__ import annotations
@@ -27,9 +26,9 @@ class QuantizedGather(PlainGather):
         self.block = block
 
     def gather(self, g: int, buf: torch.Tensor, source, backward: bool, async_op: bool) -> list:
-        for out, shard in self.layout.gather_pairs(g, buf, *source.take(g)):
-            quantized_all_gather(out, shard, self.group, self.block)
-        return []
+        handles = [quantized_all_gather(out, shard, self.group, self.block, async_op=async_op)
+                   for out, shard in self.layout.gather_pairs(g, buf, *source.take(g))]
+        return handles if async_op else []
 
 
 class SecondaryGather:
@@ -64,5 +63,6 @@ class QuantizedReduceScatter:
         self.group, self.block, self.inner, self.outer = group, block, inner, outer
 
     def reduce_scatter(self, out: torch.Tensor, bucket: torch.Tensor, async_op: bool) -> C.Handle:
-        quantized_reduce_scatter(out, bucket, self.group, self.block, inner=self.inner, outer=self.outer)
-        return C.Handle(result=out)
+        done = quantized_reduce_scatter(out, bucket, self.group, self.block, inner=self.inner,
+                                        outer=self.outer, async_op=async_op)
+        return done if async_op else C.Handle(result=out)
