@@ -24,7 +24,8 @@ from zerotron.data.atomic import nearest_existing, write_probe
 from zerotron.training.checkpoint_io import (LOAD_EARLIER, PARTIAL_STEP_DIR, STEP_DIR, CheckpointError,
                                              complete_checkpoints, resolve_load_path)
 from zerotron.training.config import ConfigError
-from zerotron.training.export import export_hf as export_hf_class, export_safetensors
+from zerotron.training.export import export_safetensors
+from zerotron.training.hf_export import export_hf as export_hf_class
 
 
 def check_output(flag: str, out: str, directory: bool) -> None:

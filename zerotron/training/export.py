@@ -204,16 +204,6 @@ def write_tokenizer_files(checkpoint: str, out: Path, max_length: int,
     return write_hf_tokenizer(tokenizer_model(checkpoint, override), out, max_length)
 
 
-def export_hf(checkpoint: str, out_dir: str, dtype: str = "fp32", tokenizer: str | None = None) -> Path:
-    """The transformers class of the checkpoint's family: GPT-2, or Llama / Mistral / Qwen2
-    (``hf_export.py``)."""
-    meta, _, _ = _open(checkpoint)
-    if saved_architecture(meta["model"]) == "gpt2":
-        return export_hf_gpt2(checkpoint, out_dir, dtype, tokenizer)
-    from zerotron.training.hf_export import export_hf_llama
-    return export_hf_llama(checkpoint, out_dir, dtype, tokenizer)
-
-
 def export_hf_gpt2(checkpoint: str, out_dir: str, dtype: str = "fp32", tokenizer: str | None = None) -> Path:
     """A directory that ``GPT2LMHeadModel.from_pretrained`` (tied lm_head) and ``AutoTokenizer.from_pretrained``
     load, with ``generation_config.json``; ``tokenizer`` only for checkpoints that record none."""
@@ -224,7 +214,7 @@ def export_hf_gpt2(checkpoint: str, out_dir: str, dtype: str = "fp32", tokenizer
     arch = saved_architecture(m)
     if arch != "gpt2":
         raise CheckpointError(f"{checkpoint} holds a {arch}-family model; export_hf_gpt2 writes "
-                              f"GPT-2 only: use export_hf, which picks the class")
+                              f"GPT-2 only: use hf_export.export_hf, which picks the class")
     heads, vocab = m["num_heads"], m["vocab_size"]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -17,7 +17,8 @@ import torch
 
 from zerotron.training.checkpoint_io import CheckpointError
 from zerotron.training.export import (_dtype, _open, _require_transformers, _shape_without_padding,
-                                      full_tensors, tokenizer_model, write_tokenizer_files)
+                                      export_hf_gpt2, full_tensors, saved_architecture,
+                                      tokenizer_model, write_tokenizer_files)
 from zerotron.training.safetensors_stream import SafetensorsStreamWriter
 
 CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
@@ -123,3 +124,11 @@ def export_hf_llama(checkpoint: str, out_dir: str, dtype: str = "fp32",
     config.update(write_tokenizer_files(checkpoint, out, positions, tokenizer))
     (out / "config.json").write_text(json.dumps(config, indent=1))
     return out
+
+
+def export_hf(checkpoint: str, out_dir: str, dtype: str = "fp32", tokenizer: str | None = None) -> Path:
+    """The transformers class of the checkpoint's family: GPT-2, or Llama / Mistral / Qwen2."""
+    meta, _, _ = _open(checkpoint)
+    if saved_architecture(meta["model"]) == "gpt2":
+        return export_hf_gpt2(checkpoint, out_dir, dtype, tokenizer)
+    return export_hf_llama(checkpoint, out_dir, dtype, tokenizer)
