@@ -1,17 +1,21 @@
 """``--init-from-hf`` holds no more than a rank's share in host memory while it imports.
 
 A Llama whose fp32 weights are 4x a rank's share (TP 2 x PP 2: each rank's slice is a quarter
-of the model; a vocabulary of 32768 makes the tables most of it) is imported on 4 gloo ranks. Measured around the import
-alone, on each rank: the live storages it creates (``MemoryTracker``, the allocator's side, less
-the model's and optimizer's storages registered before it; the optimizer's copy of its masters
-into the model, which ends any load, is left out of this one) -- safetensors' slices are views
-of the file's mapping, which the tracker counts at the whole tensor's size though only the
-slice's pages are read, so its bound adds the largest tensor once -- and
-the process's peak resident set (``VmHWM`` after resetting it through ``/proc/self/clear_refs``:
-anonymous memory and the safetensors pages mapped, which a whole-model read would all touch).
+of the model; a vocabulary of 32768 makes the tables most of it) is imported on 4 gloo ranks.
+Measured around the import alone, on each rank:
+
+* the process's peak resident set (``VmHWM`` after resetting it through ``/proc/self/clear_refs``:
+  anonymous memory and the safetensors pages mapped, which a whole-model read would all touch),
+  within 1.5x the share;
+* the live storages it creates (``MemoryTracker``, the allocator's side, less the model's and
+  optimizer's storages registered before it; the optimizer's copy of its masters into the model,
+  which ends any load, is left out). safetensors' slices are views of the file's mapping, which
+  the tracker counts at the whole tensor's size though only the slice's pages are read, so its
+  bound is 1.5x the share plus the largest tensor once.
+
 Before the measurement the model and optimizer are built and every page of them written once,
-as any start-up does, so what grows is the import's own: within 1.5x the share.
-The same ranks then import at TP 2 x DP 2 with ZeRO-2 and compare every parameter bit for bit.
+as any start-up does, so what grows is the import's own. The same ranks then import at TP 2 x
+DP 2 with ZeRO-2 and compare every parameter bit for bit with the parity test's own cut.
 """
 
 from __future__ import annotations

@@ -111,7 +111,8 @@ def _gpt2(raw: dict, directory) -> dict:
     if act not in approx:
         raise _refuse(directory, f"activation_function={act!r}: zerotron builds GPT-2 with "
                                  f"{', '.join(approx)}")
-    for key in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn", "add_cross_attention"):
+    for key in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn",
+                "add_cross_attention"):
         if raw.get(key):
             raise _refuse(directory, f"{key}=true is not built; zerotron builds plain GPT-2")
     if raw.get("scale_attn_weights", True) is not True or not raw.get("tie_word_embeddings", True):
@@ -146,7 +147,8 @@ def read_hf_config(directory: str, seq_length: int | None = None) -> HFModel:
     archs = raw.get("architectures") or []
     arch = archs[0] if isinstance(archs, list) and len(archs) == 1 else archs
     if arch not in FAMILIES:
-        raise _refuse(directory, f"architectures={archs!r} is not built; zerotron builds {WE_BUILD}")
+        raise _refuse(directory, f"architectures={archs!r} is not built; zerotron builds "
+                                 f"{WE_BUILD}")
     model_type = FAMILIES[arch]
     if raw.get("model_type", model_type) != model_type:
         raise _refuse(directory, f"model_type={raw.get('model_type')!r} does not match "

@@ -59,8 +59,10 @@ def hf_tensors(name: str, m: dict) -> list[tuple[str, object]]:
                 .reshape(-1, *t.shape[1:])
         return cut
 
-    simple = {"ln1.weight": "input_layernorm.weight", "ln2.weight": "post_attention_layernorm.weight",
-              "attn.proj.weight": "self_attn.o_proj.weight", "mlp.fc2.weight": "mlp.down_proj.weight"}
+    simple = {"ln1.weight": "input_layernorm.weight",
+              "ln2.weight": "post_attention_layernorm.weight",
+              "attn.proj.weight": "self_attn.o_proj.weight",
+              "mlp.fc2.weight": "mlp.down_proj.weight"}
     if rest in simple:
         return [(p + simple[rest], lambda t: t)]
     if rest.startswith("attn.qkv."):
@@ -88,7 +90,8 @@ def hf_config(m: dict, family: str, positions: int, dt: torch.dtype) -> dict:
               "vocab_size": m["vocab_size"], "hidden_size": hidden,
               "intermediate_size": m.get("ffn_hidden_size") or 4 * hidden,
               "num_hidden_layers": m["num_layers"], "num_attention_heads": heads,
-              "num_key_value_heads": m.get("num_query_groups") or heads, "head_dim": hidden // heads,
+              "num_key_value_heads": m.get("num_query_groups") or heads,
+              "head_dim": hidden // heads,
               "max_position_embeddings": positions, "rms_norm_eps": m.get("layernorm_eps", 1e-5),
               "hidden_act": "silu", "attention_dropout": 0.0, "rope_parameters": rope,
               "tie_word_embeddings": not m.get("untie_embeddings_and_output_weights", False),
@@ -126,7 +129,8 @@ def export_hf_llama(checkpoint: str, out_dir: str, dtype: str = "fp32",
     return out
 
 
-def export_hf(checkpoint: str, out_dir: str, dtype: str = "fp32", tokenizer: str | None = None) -> Path:
+def export_hf(checkpoint: str, out_dir: str, dtype: str = "fp32",
+              tokenizer: str | None = None) -> Path:
     """The transformers class of the checkpoint's family: GPT-2, or Llama / Mistral / Qwen2."""
     meta, _, _ = _open(checkpoint)
     if saved_architecture(meta["model"]) == "gpt2":

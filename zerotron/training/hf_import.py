@@ -68,7 +68,8 @@ class HFTensors:
             try:
                 self._handles[filename] = safe_open(str(self.directory / filename), "pt")
             except Exception as e:  # safetensors raises its own error types for a bad header
-                raise _error(self.directory, f"{filename} is not a safetensors file ({e})") from None
+                raise _error(self.directory,
+                             f"{filename} is not a safetensors file ({e})") from None
         return self._handles[filename]
 
     def close(self) -> None:
@@ -104,7 +105,8 @@ class HFTensors:
         if piece.interleave:  # gate/up pairs: read the pairs covering the range, then trim
             j0, j1 = start // 2, (end + 1) // 2
             a = piece.rows[0]
-            pair = [self._read(n, piece, a + j0, a + j1, dtype) for n in (piece.hf, piece.interleave)]
+            pair = [self._read(n, piece, a + j0, a + j1, dtype)
+                    for n in (piece.hf, piece.interleave)]
             both = torch.stack(pair, dim=1).reshape(-1, width)
             return both[start - 2 * j0:end - 2 * j0]
         a = piece.rows[0]
