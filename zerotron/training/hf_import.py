@@ -192,6 +192,9 @@ def start_run(trainer) -> dict:
 
     cfg = trainer.cfg
     if trainer.resume.path is not None:
+        if cfg.checkpoint.init_from_hf:
+            trainer.log(f"[hf] checkpoint.init_from_hf={cfg.checkpoint.init_from_hf} is not read: "
+                        f"the run continues {trainer.resume.path}")
         saved = read_metadata(trainer.resume.path).get("model", {}).get("hf_model_type")
         return {"hf_model_type": saved} if saved else {}
     if not cfg.checkpoint.init_from_hf:
