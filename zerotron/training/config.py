@@ -188,9 +188,10 @@ class RunConfig:
         dp = self.parallel.dp
         t = self.training
         for name in ("train_steps", "micro_batch_size", "global_batch_size"):
-            import_only = name == "train_steps" and self.checkpoint.init_from_hf is not None
-            _positive(f"training.{name}", getattr(t, name), allow_zero=import_only,
-                      fix="0 only with checkpoint.init_from_hf (import and save)")
+            steps = name == "train_steps"
+            _positive(f"training.{name}", getattr(t, name),
+                      allow_zero=steps and self.checkpoint.init_from_hf is not None,
+                      fix="0 only with checkpoint.init_from_hf (import and save)" if steps else "")
         if not 0 <= t.seed < 2**62:
             raise ConfigError(f"training.seed={t.seed} must be in [0, 2**62) (numpy refuses negative seeds); "
                               f"e.g. 1234")

@@ -202,8 +202,8 @@ class Trainer:
 
     # the loop --------------------------------------------------------------------------------
     def train_step(self) -> dict:
-        """One global batch (``loss``, the DP mean, and ``grad_norm``: 0-dim device tensors);
-        raises ``TrainingStopped`` at a log step (or the last) if a loss so far was non-finite."""
+        """One global batch: ``loss`` (the DP mean) and ``grad_norm`` are 0-dim device tensors.
+        Raises ``TrainingStopped`` at a log step (or the last) if a loss so far was non-finite."""
         cfg, t = self.cfg, self.cfg.training
         # the schedule is at the number of updates applied: an fp16 step skipped for overflow does
         # not advance it, as DeepSpeed and Megatron step their schedulers only after an update
