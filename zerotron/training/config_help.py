@@ -142,7 +142,8 @@ HELP: dict[str, str] = {
     "optimizer.cycle_momentum": "onecycle: beta1 cycles inversely to the rate, from beta1 to cycle_min_beta1",
     "optimizer.cycle_min_beta1": "onecycle: the cycle's lowest beta1 (beta1 is its highest)",
     "optimizer.decay_beta1_rate": "onecycle: after the cycle, beta1 x (1 + rate x steps / decay_step_size)",
-    "training.train_steps": "optimizer steps (global batches) of the whole run",
+    "training.train_steps": "optimizer steps (global batches) of the whole run (0: with "
+                            "checkpoint.init_from_hf, import and save)",
     "training.micro_batch_size": "samples per rank per forward/backward",
     "training.global_batch_size": "samples per optimizer step (micro_batch_size x dp x accumulation)",
     "training.precision": "parameters' precision; 16-bit keeps fp32 masters; fp64 is the tests' reference",
@@ -170,6 +171,9 @@ HELP: dict[str, str] = {
     "checkpoint.consolidated_16bit": "each checkpoint also holds consolidated.safetensors (working dtype)",
     "checkpoint.override_schedule": "resume although lr schedule, global batch or seed differ",
     "checkpoint.async_save": "copy the shard to host memory, write it on a thread as training goes on",
+    "checkpoint.init_from_hf": "a transformers Llama/Mistral/Qwen2/GPT-2 directory: its architecture "
+                               "and weights start the run (optimizer fresh; a resumable checkpoint "
+                               "wins); docs/huggingface.md",
 }
 
 
