@@ -77,7 +77,7 @@ def _yaml(tmp_path: Path, text: str) -> str:
     (["--model.vocab_size", "0"], "model.vocab_size=0 must be a positive integer, or null"),
     (["--run-dir", ""], "logging.run_dir is empty"),
     (["--data.eval_path", "held_out"], "data.eval_path=['held_out'] is set but data.data_path is not"),
-    (["--data.tokenizer", "t.model"], "data.tokenizer='t.model' is set but data.data_path is not"),
+    (["--data.tokenizer", "t.model"], "data.tokenizer=t.model: not found"),  # the corpus's tokenizer
 ])
 def test_bad_value_exits_2_naming_the_field(run_main, extra, needle):
     code, err = run_main(extra)

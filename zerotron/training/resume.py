@@ -298,15 +298,15 @@ def check_tokenizer(path: Path, tokenizer: str | None, cfg) -> None:
     ``encoding_digest`` against the copy the checkpoint keeps (two builds of the built-in corpus's
     tokenizer differ in their bytes, not in how they encode); a checkpoint without a copy is not
     checked."""
-    from zerotron.data.tokenizer import encoding_digest
+    from zerotron.data.tokenizer import encoding_digest, tokenizer_sha256
 
     meta = read_metadata(path)
     kept = meta.get("tokenizer")
     copy = path / kept["file"] if kept else None
-    if copy is not None and copy.is_file() and sha256_file(copy) != kept["sha256"]:
+    if copy is not None and copy.exists() and tokenizer_sha256(copy) != kept["sha256"]:
         raise CheckpointError(f"checkpoint {path}: its tokenizer copy {copy} does not match the "
                               f"SHA-256 in metadata.json" + LOAD_EARLIER)
-    if not tokenizer or copy is None or not copy.is_file() or encoding_digest(tokenizer) == encoding_digest(copy):
+    if not tokenizer or copy is None or not copy.exists() or encoding_digest(tokenizer) == encoding_digest(copy):
         return
     what = (f"the tokenizer at {tokenizer} has changed since" if Path(kept["path"]) == Path(tokenizer).resolve()
             else f"this run's tokenizer, {tokenizer}, encodes otherwise than {kept['path']}, the one it had when")
