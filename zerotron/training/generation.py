@@ -1,0 +1,84 @@
+"""What ``scripts/generate.py`` builds: the model of a zerotron checkpoint in this TP layout,
+its tokenizer, and the prompt's ids.
+
+Why from the checkpoint's fp32 masters: they are the weights the run trained (a 16-bit run's
+working copy is their rounding), saved in any TP x PP x DP layout and resharded here by the
+loader the trainer uses (``checkpoint._Assembler``), so a checkpoint written at TP 2 x PP 2
+generates at TP 1 or TP 4 alike. The model is built on the meta device and filled slice by
+slice: no random initialisation of weights that are overwritten at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+
+from zerotron.model.config import GPTConfig
+from zerotron.model.gpt import GPT
+from zerotron.parallel.shard_info import set_shard_info, shard_info
+from zerotron.training.checkpoint import _Assembler, canonical_names, check_shape
+from zerotron.training.checkpoint_io import (CheckpointError, ShardReader, read_metadata,
+                                             resolve_load_path)
+
+# generation reads one document: packed-document masking has nothing to separate
+_ONE_DOCUMENT = dict(reset_attention_mask=False, reset_position_ids=False, dropout=0.0,
+                     attention_dropout=0.0)
+
+
+def checkpoint_config(meta: dict) -> GPTConfig:
+    """The ``GPTConfig`` a checkpoint's ``metadata.json`` records (its ``architecture`` label is
+    derived from the fields, not one)."""
+    fields = {f.name for f in dataclasses.fields(GPTConfig)}
+    values = {k: v for k, v in meta["model"].items() if k in fields}
+    return GPTConfig(**{**values, **{k: v for k, v in _ONE_DOCUMENT.items() if k in fields}})
+
+
+def open_checkpoint(load: str) -> tuple[Path, dict, GPTConfig]:
+    """The checkpoint's directory, metadata and model config; ``CheckpointError`` names ``--load``."""
+    path, _ = resolve_load_path(load, field="--load", otherwise="")
+    meta = read_metadata(path)
+    if not meta.get("model"):
+        raise CheckpointError(f"--load {path}: its metadata.json records no model config (a library "
+                              f"save without one); generate needs the model's shape")
+    try:
+        return path, meta, checkpoint_config(meta)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"--load {path}: its model config does not build ({e})") from None
+
+
+def model_from_checkpoint(path: Path, meta: dict, cfg: GPTConfig, grid, device,
+                          dtype: torch.dtype = torch.float32) -> GPT:
+    """This TP rank's slice of every weight, read from the checkpoint's masters; eval mode."""
+    model = GPT(cfg, grid, dtype=dtype, device="meta")
+    infos = {name: shard_info(p, name) for name, p in model.named_parameters()}
+    model.to_empty(device=device)  # new parameters: their ShardInfo attached again below
+    names = canonical_names(model)
+    assembler = _Assembler(meta, ShardReader(path, meta["files"]), grid, torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            info = infos[name]
+            set_shard_info(p, info)
+            check_shape(names[name], meta["params"][names[name]]["global_shape"], info.global_shape)
+            local = assembler.local(names[name], "master", list(p.shape), info.tp_split_dim)
+            p.copy_(local.view(p.shape))
+    return model.eval()
+
+
+def kept_tokenizer(path: Path) -> str | None:
+    """The checkpoint's own copy of its run's tokenizer (verified), or None if it keeps none."""
+    from zerotron.training.export import tokenizer_model
+
+    if not read_metadata(path).get("tokenizer"):
+        return None
+    return str(tokenizer_model(str(path)))
+
+
+def prompt_from_text(tokenizer_path: str, text: str) -> list[int]:
+    """The ids a document starting with ``text`` begins with in the token files: an HF
+    tokenizer's bos (where it has one), then the text's ids."""
+    from zerotron.data.tokenizer import Tokenizer
+
+    tok = Tokenizer.load(tokenizer_path)
+    return ([tok.bos_id] if tok.bos_id is not None else []) + tok.encode(text)
