@@ -87,6 +87,10 @@ def build_references(tmp: str) -> dict:
             for name, p in model.named_parameters():
                 if "norm" in name or name.endswith("bias"):
                     p.add_(0.1 * torch.randn_like(p))
+                if name.endswith(("q_proj.weight", "k_proj.weight")):
+                    p.mul_(10)  # sharp attention: what a key's position is changes the tokens
+                if name.endswith(("o_proj.weight", "down_proj.weight")):
+                    p.mul_(20)  # the blocks outweigh the token's own (tied) embedding
         greedy = {}
         for key, ids in (("ids", PROMPT), ("text", hf_tok.encode(TEXT))):
             got = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=NEW,
