@@ -111,7 +111,46 @@ def build_references(tmp: str) -> dict:
                                model_config=model_meta, run_config={}, rng_states={},
                                run_id=family, tokenizer=str(tok_dir))
         out[family] = dict(greedy=greedy, checkpoint=str(path), text_ids=hf_tok.encode(TEXT))
+    out["gpt2"] = gpt2_through_the_export(tmp, tok_dir)
     return out
+
+
+def gpt2_through_the_export(tmp: str, tok_dir: Path) -> dict:
+    """A GPT-2 checkpoint that keeps an HF tokenizer, exported by ``convert_checkpoint.py --hf``:
+    the export's ``AutoTokenizer`` gives the source directory's ids, its generation config the
+    tokenizer's bos/eos/pad, and ``GPT2LMHeadModel`` from it the greedy reference."""
+    import convert_checkpoint
+    from transformers import AutoTokenizer, GPT2LMHeadModel, GenerationConfig
+
+    from zerotron.model import GPTConfig
+    from zerotron.model.gpt import GPT
+    from zerotron.parallel import Grid, ParallelDims
+    from zerotron.training.checkpoint import save_checkpoint
+    from zerotron.zero import ZeroConfig, ZeroOptimizer
+
+    source = AutoTokenizer.from_pretrained(str(tok_dir))
+    cfg = GPTConfig(num_layers=2, hidden_size=48, num_heads=4, vocab_size=len(source),
+                    seq_length=64, gelu_approximate="none")
+    grid = Grid(ParallelDims(), 0, 1)
+    model = GPT(cfg, grid, seed=7)
+    with torch.no_grad():  # as the families' references: sharp attention, strong blocks
+        for name, p in model.named_parameters():
+            p.mul_(10 if name.endswith("qkv.weight") else 20 if name.endswith("fc2.weight") else 1)
+    opt = ZeroOptimizer(model, grid, ZeroConfig(stage=1))
+    meta = {**dataclasses.asdict(cfg), "architecture": cfg.architecture}
+    path = save_checkpoint(f"{tmp}/gpt2", 0, model, opt, grid, consumed_samples=0, model_config=meta,
+                           run_config={}, rng_states={}, run_id="gpt2", tokenizer=str(tok_dir))
+    assert (path / "tokenizer" / "tokenizer.json").is_file()  # the checkpoint keeps its own copy
+    out = f"{tmp}/gpt2-hf"
+    assert convert_checkpoint.main([str(path), "--hf", out]) == 0
+    exported = AutoTokenizer.from_pretrained(out)
+    for text in (TEXT, "def forward(self, x): return x + 1 # naïve ▁"):
+        assert exported.encode(text) == source.encode(text), text
+    gen = GenerationConfig.from_pretrained(out)
+    assert (gen.bos_token_id, gen.eos_token_id, gen.pad_token_id) == (0, 1, 2)
+    hf = GPT2LMHeadModel.from_pretrained(out).eval()
+    got = hf.generate(torch.tensor([PROMPT]), do_sample=False, max_new_tokens=NEW)
+    return dict(greedy={"ids": got[0, len(PROMPT):].tolist()}, checkpoint=str(path))
 
 
 def generate_in_ranks(refs: dict) -> dict:
@@ -120,6 +159,8 @@ def generate_in_ranks(refs: dict) -> dict:
     for family, ref in refs.items():
         for key, prompt in (("ids", ["--prompt-ids", ",".join(map(str, PROMPT))]),
                             ("text", ["--prompt", TEXT])):
+            if key not in ref["greedy"]:
+                continue
             printed = io.StringIO()
             with contextlib.redirect_stdout(printed):
                 code = generate_script.main(["--load", ref["checkpoint"], "--tp", "2", *prompt,
@@ -138,6 +179,8 @@ def test_generate_at_tp2_equals_transformers_greedy(tmp_path):
         assert got["prompt_ids"] == PROMPT
         assert got["output_ids"] == ref["greedy"]["ids"], family
         assert len(got["output_ids"]) == NEW or got["output_ids"][-1] == 1
+        if family == "gpt2":
+            continue
         got = ranks[0][(family, "text")]
         assert got["prompt_ids"] == ref["text_ids"]  # bos + the text's ids, as AutoTokenizer's
         assert got["output_ids"] == ref["greedy"]["text"], family
