@@ -3,6 +3,10 @@
     python scripts/convert_checkpoint.py runs/tiny/checkpoints --safetensors out/model.safetensors --dtype bf16
     python scripts/convert_checkpoint.py runs/tiny/checkpoints/step_00000300 --hf out/gpt2-tiny
 
+--hf writes the transformers class of the checkpoint's family: GPT2LMHeadModel, or for the Llama
+family the class it was imported from with --init-from-hf (LlamaForCausalLM, MistralForCausalLM,
+Qwen2ForCausalLM; Qwen2 for q/k/v biases, else Llama, when it records none).
+
 Streams one tensor at a time: memory is bounded by the largest tensor, not the model. The --hf
 directory also holds the run's tokenizer (tokenizer.json, tokenizer_config.json, tokenizer.model)
 and generation_config.json, so AutoTokenizer.from_pretrained and generate work on it as they are.
@@ -20,7 +24,7 @@ from zerotron.data.atomic import nearest_existing, write_probe
 from zerotron.training.checkpoint_io import (LOAD_EARLIER, PARTIAL_STEP_DIR, STEP_DIR, CheckpointError,
                                              complete_checkpoints, resolve_load_path)
 from zerotron.training.config import ConfigError
-from zerotron.training.export import export_hf_gpt2, export_safetensors
+from zerotron.training.export import export_hf as export_hf_class, export_safetensors
 
 
 def check_output(flag: str, out: str, directory: bool) -> None:
@@ -45,15 +49,15 @@ def check_output(flag: str, out: str, directory: bool) -> None:
 
 
 def export_hf(checkpoint: str, out: str, dtype: str, tokenizer: str | None) -> Path:
-    """``export_hf_gpt2`` into ``out``; a new directory is built under ``<out>.partial`` and renamed
+    """``export_hf_class`` (the checkpoint's class) into ``out``; a new directory is built under ``<out>.partial`` and renamed
     when complete, so a failure (a full disk, a bad tokenizer) leaves no half-written model."""
     final = Path(out)
     if final.exists():  # the user's own directory: written into, as before
-        return export_hf_gpt2(checkpoint, out, dtype, tokenizer)
+        return export_hf_class(checkpoint, out, dtype, tokenizer)
     tmp = final.with_name(final.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        export_hf_gpt2(checkpoint, str(tmp), dtype, tokenizer)
+        export_hf_class(checkpoint, str(tmp), dtype, tokenizer)
         tmp.rename(final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -72,8 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", help="a step_XXXXXXXX directory, or a save directory (its newest complete one)")
     p.add_argument("--safetensors", help="write every parameter into this single .safetensors file")
-    p.add_argument("--hf", help="write a transformers GPT-2 directory with its tokenizer "
-                                "(GPT2LMHeadModel / AutoTokenizer.from_pretrained)")
+    p.add_argument("--hf", help="write a transformers directory of the checkpoint's class (GPT2LMHeadModel, "
+                                "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM) with its tokenizer")
     p.add_argument("--tokenizer", help="the run's sentencepiece .model, only for checkpoints that do not keep "
                                        "their own (default: the checkpoint's copy)")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",

@@ -43,6 +43,7 @@ SHORT_FLAGS = {
     "save": ("checkpoint", "save"),
     "save-interval": ("checkpoint", "save_interval"),
     "load": ("checkpoint", "load"),
+    "init-from-hf": ("checkpoint", "init_from_hf"),
     "log-interval": ("logging", "log_interval"),
     "eval-interval": ("logging", "eval_interval"),
     "wandb-mode": ("logging", "wandb_mode"),
@@ -165,6 +166,12 @@ def parse_config(argv: list[str] | None = None, exit_codes: str = "", world_size
         set_field(cfg, section.replace("-", "_"), name.replace("-", "_"), value)
         flagged.add(field)
         i += 1
+    if cfg.checkpoint.init_from_hf:  # the directory's architecture replaces the preset
+        from zerotron.training.hf_config import adopt_architecture, use_hf_tokenizer
+
+        note = use_hf_tokenizer(cfg, adopt_architecture(cfg, flagged))
+        if note and int(os.environ.get("RANK", 0)) == 0:
+            print(f"[hf] {note}", flush=True)
     if args.deepspeed_config:
         world = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", 1))
         lines = apply_deepspeed(cfg, args.deepspeed_config, flagged, world)

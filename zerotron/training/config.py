@@ -131,6 +131,9 @@ class CheckpointSection:
     override_schedule: bool = False  # resume although lr schedule / global batch / seed differ
     consolidated_16bit: bool = False  # each checkpoint also holds consolidated.safetensors (DeepSpeed's gather_16bit)
     async_save: bool = False  # loop waits only for a host copy; a thread writes (Megatron --async-save)
+    # a transformers model directory (Llama, Mistral, Qwen2, GPT-2): its architecture and weights
+    # start the run (optimizer fresh, step 0); a checkpoint to resume wins over it
+    init_from_hf: str | None = None
 
 
 @dataclass
@@ -185,7 +188,9 @@ class RunConfig:
         dp = self.parallel.dp
         t = self.training
         for name in ("train_steps", "micro_batch_size", "global_batch_size"):
-            _positive(f"training.{name}", getattr(t, name))
+            import_only = name == "train_steps" and self.checkpoint.init_from_hf is not None
+            _positive(f"training.{name}", getattr(t, name), allow_zero=import_only,
+                      fix="0 only with checkpoint.init_from_hf (import and save)")
         if not 0 <= t.seed < 2**62:
             raise ConfigError(f"training.seed={t.seed} must be in [0, 2**62) (numpy refuses negative seeds); "
                               f"e.g. 1234")

@@ -1,4 +1,4 @@
-"""Export a (sharded, any-layout) checkpoint to one safetensors file or a Hugging Face GPT-2 directory.
+"""Export a (sharded, any-layout) checkpoint to one safetensors file or a Hugging Face directory.
 
 One parameter is assembled from its shards, converted and written before the next is read, so
 memory is bounded by the largest tensor, not the model -- the failure mode of DeepSpeed's
@@ -202,18 +202,35 @@ def saved_architecture(model_meta: dict) -> str:
     return "gpt2" if all(model_meta.get(k, v) == v for k, v in GPT2_ARCH.items()) else "llama"
 
 
+def write_tokenizer_files(checkpoint: str, out: Path, max_length: int,
+                          override: str | None = None) -> dict[str, int]:
+    """The one place an HF export writes its tokenizer files and ``generation_config.json``
+    (today the checkpoint's SentencePiece model, converted); returns the special ids for
+    ``config.json``."""
+    return write_hf_tokenizer(tokenizer_model(checkpoint, override), out, max_length)
+
+
+def export_hf(checkpoint: str, out_dir: str, dtype: str = "fp32", tokenizer: str | None = None) -> Path:
+    """The transformers class of the checkpoint's family: GPT-2, or Llama / Mistral / Qwen2
+    (``hf_export.py``)."""
+    meta, _, _ = _open(checkpoint)
+    if saved_architecture(meta["model"]) == "gpt2":
+        return export_hf_gpt2(checkpoint, out_dir, dtype, tokenizer)
+    from zerotron.training.hf_export import export_hf_llama
+    return export_hf_llama(checkpoint, out_dir, dtype, tokenizer)
+
+
 def export_hf_gpt2(checkpoint: str, out_dir: str, dtype: str = "fp32", tokenizer: str | None = None) -> Path:
     """A directory that ``GPT2LMHeadModel.from_pretrained`` (tied lm_head) and ``AutoTokenizer.from_pretrained``
     load, with ``generation_config.json``; ``tokenizer`` only for checkpoints that record none."""
-    tok_model = tokenizer_model(checkpoint, tokenizer)  # both fail before anything is written
+    tokenizer_model(checkpoint, tokenizer)  # both fail before anything is written
     _require_transformers()
     meta, _, _ = _open(checkpoint)
     m, dt = meta["model"], _dtype(dtype)
     arch = saved_architecture(m)
     if arch != "gpt2":
-        raise CheckpointError(f"{checkpoint} holds a {arch}-family model; the Hugging Face "
-                              f"export writes GPT-2 (GPT2LMHeadModel) only: use --safetensors for "
-                              f"zerotron's own names")
+        raise CheckpointError(f"{checkpoint} holds a {arch}-family model; export_hf_gpt2 writes "
+                              f"GPT-2 only: use export_hf, which picks the class")
     heads, vocab = m["num_heads"], m["vocab_size"]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -234,7 +251,7 @@ def export_hf_gpt2(checkpoint: str, out_dir: str, dtype: str = "fp32", tokenizer
               "n_inner": ffn, "activation_function": "gelu" if m.get("gelu_approximate") == "none" else "gelu_new", "resid_pdrop": 0.0, "embd_pdrop": 0.0,
               "attn_pdrop": 0.0, "layer_norm_epsilon": m.get("layernorm_eps", 1e-5),
               "tie_word_embeddings": True, "torch_dtype": str(dt).removeprefix("torch.")}
-    config.update(write_hf_tokenizer(tok_model, out, positions))
+    config.update(write_tokenizer_files(checkpoint, out, positions, tokenizer))
     (out / "config.json").write_text(json.dumps(config, indent=1))
     return out
 

@@ -108,7 +108,8 @@ class RunLog:
         lines = [
             f"world {g.world_size} = TP {g.tp_size} x PP {g.pp_size} x DP {g.dp_size} | {zero} | precision "
             f"{t.precision} (gradients accumulate in {acc}) | {env.device.type}, {env.backend}",
-            f"model {cfg.model.preset}{_family(m)}: {m.num_layers} layers, hidden {m.hidden_size}, "
+            f"model {cfg.checkpoint.init_from_hf or cfg.model.preset}{_family(m)}: "
+            f"{m.num_layers} layers, hidden {m.hidden_size}, "
             f"{m.num_heads} heads{_groups(m)}, vocab "
             f"{m.vocab_size} (padded {m.padded_vocab_size(g.tp_size)}), seq {m.seq_length} | parameters "
             f"{count(self.params_total)} total, {per_rank} per rank (its TP x PP slice)",

@@ -216,6 +216,9 @@ def preflight(cfg: RunConfig) -> None:
     if cfg.data.data_path or cfg.data.tokenizer:  # without data_path: the built-in corpus's tokenizer
         vocab = check_data(cfg, cfg.data.tokenizer, list(cfg.data.data_path), list(cfg.data.eval_path))
     mcfg = validate_model(cfg, vocab)
+    if cfg.checkpoint.init_from_hf:  # every tensor there, of its shape: refused before any group
+        from zerotron.training.hf_import import check_directory
+        check_directory(cfg, mcfg)
     from zerotron.training.fit_check import check_fit
 
     check_fit(cfg, mcfg, int(os.environ.get("WORLD_SIZE", 1)))  # cannot fit: refused in seconds

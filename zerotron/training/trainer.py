@@ -24,7 +24,7 @@ from zerotron.parallel import host_sync
 from zerotron.parallel import rng as rng_streams
 from zerotron.parallel.runtime import DistEnv
 from zerotron.training import checkpoint as ckpt
-from zerotron.training import faults, resume
+from zerotron.training import faults, hf_import, resume
 from zerotron.training.batches import BatchLoader
 from zerotron.training.config import RunConfig
 from zerotron.training.metrics import CommWindow, MetricsLogger, PeakWindow, Throughput, host_values
@@ -74,7 +74,7 @@ class Trainer:
         self.model, self.opt, self.activations = plan.model, plan.optimizer, plan.activations
         self.memory.register(self.opt)
         # from the checkpoint's count on: train_steps x G falls short after a resume that shrank G
-        num_samples = self.resume.consumed + (t.train_steps - self.resume.step) * t.global_batch_size
+        num_samples = self.resume.consumed + max(1, t.train_steps - self.resume.step) * t.global_batch_size
         ds_args = dict(seq_length=self.mcfg.seq_length, seed=t.seed, cache_dir=cfg.data.cache_dir)
         if grid.rank == 0:  # the sample index is built once and cached; the others wait, then read it
             prepare_dataset_index(self.data.train_prefixes, self.data.train_weights, num_samples=num_samples, **ds_args)
@@ -91,7 +91,7 @@ class Trainer:
             BatchLoader(ds, t.micro_batch_size, t.global_batch_size, cfg.num_microbatches, grid.dp_rank,
                         grid.dp_size, env.device, depth=cfg.data.prefetch, vocab_size=self.data.vocab_size)
             if ds is not None else None for ds in (self.train_ds, self.eval_ds))
-        self.step, self.consumed = 0, 0
+        self.step, self.consumed, self.hf_label = 0, 0, hf_import.start_run(self)  # --init-from-hf
         if self.resume.path is not None:
             state = ckpt.load_checkpoint(str(self.resume.path), self.model, self.opt, grid,
                                          model_config=self.model_config_dict(), log=self.log,
@@ -122,7 +122,7 @@ class Trainer:
             print(text, flush=True)
 
     def model_config_dict(self) -> dict:  # with the family (gpt2 | llama), for metadata.json
-        return {**dataclasses.asdict(self.mcfg), "architecture": self.mcfg.architecture}
+        return {**dataclasses.asdict(self.mcfg), "architecture": self.mcfg.architecture, **self.hf_label}
 
     def _rng_states(self) -> dict[str, torch.Tensor]:
         return rng_streams.checkpoint_states(self.model.rng, self.env.device)
@@ -202,8 +202,8 @@ class Trainer:
 
     # the loop --------------------------------------------------------------------------------
     def train_step(self) -> dict:
-        """One global batch: ``loss`` (the DP mean) and ``grad_norm`` are 0-dim device tensors.
-        Raises ``TrainingStopped`` at a log step (or the last) if a loss so far was non-finite."""
+        """One global batch (``loss``, the DP mean, and ``grad_norm``: 0-dim device tensors);
+        raises ``TrainingStopped`` at a log step (or the last) if a loss so far was non-finite."""
         cfg, t = self.cfg, self.cfg.training
         # the schedule is at the number of updates applied: an fp16 step skipped for overflow does
         # not advance it, as DeepSpeed and Megatron step their schedulers only after an update
@@ -344,5 +344,7 @@ class Trainer:
                          f"[zerotron] SIGTERM: stopping at step {self.step}; no checkpoint written (checkpoint.save "
                          f"is not set), so this run cannot be resumed from here")
                 break
+        if c.save and t.train_steps == 0:  # --init-from-hf DIR --train-steps 0: the imported model
+            self.save()
         self.saves.finish()  # a run whose last step saves nothing still commits the one in flight
         return last
