@@ -4,10 +4,12 @@
     python scripts/generate.py --load runs/tiny/checkpoints --prompt "The optimizer" --max-new-tokens 40
     torchrun --nproc-per-node 2 scripts/generate.py --load CKPT --tp 2 --prompt-ids 1,2,3 --json
 
---load reads a zerotron checkpoint of any TP x PP x DP layout (its fp32 masters) into --tp
+--load reads a zerotron checkpoint of any TP x PP x DP layout (its fp32 masters), --hf a
+transformers directory (each rank reading only its rows, as --init-from-hf does), into --tp
 ranks (default: every rank of the job; pipeline stages are not chained, so the model runs whole
 on each TP group). Each new token reuses the keys and values of the earlier ones (a KV cache).
---prompt is encoded with the checkpoint's own tokenizer copy; --json prints
+--prompt is encoded with the checkpoint's own tokenizer copy (--hf: the directory's), after the
+tokenizer's bos where it has one, as the token files begin a document; --json prints
 {"prompt_ids": [...], "output_ids": [...], "text": "..."} on rank 0 only (text: the decoded new
 tokens, null without a tokenizer). Generation stops after --max-new-tokens or the tokenizer's
 end-of-document id.
@@ -29,6 +31,8 @@ def parse(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--load", help="a zerotron checkpoint (step_XXXXXXXX) or save directory")
+    source.add_argument("--hf", help="a transformers Llama, Mistral, Qwen2 or GPT-2 directory "
+                                     "(config.json, safetensors, tokenizer.json)")
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="text, encoded with the model's tokenizer")
     prompt.add_argument("--prompt-ids", help="token ids, comma-separated: 1,2,3")
@@ -68,15 +72,30 @@ def check_flags(p, args, world: int) -> None:
 
 
 def prepare(args):
-    """Checkpoint, model config, tokenizer and prompt ids, checked on every rank (no collective)."""
-    from zerotron.training.generation import kept_tokenizer, open_checkpoint, prompt_from_text
+    """Model source, config, tokenizer and prompt ids, checked on every rank (no collective);
+    returns the config, the tokenizer (or None) and how to build the model on a grid."""
+    from zerotron.data.hf_tokenizer import is_hf_dir
+    from zerotron.training import generation as g
 
-    path, meta, cfg = open_checkpoint(args.load)
-    tokenizer = kept_tokenizer(path)
+    if args.hf is not None:
+        tokenizer = args.hf if is_hf_dir(args.hf) else None
+        where = f"{args.hf} holds no tokenizer.json"
+    else:
+        path, meta, cfg = g.open_checkpoint(args.load)
+        tokenizer = g.kept_tokenizer(path)
+        where = f"{path} keeps no tokenizer"
     if args.prompt is not None:
         if tokenizer is None:
-            raise ValueError(f"--prompt: {path} keeps no tokenizer to encode it with; pass --prompt-ids")
-        args.ids = prompt_from_text(tokenizer, args.prompt)
+            raise ValueError(f"--prompt: {where} to encode it with; pass --prompt-ids")
+        args.ids = g.prompt_from_text(tokenizer, args.prompt)
+    if args.hf is not None:  # a sliding window is refused only where these tokens reach it
+        cfg, family = g.hf_config(args.hf, len(args.ids) + args.max_new_tokens)
+
+        def build(grid, device):
+            return g.model_from_hf(args.hf, cfg, family, grid, device)
+    else:
+        def build(grid, device):
+            return g.model_from_checkpoint(path, meta, cfg, grid, device)
     bad = [i for i in args.ids if not 0 <= i < cfg.vocab_size]
     if bad or not args.ids:
         raise ValueError(f"--prompt-ids: {bad or 'none given'}; ids must lie in [0, "
@@ -87,7 +106,7 @@ def prepare(args):
                          f"model's {cfg.max_positions} positions; shorten the prompt or "
                          f"--max-new-tokens")
     cfg.validate(args.tp)  # heads and query groups divide over the TP ranks
-    return path, meta, cfg, tokenizer
+    return cfg, tokenizer, build
 
 
 def main(argv=None) -> int:
@@ -98,15 +117,14 @@ def main(argv=None) -> int:
     from zerotron.training.checkpoint_io import CheckpointError
 
     try:
-        path, meta, cfg, tokenizer = prepare(args)
-    except (CheckpointError, OSError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        cfg, tokenizer, build = prepare(args)
+    except (CheckpointError, OSError, ValueError) as e:  # ValueError: ConfigError too
+        print(f"error: {str(e).replace('checkpoint.init_from_hf=', '--hf ')}", file=sys.stderr)
         return 2
     from zerotron.data.tokenizer import Tokenizer
     from zerotron.model.inference import generate
     from zerotron.parallel import Grid, ParallelDims
     from zerotron.parallel.runtime import init_distributed, shutdown
-    from zerotron.training.generation import model_from_checkpoint
 
     import torch.distributed as dist
 
@@ -116,7 +134,7 @@ def main(argv=None) -> int:
     env = init_distributed()
     try:
         grid = Grid(ParallelDims(tp=args.tp))
-        model = model_from_checkpoint(path, meta, cfg, grid, env.device)
+        model = build(grid, env.device)
         tok = Tokenizer.load(tokenizer) if tokenizer else None
         out = generate(model, args.ids, args.max_new_tokens, temperature=args.temperature,
                        top_p=args.top_p, seed=args.seed, eos_id=tok.eod_id if tok else None)

@@ -96,6 +96,9 @@ def build_references(tmp: str) -> dict:
             got = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=NEW,
                                  eos_token_id=1, pad_token_id=1)
             greedy[key] = got[0, len(ids):].tolist()
+        hf_dir = Path(tmp) / f"{family}-hf"  # the llama's weights sharded, with an index
+        model.save_pretrained(hf_dir, max_shard_size="100KB" if family == "llama" else "1GB")
+        hf_tok.save_pretrained(hf_dir)
         cfg = zerotron_config(family, vocab)
         ours = GPT(cfg, Grid(ParallelDims(), 0, 1))
         weights = to_zerotron({n: p.detach() for n, p in model.named_parameters()}, cfg)
@@ -110,7 +113,8 @@ def build_references(tmp: str) -> dict:
         path = save_checkpoint(f"{tmp}/{family}", 0, ours, opt, grid, consumed_samples=0,
                                model_config=model_meta, run_config={}, rng_states={},
                                run_id=family, tokenizer=str(tok_dir))
-        out[family] = dict(greedy=greedy, checkpoint=str(path), text_ids=hf_tok.encode(TEXT))
+        out[family] = {"greedy": greedy, "--load": str(path), "--hf": str(hf_dir),
+                       "text_ids": hf_tok.encode(TEXT)}
     out["gpt2"] = gpt2_through_the_export(tmp, tok_dir)
     return out
 
@@ -150,7 +154,7 @@ def gpt2_through_the_export(tmp: str, tok_dir: Path) -> dict:
     assert (gen.bos_token_id, gen.eos_token_id, gen.pad_token_id) == (0, 1, 2)
     hf = GPT2LMHeadModel.from_pretrained(out).eval()
     got = hf.generate(torch.tensor([PROMPT]), do_sample=False, max_new_tokens=NEW)
-    return dict(greedy={"ids": got[0, len(PROMPT):].tolist()}, checkpoint=str(path))
+    return {"greedy": {"ids": got[0, len(PROMPT):].tolist()}, "--load": str(path)}
 
 
 def generate_in_ranks(refs: dict) -> dict:
@@ -161,12 +165,16 @@ def generate_in_ranks(refs: dict) -> dict:
                             ("text", ["--prompt", TEXT])):
             if key not in ref["greedy"]:
                 continue
-            printed = io.StringIO()
-            with contextlib.redirect_stdout(printed):
-                code = generate_script.main(["--load", ref["checkpoint"], "--tp", "2", *prompt,
-                                             "--max-new-tokens", str(NEW), "--json"])
-            assert code == 0, f"{family} {key}: exit {code}"
-            results[(family, key)] = json.loads(printed.getvalue()) if printed.getvalue() else None
+            for source in ("--load", "--hf"):
+                if source not in ref:
+                    continue
+                printed = io.StringIO()
+                with contextlib.redirect_stdout(printed):
+                    code = generate_script.main([source, ref[source], "--tp", "2", *prompt,
+                                                 "--max-new-tokens", str(NEW), "--json"])
+                assert code == 0, f"{family} {key} {source}: exit {code}"
+                results[(family, key, source)] = (json.loads(printed.getvalue())
+                                                  if printed.getvalue() else None)
     return results
 
 
@@ -174,19 +182,16 @@ def test_generate_at_tp2_equals_transformers_greedy(tmp_path):
     refs = spawn(build_references, 1, str(tmp_path), timeout=300)[0]
     ranks = spawn(generate_in_ranks, 2, refs, timeout=300)
     assert all(v is None for v in ranks[1].values())  # rank 0 prints, the others do not
-    for family, ref in refs.items():
-        got = ranks[0][(family, "ids")]
-        assert got["prompt_ids"] == PROMPT
-        assert got["output_ids"] == ref["greedy"]["ids"], family
-        assert len(got["output_ids"]) == NEW or got["output_ids"][-1] == 1
-        if family == "gpt2":
-            continue
-        got = ranks[0][(family, "text")]
-        assert got["prompt_ids"] == ref["text_ids"]  # bos + the text's ids, as AutoTokenizer's
-        assert got["output_ids"] == ref["greedy"]["text"], family
+    # the text prompt: bos + the text's ids, as AutoTokenizer gives them
+    for (family, key, source), got in ranks[0].items():
+        what = f"{family} {key} {source}"
+        assert got["output_ids"] == refs[family]["greedy"][key], what
+        assert len(got["output_ids"]) == NEW or got["output_ids"][-1] == 1, what
+        assert got["prompt_ids"] == (PROMPT if key == "ids" else refs[family]["text_ids"]), what
+    assert len(ranks[0]) == 2 * 2 * 3 + 1  # both prompts from both sources; gpt2 from --load
     # the command itself, under torchrun: one family
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           str(ROOT / "scripts" / "generate.py"), "--load", refs["llama"]["checkpoint"], "--tp", "2",
+           str(ROOT / "scripts" / "generate.py"), "--hf", refs["llama"]["--hf"], "--tp", "2",
            "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", str(NEW), "--json"]
     env = {**os.environ, "ZEROTRON_DEVICE": "cpu", "OMP_NUM_THREADS": "1"}
     run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)

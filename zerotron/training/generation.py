@@ -4,13 +4,14 @@ its tokenizer, and the prompt's ids.
 Why from the checkpoint's fp32 masters: they are the weights the run trained (a 16-bit run's
 working copy is their rounding), saved in any TP x PP x DP layout and resharded here by the
 loader the trainer uses (``checkpoint._Assembler``), so a checkpoint written at TP 2 x PP 2
-generates at TP 1 or TP 4 alike. The model is built on the meta device and filled slice by
-slice: no random initialisation of weights that are overwritten at once.
+generates at TP 1 or TP 4 alike. A transformers directory is read by ``--init-from-hf``'s plan
+(``hf_weights``, ``hf_import``): each rank reads only its rows of the safetensors files.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 
 import torch
@@ -48,22 +49,56 @@ def open_checkpoint(load: str) -> tuple[Path, dict, GPTConfig]:
         raise CheckpointError(f"--load {path}: its model config does not build ({e})") from None
 
 
-def model_from_checkpoint(path: Path, meta: dict, cfg: GPTConfig, grid, device,
-                          dtype: torch.dtype = torch.float32) -> GPT:
+def model_from_checkpoint(path: Path, meta: dict, cfg: GPTConfig, grid, device) -> GPT:
     """This TP rank's slice of every weight, read from the checkpoint's masters; eval mode."""
-    model = GPT(cfg, grid, dtype=dtype, device="meta")
+    assembler = _Assembler(meta, ShardReader(path, meta["files"]), grid, torch.float32)
+
+    def local(canon: str, info, shape: list[int]) -> torch.Tensor:
+        check_shape(canon, meta["params"][canon]["global_shape"], list(info.global_shape))
+        return assembler.local(canon, "master", shape, info.tp_split_dim)
+
+    return _filled(cfg, grid, device, local)
+
+
+def _filled(cfg: GPTConfig, grid, device, local) -> GPT:
+    """The model built on the meta device, then each parameter made on ``device`` and filled by
+    ``local(canonical name, its ShardInfo, TP-local shape)``: no random initialisation of
+    weights overwritten at once."""
+    model = GPT(cfg, grid, dtype=torch.float32, device="meta")
     infos = {name: shard_info(p, name) for name, p in model.named_parameters()}
     model.to_empty(device=device)  # new parameters: their ShardInfo attached again below
     names = canonical_names(model)
-    assembler = _Assembler(meta, ShardReader(path, meta["files"]), grid, torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            info = infos[name]
-            set_shard_info(p, info)
-            check_shape(names[name], meta["params"][names[name]]["global_shape"], info.global_shape)
-            local = assembler.local(names[name], "master", list(p.shape), info.tp_split_dim)
-            p.copy_(local.view(p.shape))
+            set_shard_info(p, infos[name])
+            p.copy_(local(names[name], infos[name], list(p.shape)).view(p.shape))
     return model.eval()
+
+
+def hf_config(directory: str, tokens: int) -> tuple[GPTConfig, str]:
+    """The ``GPTConfig`` of a transformers model directory (``hf_config.read_hf_config``, which
+    refuses what we do not build) for ``tokens`` positions, and its family."""
+    from zerotron.training.hf_config import read_hf_config
+
+    hf = read_hf_config(directory, seq_length=tokens)
+    fields = {**hf.fields, **_ONE_DOCUMENT}
+    return GPTConfig(**fields, seq_length=fields["max_position_embeddings"]), hf.model_type
+
+
+def model_from_hf(directory: str, cfg: GPTConfig, family: str, grid, device) -> GPT:
+    """This TP rank's slice of every weight, read from the directory's safetensors by the
+    importer's plan (``hf_weights.pieces``: only this rank's rows); eval mode."""
+    from zerotron.training.hf_import import HFTensors, local_range
+    from zerotron.training.hf_weights import expected_tensors, pieces
+
+    reader = HFTensors(directory)
+    reader.check(expected_tensors(cfg, family))
+
+    def local(canon: str, info, shape: list[int]) -> torch.Tensor:
+        plan = pieces(canon, cfg, family, grid.tp_size, grid.tp_rank)
+        return local_range(reader, plan, shape, 0, math.prod(shape), torch.float32)
+
+    return _filled(cfg, grid, device, local)
 
 
 def kept_tokenizer(path: Path) -> str | None:
