@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """A quick look at what a model has learned: continue a prompt, greedy unless told otherwise.
 
-    python scripts/generate.py --load runs/tiny/checkpoints --prompt "The optimizer" --max-new-tokens 40
+    python scripts/generate.py --load runs/tiny/checkpoints --prompt "The optimizer"
     torchrun --nproc-per-node 2 scripts/generate.py --load CKPT --tp 2 --prompt-ids 1,2,3 --json
 
 --load reads a zerotron checkpoint of any TP x PP x DP layout (its fp32 masters), --hf a
@@ -28,7 +28,8 @@ import torch
 
 
 def parse(argv):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--load", help="a zerotron checkpoint (step_XXXXXXXX) or save directory")
     source.add_argument("--hf", help="a transformers Llama, Mistral, Qwen2 or GPT-2 directory "
@@ -66,7 +67,8 @@ def check_flags(p, args, world: int) -> None:
         try:
             args.ids = [int(i) for i in args.prompt_ids.split(",")]
         except ValueError:
-            p.error(f"--prompt-ids {args.prompt_ids!r}: give integers separated by commas, e.g. 1,2,3")
+            p.error(f"--prompt-ids {args.prompt_ids!r}: give integers separated by commas, "
+                    f"e.g. 1,2,3")
     elif not args.prompt:
         p.error("--prompt is empty; give some text, or --prompt-ids")
 

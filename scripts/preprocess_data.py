@@ -37,8 +37,9 @@ def main(argv=None) -> int:
                                               "directories, globs, or one hub dataset name")
     ap.add_argument("--text-field", default="text",
                     help="the column holding each document's text (default: %(default)s)")
-    ap.add_argument("--tokenizer", required=True, help="SentencePiece .model file (scripts/train_tokenizer.py) or a Hugging "
-                                                     "Face tokenizer directory (tokenizer.json)")
+    ap.add_argument("--tokenizer", required=True,
+                    help="SentencePiece .model file (scripts/train_tokenizer.py) or a Hugging Face "
+                         "tokenizer directory (tokenizer.json)")
     ap.add_argument("--output-prefix", required=True,
                     help="writes PREFIX.bin and PREFIX.idx; pass PREFIX as --data.data_path to training")
     ap.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1),

@@ -8,7 +8,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-LINES = ["the quick brown fox jumps over the lazy dog", "a model reads tokens and predicts the next",
+LINES = ["the quick brown fox jumps over the lazy dog",
+         "a model reads tokens and predicts the next",
          "zero redundancy optimizer partitions states gradients and parameters",
          "pipeline stages send activations to the next stage", "def forward(self, x): return x + 1",
          "tensor parallel layers split heads over ranks"] * 4
@@ -17,8 +18,8 @@ LINES = ["the quick brown fox jumps over the lazy dog", "a model reads tokens an
 def bpe_tokenizer_dir(out: Path, vocab_size: int = 320, bos: bool = True,
                       lines: list[str] = LINES) -> Path:
     """Save a byte-level BPE tokenizer of ``vocab_size`` tokens (``<s>``, ``</s>``, ``<pad>``,
-    256 bytes first) into ``out``; with ``bos`` it names ``<s>`` its bos token and its post-processor
-    prepends it (Llama's convention), without it no bos (Qwen2's)."""
+    256 bytes first) into ``out``; with ``bos`` it names ``<s>`` its bos token and its
+    post-processor prepends it (Llama's convention), without it no bos (Qwen2's)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -30,7 +31,8 @@ def bpe_tokenizer_dir(out: Path, vocab_size: int = 320, bos: bool = True,
                                   show_progress=False)
     tok.train_from_iterator(lines, trainer)
     if bos:
-        tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+        tok.post_processor = processors.TemplateProcessing(single="<s> $A",
+                                                           special_tokens=[("<s>", 0)])
     specials = dict(eos_token="</s>", pad_token="<pad>") | (dict(bos_token="<s>") if bos else {})
     PreTrainedTokenizerFast(tokenizer_object=tok, **specials).save_pretrained(out)
     return Path(out)

@@ -35,7 +35,8 @@ def test_ids_are_transformers_ids_and_documents_are_bos_text_eos(hf_dir, tmp_pat
 
     ref = AutoTokenizer.from_pretrained(str(hf_dir))
     tok = Tokenizer.load(str(hf_dir))
-    assert (tok.bos_id, tok.eod_id, tok.vocab_size) == (ref.bos_token_id, ref.eos_token_id, len(ref))
+    ours = (tok.bos_id, tok.eod_id, tok.vocab_size)
+    assert ours == (ref.bos_token_id, ref.eos_token_id, len(ref))
     for text in TEXTS:
         assert [tok.bos_id] + tok.encode(text) == ref.encode(text)  # its post-processor adds bos
     rows = tmp_path / "docs.jsonl"
@@ -76,7 +77,8 @@ def test_the_built_in_corpus_encoded_with_an_hf_tokenizer(hf_dir, tmp_path, monk
     no_bos = bpe_tokenizer_dir(tmp_path / "qwen-like", bos=False)
     for tokenizer in (hf_dir, no_bos):
         tok = Tokenizer.load(str(tokenizer))
-        train, tok_path, evals = build_default_corpus(str(tmp_path / "cache"), tokenizer=str(tokenizer))
+        cache = str(tmp_path / "cache")
+        train, tok_path, evals = build_default_corpus(cache, tokenizer=str(tokenizer))
         assert tok_path == str(tokenizer)
         ds = IndexedTokenDataset(evals)
         assert ds.vocab_size == tok.vocab_size

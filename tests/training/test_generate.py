@@ -64,7 +64,8 @@ def hf_model(family, vocab):
     if family == "qwen2":
         cfg = tf.Qwen2Config(**common, rope_parameters=rope, use_sliding_window=False)
         return tf.Qwen2ForCausalLM(cfg)
-    return tf.MistralForCausalLM(tf.MistralConfig(**common, rope_parameters=rope, sliding_window=None))
+    cfg = tf.MistralConfig(**common, rope_parameters=rope, sliding_window=None)
+    return tf.MistralForCausalLM(cfg)
 
 
 def build_references(tmp: str) -> dict:
@@ -105,8 +106,8 @@ def build_references(tmp: str) -> dict:
         with torch.no_grad():
             for name, p in ours.named_parameters():
                 full = weights[ours.global_name(name)]
-                p.copy_(torch.cat([full, full.new_zeros(p.shape[0] - full.shape[0], *full.shape[1:])])
-                        if p.shape != full.shape else full)
+                pad = full.new_zeros(p.shape[0] - full.shape[0], *full.shape[1:])  # vocab padding
+                p.copy_(torch.cat([full, pad]))
         grid = Grid(ParallelDims(), 0, 1)
         opt = ZeroOptimizer(ours, grid, ZeroConfig(stage=1))
         model_meta = {**dataclasses.asdict(cfg), "architecture": cfg.architecture}
@@ -142,8 +143,9 @@ def gpt2_through_the_export(tmp: str, tok_dir: Path) -> dict:
             p.mul_(10 if name.endswith("qkv.weight") else 20 if name.endswith("fc2.weight") else 1)
     opt = ZeroOptimizer(model, grid, ZeroConfig(stage=1))
     meta = {**dataclasses.asdict(cfg), "architecture": cfg.architecture}
-    path = save_checkpoint(f"{tmp}/gpt2", 0, model, opt, grid, consumed_samples=0, model_config=meta,
-                           run_config={}, rng_states={}, run_id="gpt2", tokenizer=str(tok_dir))
+    path = save_checkpoint(f"{tmp}/gpt2", 0, model, opt, grid, consumed_samples=0,
+                           model_config=meta, run_config={}, rng_states={}, run_id="gpt2",
+                           tokenizer=str(tok_dir))
     assert (path / "tokenizer" / "tokenizer.json").is_file()  # the checkpoint keeps its own copy
     out = f"{tmp}/gpt2-hf"
     assert convert_checkpoint.main([str(path), "--hf", out]) == 0

@@ -114,6 +114,6 @@ def build_default_corpus(cache_dir: str, vocab_size: int = 1024, seed: int = 123
             with IndexedTokenWriter(os.path.join(tmp, name), tok.vocab_size) as w:
                 for ids in tok.encode_batch(split, num_threads=2):
                     w.add_document(document_ids(tok, ids))
-            if tokenizer:  # the files say which tokenizer made them (the trained one is beside them)
+            if tokenizer:  # the files say which tokenizer made them (a trained one lies beside)
                 fingerprint.record(os.path.join(tmp, name), tokenizer)
     return paths

@@ -39,10 +39,10 @@ class Tokenizer:
         if hf_tokenizer.is_hf_dir(model_path):
             return hf_tokenizer.HFTokenizer.load(model_path)
         if os.path.isdir(model_path):
-            raise FileNotFoundError(f"tokenizer {model_path} is a directory without tokenizer.json; "
-                                    f"name a SentencePiece .model file (scripts/train_tokenizer.py "
-                                    f"writes <prefix>.model) or a directory transformers' "
-                                    f"save_pretrained wrote")
+            raise FileNotFoundError(f"tokenizer {model_path} is a directory without "
+                                    f"tokenizer.json; name a SentencePiece .model file "
+                                    f"(scripts/train_tokenizer.py writes <prefix>.model) or a "
+                                    f"directory transformers' save_pretrained wrote")
         if not os.path.isfile(model_path):
             raise FileNotFoundError(f"tokenizer model {model_path} does not exist; train one with "
                                     f"scripts/train_tokenizer.py")

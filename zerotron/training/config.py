@@ -276,7 +276,7 @@ class RunConfig:
             raise ConfigError(f"data.data_weights has {len(self.data.data_weights)} entries but data.data_path has "
                               f"{len(self.data.data_path)}; give one weight per path or none")
         d = self.data
-        if not d.data_path:  # the built-in corpus brings its eval split (and a tokenizer if none is named)
+        if not d.data_path:  # the built-in corpus: its own eval split (a tokenizer: data.tokenizer's)
             for name in ("eval_path", "data_weights"):
                 if getattr(d, name):
                     raise ConfigError(f"data.{name}={getattr(d, name)!r} is set but data.data_path is not, so the "

@@ -37,12 +37,12 @@ def checkpoint_config(meta: dict) -> GPTConfig:
 
 
 def open_checkpoint(load: str) -> tuple[Path, dict, GPTConfig]:
-    """The checkpoint's directory, metadata and model config; ``CheckpointError`` names ``--load``."""
+    """The checkpoint's directory, metadata and model config; errors name ``--load``."""
     path, _ = resolve_load_path(load, field="--load", otherwise="")
     meta = read_metadata(path)
     if not meta.get("model"):
-        raise CheckpointError(f"--load {path}: its metadata.json records no model config (a library "
-                              f"save without one); generate needs the model's shape")
+        raise CheckpointError(f"--load {path}: its metadata.json records no model config (a "
+                              f"library save without one); generate needs the model's shape")
     try:
         return path, meta, checkpoint_config(meta)
     except (TypeError, ValueError) as e:
