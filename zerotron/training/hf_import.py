@@ -71,6 +71,10 @@ class HFTensors:
                 raise _error(self.directory, f"{filename} is not a safetensors file ({e})") from None
         return self._handles[filename]
 
+    def close(self) -> None:
+        """Unmap every file: the pages read so far leave this process's resident memory."""
+        self._handles.clear()
+
     def slice(self, name: str):
         return self._open(self.where[name]).get_slice(name)
 
@@ -107,45 +111,61 @@ class HFTensors:
         return self._read(piece.hf, piece, a + start, a + end, dtype).reshape(-1, width)
 
     def _read(self, name: str, piece: Piece, r0: int, r1: int, dtype) -> torch.Tensor:
+        """The rows (columns) asked for, copied out of safetensors' view, which lies in the
+        file's mapping (storage the size of the whole tensor; only the slice's pages read)."""
         sl = self.slice(name)
         if len(sl.get_shape()) == 1:
-            return sl[r0:r1].to(dtype)
+            return sl[r0:r1].to(dtype, copy=True)
         c0, c1 = piece.cols or (0, sl.get_shape()[0 if piece.transposed else 1])
         if piece.transposed:
-            return sl[c0:c1, r0:r1].t().to(dtype)
-        return sl[r0:r1, c0:c1].to(dtype)
+            return sl[c0:c1, r0:r1].to(dtype, copy=True).t()
+        return sl[r0:r1, c0:c1].to(dtype, copy=True)
 
 
-def local_range(reader: HFTensors, plan: list[Piece], shape: list[int], start: int, end: int,
-                dtype) -> torch.Tensor:
-    """Elements ``[start, end)`` of the flattened TP-local parameter ``plan`` builds."""
+BLOCK = 1 << 18  # elements read at a time: a rank's temporary is this, never a whole parameter
+
+
+def fill_range(reader: HFTensors, plan: list[Piece], shape: list[int], start: int, end: int,
+               out: torch.Tensor) -> torch.Tensor:
+    """Write elements ``[start, end)`` of the flattened TP-local parameter ``plan`` builds into
+    ``out``, a block of rows at a time; returns ``out``."""
     width = 1
     for n in shape[1:]:
         width *= n
-    r0, r1 = start // width, -(-end // width)
-    parts, at = [], 0
-    for piece in plan:
-        lo, hi = max(r0, at), min(r1, at + piece.length)
-        if lo < hi:
-            parts.append(reader.rows(piece, lo - at, hi - at, width, dtype))
-        at += piece.length
-    rows = torch.cat(parts) if len(parts) > 1 else parts[0]
-    return rows.reshape(-1)[start - r0 * width:end - r0 * width]
+    step = max(1, BLOCK // width)
+    for r0 in range(start // width, -(-end // width), step):
+        r1 = min(r0 + step, -(-end // width))
+        parts, at = [], 0
+        for piece in plan:  # the pieces' rows that fall in [r0, r1)
+            lo, hi = max(r0, at), min(r1, at + piece.length)
+            if lo < hi:
+                parts.append(reader.rows(piece, lo - at, hi - at, width, out.dtype))
+            at += piece.length
+        rows = (torch.cat(parts) if len(parts) > 1 else parts[0]).reshape(-1)
+        a, b = max(start, r0 * width), min(end, r1 * width)  # elements of this block we hold
+        out[a - start:b - start].copy_(rows[a - r0 * width:b - r0 * width])
+    return out
 
 
 def load_hf_weights(directory: str, family: str, model, opt, grid, mcfg) -> None:
-    """Fill this rank's partition of the fp32 masters from ``directory``; moments zero, step 0."""
+    """Fill this rank's partition of the fp32 masters from ``directory``; moments zero, step 0.
+
+    The rows are copied straight into the master partition (``part_slice``), which the
+    optimizer's own copy then finds in place; the moments are a zero that allocates nothing.
+    The files are closed after each range, so the pages a rank mapped are only those it read.
+    """
     from zerotron.parallel.shard_info import shard_info
     from zerotron.training.checkpoint import canonical_names
 
     reader = HFTensors(directory)
     reader.check(expected_tensors(mcfg, family))
     names, params, shapes = canonical_names(model), dict(model.named_parameters()), opt.param_shapes
+    offsets = {(n, s, e): off for n, s, e, off in opt.partition_index()}
     plans: dict[str, list[Piece]] = {}
 
     def read_fn(name: str, key: str, start: int, end: int) -> torch.Tensor:
         if key != "master":  # Adam's moments: a fresh optimizer
-            return torch.zeros(end - start, dtype=opt.master_dtype)
+            return torch.zeros((), dtype=opt.master_dtype).expand(end - start)
         shape = list(shapes.get(name, params[name].shape))
         if name not in plans:
             plans[name] = pieces(names[name], mcfg, family, grid.tp_size, grid.tp_rank)
@@ -153,7 +173,10 @@ def load_hf_weights(directory: str, family: str, model, opt, grid, mcfg) -> None
             if rows != shape[0] or shard_info(params[name], name).global_shape is None:
                 raise ConfigError(f"{names[name]}: {rows} rows from {directory}, {shape[0]} in "
                                   f"the model; the import plan does not fit this parameter")
-        return local_range(reader, plans[name], shape, start, end, opt.master_dtype)
+        out = opt.state.part_slice("master", offsets[(name, start, end)], end - start)
+        fill_range(reader, plans[name], shape, start, end, out)
+        reader.close()
+        return out
 
     opt.load_partition_state(read_fn, step=0)
 
