@@ -88,3 +88,23 @@ def test_the_built_in_corpus_encoded_with_an_hf_tokenizer(hf_dir, tmp_path, monk
         assert fingerprint.mismatch(train, str(tokenizer)) is None
         assert fingerprint.mismatch(evals, str(tokenizer)) is None
     assert fingerprint.mismatch(train, str(hf_dir))  # the other one's files name the other one
+
+
+def test_init_from_hf_makes_the_directory_the_run_s_tokenizer(hf_dir, tmp_path):
+    import shutil
+
+    from transformers import LlamaConfig
+
+    from zerotron.training.cli import parse_config
+
+    model_dir = tmp_path / "llama"
+    LlamaConfig(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                architectures=["LlamaForCausalLM"]).save_pretrained(model_dir)
+    base = ["--config", "configs/tiny.yaml", "--tp", "1", "--init-from-hf", str(model_dir)]
+    assert parse_config(base).data.tokenizer is None  # no tokenizer.json there: left as it was
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(hf_dir / name, model_dir / name)
+    assert parse_config(base).data.tokenizer == str(model_dir)
+    named = parse_config(base + ["--data.tokenizer", str(hf_dir)])  # the user's choice stands
+    assert named.data.tokenizer == str(hf_dir)
