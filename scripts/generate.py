@@ -92,9 +92,10 @@ def prepare(args):
         args.ids = g.prompt_from_text(tokenizer, args.prompt)
     if args.hf is not None:  # a sliding window is refused only where these tokens reach it
         cfg, family = g.hf_config(args.hf, len(args.ids) + args.max_new_tokens)
+        reader = g.hf_tensors(args.hf, cfg, family)
 
         def build(grid, device):
-            return g.model_from_hf(args.hf, cfg, family, grid, device)
+            return g.model_from_hf(reader, cfg, family, grid, device)
     else:
         def build(grid, device):
             return g.model_from_checkpoint(path, meta, cfg, grid, device)

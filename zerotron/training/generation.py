@@ -85,20 +85,31 @@ def hf_config(directory: str, tokens: int) -> tuple[GPTConfig, str]:
     return GPTConfig(**fields, seq_length=fields["max_position_embeddings"]), hf.model_type
 
 
-def model_from_hf(directory: str, cfg: GPTConfig, family: str, grid, device) -> GPT:
-    """This TP rank's slice of every weight, read from the directory's safetensors by the
-    importer's plan (``hf_weights.pieces``: only this rank's rows); eval mode."""
-    from zerotron.training.hf_import import HFTensors, local_range
-    from zerotron.training.hf_weights import expected_tensors, pieces
+def hf_tensors(directory: str, cfg: GPTConfig, family: str):
+    """The directory's safetensors, every tensor the model needs checked (presence, shape, a
+    floating dtype) before any process group: a bad file is refused on every rank."""
+    from zerotron.training.hf_import import HFTensors
+    from zerotron.training.hf_weights import expected_tensors
 
     reader = HFTensors(directory)
     reader.check(expected_tensors(cfg, family))
+    return reader
+
+
+def model_from_hf(reader, cfg: GPTConfig, family: str, grid, device) -> GPT:
+    """This TP rank's slice of every weight, read from the checked safetensors by the
+    importer's plan (``hf_weights.pieces``: only this rank's rows); eval mode."""
+    from zerotron.training.hf_import import fill_range
+    from zerotron.training.hf_weights import pieces
 
     def local(canon: str, info, shape: list[int]) -> torch.Tensor:
         plan = pieces(canon, cfg, family, grid.tp_size, grid.tp_rank)
-        return local_range(reader, plan, shape, 0, math.prod(shape), torch.float32)
+        out = torch.empty(math.prod(shape), dtype=torch.float32)
+        return fill_range(reader, plan, shape, 0, out.numel(), out)
 
-    return _filled(cfg, grid, device, local)
+    model = _filled(cfg, grid, device, local)
+    reader.close()  # the files' mapped pages go back
+    return model
 
 
 def kept_tokenizer(path: Path) -> str | None:
