@@ -38,7 +38,8 @@ def parse(argv):
     prompt.add_argument("--prompt", help="text, encoded with the model's tokenizer")
     prompt.add_argument("--prompt-ids", help="token ids, comma-separated: 1,2,3")
     p.add_argument("--tp", type=int, help="tensor-parallel ranks (default: the job's world size)")
-    p.add_argument("--max-new-tokens", type=int, default=32, help="(default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=32,
+                   help="at most this many new tokens (default: %(default)s)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0: greedy (default); > 0: sample from the softmax at this temperature")
     p.add_argument("--top-p", type=float, default=1.0,
