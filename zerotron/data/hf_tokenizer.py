@@ -58,8 +58,8 @@ class HFTokenizer:
 
     def __init__(self, backend, model_path: str, specials: dict[str, str]):
         self.backend, self.model_path, self.specials = backend, model_path, specials
-        self.bos_id = self._id("bos_token")
-        self._eos = self._id("eos_token")
+        self.bos_id = self.special_id("bos_token")
+        self._eos = self.special_id("eos_token")
 
     @classmethod
     def load(cls, directory: str) -> "HFTokenizer":
@@ -76,7 +76,8 @@ class HFTokenizer:
                              f"it again with save_pretrained") from None
         return cls(backend, str(path), special_tokens(path))
 
-    def _id(self, key: str) -> int | None:
+    def special_id(self, key: str) -> int | None:
+        """The id of the special token ``key`` names (``"pad_token"``, ...), None without one."""
         token = self.specials.get(key)
         if token is None:
             return None

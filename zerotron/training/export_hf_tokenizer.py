@@ -22,7 +22,7 @@ def special_ids(directory: Path) -> dict[str, int]:
     """``bos_token_id`` / ``eos_token_id`` / ``pad_token_id`` of the tokenizer in ``directory``."""
     tok = HFTokenizer.load(str(directory))
     ids = {"eos_token_id": tok.eod_id}  # raises naming the fix when there is no eos
-    pad = tok._id("pad_token")
+    pad = tok.special_id("pad_token")
     ids["pad_token_id"] = tok.eod_id if pad is None else pad
     if tok.bos_id is not None:
         ids["bos_token_id"] = tok.bos_id
