@@ -11,7 +11,8 @@ directories, a ``save_to_disk`` directory, or a hub name. ``--streaming`` reads 
 Arrow cache goes to .cache/zerotron/datasets (or $HF_DATASETS_CACHE). Progress shows documents
 (of the total, with an ETA, when the reader knows it), documents/s and tokens/s: a bar on a
 terminal, a plain line every 10 s in a log file. The final report gives throughput and peak
-resident memory. Every document ends with the tokenizer's end-of-document id.
+resident memory. Every document ends with the tokenizer's end-of-document id (and an HF
+tokenizer's documents begin with its bos, where it has one).
 Exit codes: 0 written; 2 bad input (a missing file, malformed JSON named by file and line, a
 missing text field), and then no output file is written.
 """
@@ -36,7 +37,9 @@ def main(argv=None) -> int:
                                               "directories, globs, or one hub dataset name")
     ap.add_argument("--text-field", default="text",
                     help="the column holding each document's text (default: %(default)s)")
-    ap.add_argument("--tokenizer", required=True, help="SentencePiece .model file (scripts/train_tokenizer.py)")
+    ap.add_argument("--tokenizer", required=True,
+                    help="SentencePiece .model file (scripts/train_tokenizer.py) or a Hugging Face "
+                         "tokenizer directory (tokenizer.json)")
     ap.add_argument("--output-prefix", required=True,
                     help="writes PREFIX.bin and PREFIX.idx; pass PREFIX as --data.data_path to training")
     ap.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1),
@@ -46,7 +49,8 @@ def main(argv=None) -> int:
     ap.add_argument("--split", default="train",
                     help="dataset split of a hub or save_to_disk input (default: %(default)s)")
     ap.add_argument("--batch-size", type=int, default=256, help="documents per worker task (default: %(default)s)")
-    ap.add_argument("--no-eod", action="store_true", help="do not append the end-of-document id")
+    ap.add_argument("--no-eod", action="store_true",
+                    help="do not delimit documents (end-of-document id; an HF tokenizer's bos)")
     ap.add_argument("--no-progress", action="store_true", help="print no progress bar or progress lines")
     ap.add_argument("--json", action="store_true", help="print the report as one JSON line")
     args = ap.parse_args(argv)

@@ -19,7 +19,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ["scripts/train_tokenizer.py", "scripts/preprocess_data.py", "scripts/bench/zeropp.py",
-           "scripts/bench/infinity.py", "scripts/convert_checkpoint.py", "scripts/estimate_memory.py"]
+           "scripts/bench/infinity.py", "scripts/convert_checkpoint.py", "scripts/estimate_memory.py",
+           "scripts/generate.py"]
 STARTS_WORK = ("spawn", "init_distributed", "run_measured", "make_corpus", "measure_bandwidth", "ThreadPoolExecutor",
                "Drill")
 BAD_FLAGS = [  # script under scripts/, argv, what the message must name

@@ -83,7 +83,7 @@ def test_scripts_end_to_end_and_errors(tmp_path, corpus, capsys):
              ([only_empty, "--streaming"], "empty corpus"),
              ([str(empty), "--streaming"], "empty corpus"),
              ([src, "--text-field", "content", "--tokenizer", str(tmp_path / "no.model")], "no.model does not exist"),
-             ([src, "--text-field", "content", "--tokenizer", str(tmp_path)], "is a directory; name its .model file")]
+             ([src, "--text-field", "content", "--tokenizer", str(tmp_path)], "is a directory without tokenizer.json; name a SentencePiece .model file")]
     for args, msg in cases:
         assert preprocess_data.main(args + base if "--tokenizer" not in args else args + base[2:]) == 2
         assert msg in capsys.readouterr().err

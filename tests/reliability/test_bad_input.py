@@ -77,7 +77,7 @@ def _yaml(tmp_path: Path, text: str) -> str:
     (["--model.vocab_size", "0"], "model.vocab_size=0 must be a positive integer, or null"),
     (["--run-dir", ""], "logging.run_dir is empty"),
     (["--data.eval_path", "held_out"], "data.eval_path=['held_out'] is set but data.data_path is not"),
-    (["--data.tokenizer", "t.model"], "data.tokenizer='t.model' is set but data.data_path is not"),
+    (["--data.tokenizer", "t.model"], "data.tokenizer=t.model: not found"),  # the corpus's tokenizer
 ])
 def test_bad_value_exits_2_naming_the_field(run_main, extra, needle):
     code, err = run_main(extra)
@@ -227,3 +227,17 @@ def test_checkpoint_size_estimate_counts_every_rank():
     cfg = parse_config(BASE + ["--pp", "2"]).validate(2)
     _, n_pp, per = checkpoint_bytes(cfg, validate_model(cfg))
     assert per == 12 and n_pp == n + mcfg.padded_vocab_size(1) * mcfg.hidden_size  # tied embedding twice
+
+
+def test_token_files_of_another_hf_tokenizer_of_the_same_size_exit_2_naming_both(run_main, tmp_path):
+    from tests.hf_tokenizers import LINES, bpe_tokenizer_dir, swap_two_tokens
+    from zerotron.data import Tokenizer
+    from zerotron.data.preprocess import tokenize_to_file
+
+    made_with = bpe_tokenizer_dir(tmp_path / "hf")
+    other = swap_two_tokens(made_with, tmp_path / "other")
+    prefix = str(tmp_path / "tokens")
+    tokenize_to_file([" ".join(LINES)], Tokenizer.load(str(made_with)), prefix, progress=False)
+    code, err = run_main(["--data.data_path", prefix, "--data.tokenizer", str(other)])
+    assert code == 2 and "data.data_path=" in err, err
+    assert f"tokenized with {made_with}" in err and f"otherwise than {other}" in err, err

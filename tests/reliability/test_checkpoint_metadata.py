@@ -115,6 +115,22 @@ def test_a_tokenizer_record_pointing_elsewhere_is_refused(copy):
     assert "tokenizer.file='../../outside/tokenizer.model'" in _load(copy)
 
 
+def test_an_hf_tokenizer_copy_loads_and_a_file_of_it_linked_outside_is_refused(copy, tmp_path):
+    from tests.hf_tokenizers import bpe_tokenizer_dir
+    from zerotron.data.hf_tokenizer import files_sha256
+
+    source = bpe_tokenizer_dir(tmp_path / "hf")
+    kept = copy / "tokenizer"
+    shutil.copytree(source, kept)
+    meta = _meta(copy)
+    meta["tokenizer"] = {"path": str(source), "file": "tokenizer", "sha256": files_sha256(kept)}
+    _write(copy, meta, sealed=True)
+    assert _load(copy) == "ok"
+    (kept / "tokenizer.json").unlink()
+    (kept / "tokenizer.json").symlink_to(source / "tokenizer.json")  # the same bytes, outside
+    assert "tokenizer.file's tokenizer.json='tokenizer.json' is a link to" in _load(copy)
+
+
 def test_a_shard_symlinked_outside_is_refused(copy):
     shard = copy / "rank_00000.safetensors"
     shard.unlink()

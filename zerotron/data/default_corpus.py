@@ -4,8 +4,9 @@ Why: the main job must run on a cluster with no download, yet train on real Engl
 than random tokens (so loss curves mean something). Every machine that runs zerotron already has
 the Python standard library -- about 1.6 MB of docstrings plus 0.7 MB of comment blocks of
 English technical prose. We read them with ``ast`` (no module is imported, so no side effects),
-dedup, split off a small held-out eval set, train a SentencePiece tokenizer on the train split,
-and write both splits as token files. Everything is built in a temporary directory and renamed
+dedup, split off a small held-out eval set, train a SentencePiece tokenizer on the train split
+(or take the run's own, e.g. a Hugging Face model's whose pretraining continues), and write both
+splits as token files. Everything is built in a temporary directory and renamed
 into place, so a concurrent or interrupted build leaves nothing partial, and a second call
 returns at once. The cache key includes the Python version, whose stdlib defines the corpus.
 """
@@ -22,7 +23,8 @@ import numpy as np
 
 from zerotron.data.atomic import atomic_dir
 from zerotron.data.indexed import IndexedTokenWriter
-from zerotron.data.tokenizer import train_tokenizer
+from zerotron.data import fingerprint
+from zerotron.data.tokenizer import Tokenizer, document_ids, encoding_digest, train_tokenizer
 
 CORPUS_VERSION = 1
 _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__",
@@ -77,14 +79,26 @@ def harvest_stdlib_texts() -> list[str]:
 
 
 def build_default_corpus(cache_dir: str, vocab_size: int = 1024, seed: int = 1234,
-                         eval_fraction: float = 0.02) -> tuple[str, str, str]:
-    """Return ``(train_prefix, tokenizer_model_path, eval_prefix)``, building them once."""
-    key = f"stdlib-py{sys.version_info[0]}{sys.version_info[1]}-v{vocab_size}-seed{seed}-c{CORPUS_VERSION}"
+                         eval_fraction: float = 0.02, tokenizer: str | None = None
+                         ) -> tuple[str, str, str]:
+    """Return ``(train_prefix, tokenizer_path, eval_prefix)``, building them once.
+
+    ``tokenizer``: encode with that one (a ``.model`` or a Hugging Face tokenizer directory, e.g.
+    the model's whose pretraining continues) instead of training one of ``vocab_size`` pieces;
+    its encoding digest is in the cache key, and the token files record it (``fingerprint``).
+    """
+    version = f"py{sys.version_info[0]}{sys.version_info[1]}"
+    if tokenizer is None:
+        key = f"stdlib-{version}-v{vocab_size}-seed{seed}-c{CORPUS_VERSION}"
+    else:
+        digest = encoding_digest(tokenizer)[:16]
+        key = f"stdlib-{version}-tok{digest}-seed{seed}-c{CORPUS_VERSION}"
     final = os.path.join(os.path.abspath(cache_dir), key)
-    paths = (os.path.join(final, "train"), os.path.join(final, "tokenizer.model"),
-             os.path.join(final, "eval"))
+    tok_path = tokenizer or os.path.join(final, "tokenizer.model")
+    paths = (os.path.join(final, "train"), tok_path, os.path.join(final, "eval"))
     if os.path.isdir(final):
         return paths
+    tok = Tokenizer.load(tokenizer) if tokenizer else None  # a bad one fails before the harvest
     texts = harvest_stdlib_texts()
     if len(texts) < 100:
         raise ValueError(f"only {len(texts)} documents found in the standard library; the default "
@@ -94,9 +108,12 @@ def build_default_corpus(cache_dir: str, vocab_size: int = 1024, seed: int = 123
     eval_texts = [texts[i] for i in order[:n_eval]]
     train_texts = [texts[i] for i in order[n_eval:]]
     with atomic_dir(final) as tmp:
-        tok = train_tokenizer(train_texts, os.path.join(tmp, "tokenizer"), vocab_size)
+        if tok is None:
+            tok = train_tokenizer(train_texts, os.path.join(tmp, "tokenizer"), vocab_size)
         for name, split in (("train", train_texts), ("eval", eval_texts)):
             with IndexedTokenWriter(os.path.join(tmp, name), tok.vocab_size) as w:
                 for ids in tok.encode_batch(split, num_threads=2):
-                    w.add_document(ids + [tok.eod_id])
+                    w.add_document(document_ids(tok, ids))
+            if tokenizer:  # the files say which tokenizer made them (a trained one lies beside)
+                fingerprint.record(os.path.join(tmp, name), tokenizer)
     return paths

@@ -21,7 +21,7 @@ import numpy as np
 from zerotron.data import fingerprint
 from zerotron.data.indexed import IndexedTokenWriter
 from zerotron.data.progress import Progress
-from zerotron.data.tokenizer import Tokenizer
+from zerotron.data.tokenizer import Tokenizer, document_ids
 
 _worker_tok: Tokenizer | None = None
 
@@ -38,10 +38,9 @@ def _encode(texts: list[str], append_eod: bool) -> tuple[np.ndarray, np.ndarray,
     encoded = _worker_tok.encode_batch(texts)
     sizes = np.fromiter((len(ids) for ids in encoded), dtype=np.int64, count=len(encoded))
     content = int(sizes.sum())
-    if append_eod:
-        eod = [_worker_tok.eod_id]
-        encoded = [ids + eod for ids in encoded]
-        sizes += 1
+    if append_eod:  # eod after each document, and an HF tokenizer's bos before it
+        encoded = [document_ids(_worker_tok, ids) for ids in encoded]
+        sizes += 1 + (_worker_tok.bos_id is not None)
     flat = np.fromiter((i for ids in encoded for i in ids), dtype=dt, count=int(sizes.sum()))
     return flat, sizes, content
 
@@ -74,7 +73,7 @@ def tokenize_to_file(texts: Iterable[str], tokenizer: Tokenizer, output_prefix: 
     """Encode ``texts`` into ``<output_prefix>.bin/.idx``; returns throughput statistics.
 
     ``append_eod`` ends every document with ``tokenizer.eod_id`` (so an empty document still
-    marks a boundary). ``total_docs`` (when known) gives the progress its total and ETA. On any
+    marks a boundary) and starts it with an HF tokenizer's bos, where it has one. ``total_docs`` (when known) gives the progress its total and ETA. On any
     error nothing is published.
     """
     bar = Progress(f"tokenizing -> {output_prefix}", total=total_docs, unit="doc", enabled=progress)

@@ -25,15 +25,24 @@ _MAX_SENTENCE_BYTES = 1 << 14
 class Tokenizer:
     """A loaded SentencePiece model with the four things training needs."""
 
+    bos_id = None  # documents end with eod only: the token files this pipeline always wrote
+
     def __init__(self, processor: spm.SentencePieceProcessor, model_path: str | None = None):
         self.sp = processor
         self.model_path = model_path
 
     @classmethod
-    def load(cls, model_path: str) -> "Tokenizer":
+    def load(cls, model_path: str):
+        """A SentencePiece ``.model``, or a Hugging Face tokenizer directory (``HFTokenizer``)."""
+        from zerotron.data import hf_tokenizer
+
+        if hf_tokenizer.is_hf_dir(model_path):
+            return hf_tokenizer.HFTokenizer.load(model_path)
         if os.path.isdir(model_path):
-            raise FileNotFoundError(f"tokenizer model {model_path} is a directory; name its .model file "
-                                    f"(scripts/train_tokenizer.py writes <prefix>.model)")
+            raise FileNotFoundError(f"tokenizer {model_path} is a directory without "
+                                    f"tokenizer.json; name a SentencePiece .model file "
+                                    f"(scripts/train_tokenizer.py writes <prefix>.model) or a "
+                                    f"directory transformers' save_pretrained wrote")
         if not os.path.isfile(model_path):
             raise FileNotFoundError(f"tokenizer model {model_path} does not exist; train one with "
                                     f"scripts/train_tokenizer.py")
@@ -177,8 +186,27 @@ def train_tokenizer(texts_or_files: Iterable[str] | str, model_prefix: str, voca
 _TRAINING_IO = ("input", "input_format", "model_prefix", "num_threads")
 
 
+def document_ids(tok, ids: list[int]) -> list[int]:
+    """A document as the token files hold it: its ids between the tokenizer's bos (an HF
+    tokenizer's, where it has one) and its end-of-document id."""
+    return ([tok.bos_id] if tok.bos_id is not None else []) + ids + [tok.eod_id]
+
+
+def tokenizer_sha256(path) -> str:
+    """SHA-256 of a tokenizer's bytes: the ``.model`` file's, or an HF directory's kept files."""
+    import hashlib
+
+    from zerotron.data import hf_tokenizer
+
+    if os.path.isdir(path):
+        return hf_tokenizer.files_sha256(path)
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
 def encoding_digest(model_path: str) -> str:
-    """SHA-256 of what decides how a SentencePiece model encodes: the model with the trainer's
+    """SHA-256 of what decides how a tokenizer encodes (an HF directory's:
+    ``hf_tokenizer.encoding_digest``); a SentencePiece model's is the model with the trainer's
     input, output path and thread count cleared. Two builds of one tokenizer differ in their bytes
     (the ``.model`` records the temporary directory it was trained in) but not in this digest;
     any change of a piece, score, id or normalization rule changes it. A file that does not parse
@@ -187,6 +215,10 @@ def encoding_digest(model_path: str) -> str:
 
     from sentencepiece import sentencepiece_model_pb2
 
+    from zerotron.data import hf_tokenizer
+
+    if os.path.isdir(model_path):
+        return hf_tokenizer.encoding_digest(model_path)
     data = open(model_path, "rb").read()
     proto = sentencepiece_model_pb2.ModelProto()
     try:

@@ -29,7 +29,7 @@ from zerotron.model.gpt import WORD_EMBEDDING
 from zerotron.parallel.shard_info import shard_info
 from zerotron.training import faults
 from zerotron.training.checkpoint_agree import agree
-from zerotron.training.checkpoint_schema import TOKENIZER_FILE, seal
+from zerotron.training.checkpoint_schema import TOKENIZER_DIR, TOKENIZER_FILE, seal
 from zerotron.training.checkpoint_io import (FORMAT_VERSION, OWNER, CheckpointError, ShardReader, atomic_write_bytes,
                                              atomic_write_json, prune, read_metadata, resolve_load_path, step_dir,
                                              write_shard)
@@ -39,7 +39,13 @@ MODEL_FIELDS = ("num_layers", "hidden_size", "num_heads", "vocab_size", "seq_len
 
 def _keep_tokenizer(tokenizer: str, directory: Path) -> dict[str, str]:
     """Copy the run's tokenizer into the checkpoint and record where it came from and its SHA-256:
-    an export months later must not depend on a cache (the built-in corpus's) or a moved file."""
+    an export months later must not depend on a cache (the built-in corpus's) or a moved file.
+    A Hugging Face tokenizer directory is kept as its files under ``tokenizer/``."""
+    if Path(tokenizer).is_dir():
+        from zerotron.data.hf_tokenizer import copy_files, files_sha256
+        copy_files(Path(tokenizer), directory / TOKENIZER_DIR, atomic_write_bytes)
+        return {"path": str(Path(tokenizer).resolve()), "file": TOKENIZER_DIR,
+                "sha256": files_sha256(directory / TOKENIZER_DIR)}
     data = Path(tokenizer).read_bytes()
     atomic_write_bytes(directory / TOKENIZER_FILE, data)
     return {"path": str(Path(tokenizer).resolve()), "sha256": hashlib.sha256(data).hexdigest(), "file": TOKENIZER_FILE}

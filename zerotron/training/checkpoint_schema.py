@@ -40,6 +40,7 @@ class CheckpointError(RuntimeError):
 SEAL = "metadata_sha256"
 SHARD_NAME = re.compile(r"^rank_(\d{5})\.safetensors$")
 TOKENIZER_FILE = "tokenizer.model"
+TOKENIZER_DIR = "tokenizer"  # a Hugging Face tokenizer's files (data.hf_tokenizer.KEPT_FILES)
 MAX_COUNT = 2**53  # steps, samples, offsets: exact in every JSON reader
 MAX_BATCH = 2**24  # samples in one global batch: bounds consumed_samples by the step
 MAX_WORLD = 2**20
@@ -137,10 +138,14 @@ def check_metadata(meta: Any, path: Path) -> dict:
     tok = meta.get("tokenizer")
     if tok is not None:
         tok = _dict(tok, "tokenizer", path)
-        if tok.get("file") != TOKENIZER_FILE:
+        if tok.get("file") not in (TOKENIZER_FILE, TOKENIZER_DIR):
             raise _error(path, f"tokenizer.file={tok.get('file')!r}: a checkpoint keeps its "
-                               f"tokenizer as {TOKENIZER_FILE}")
+                               f"tokenizer as {TOKENIZER_FILE} or in {TOKENIZER_DIR}/")
         inside(path, tok["file"], "tokenizer.file")
+        if tok["file"] == TOKENIZER_DIR:  # each file of the copy inside it too
+            from zerotron.data.hf_tokenizer import KEPT_FILES
+            for name in KEPT_FILES:
+                inside(path / TOKENIZER_DIR, name, f"tokenizer.file's {name}")
         if not isinstance(tok.get("sha256"), str) or not _HEX64.match(tok["sha256"]):
             raise _error(path, f"tokenizer.sha256={tok.get('sha256')!r} is not a SHA-256")
         if not isinstance(tok.get("path"), str):

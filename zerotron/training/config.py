@@ -56,7 +56,7 @@ class DataSection:
     data_path: list[str] = field(default_factory=list)  # token-file prefixes; empty = built-in corpus
     data_weights: list[float] = field(default_factory=list)
     eval_path: list[str] = field(default_factory=list)
-    tokenizer: str | None = None  # sentencepiece model; None with the built-in corpus
+    tokenizer: str | None = None  # sentencepiece .model or HF tokenizer dir; None: the corpus's
     cache_dir: str = ".cache/zerotron"
     default_corpus_vocab: int = 1024
     prefetch: int = 2  # steps of micro-batches read ahead by a background thread; 0: none
@@ -278,11 +278,11 @@ class RunConfig:
             raise ConfigError(f"data.data_weights has {len(self.data.data_weights)} entries but data.data_path has "
                               f"{len(self.data.data_path)}; give one weight per path or none")
         d = self.data
-        if not d.data_path:  # the built-in corpus brings its own tokenizer and eval split
-            for name in ("eval_path", "tokenizer", "data_weights"):
+        if not d.data_path:  # the built-in corpus: its own eval split (a tokenizer: data.tokenizer's)
+            for name in ("eval_path", "data_weights"):
                 if getattr(d, name):
                     raise ConfigError(f"data.{name}={getattr(d, name)!r} is set but data.data_path is not, so the "
-                                      f"built-in corpus (with its own tokenizer and eval split) is used and "
+                                      f"built-in corpus (with its own eval split) is used and "
                                       f"data.{name} would be ignored; set data.data_path or remove data.{name}")
         if self.data.data_path and not self.data.tokenizer:
             raise ConfigError("data.data_path is set but data.tokenizer is not; name the sentencepiece model the "

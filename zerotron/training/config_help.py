@@ -112,7 +112,9 @@ HELP: dict[str, str] = {
     "data.data_path": "token-file prefixes (.bin/.idx), comma-separated; empty: the built-in corpus",
     "data.data_weights": "sampling weight per data_path entry; empty: by size",
     "data.eval_path": "token-file prefixes for evaluation",
-    "data.tokenizer": "sentencepiece model the token files were made with",
+    "data.tokenizer": "sentencepiece .model or Hugging Face tokenizer directory the token files "
+                      "were made with; without data.data_path: the built-in corpus is encoded "
+                      "with it",
     "data.cache_dir": "built-in corpus and sample-index cache",
     "data.default_corpus_vocab": "vocabulary of the built-in corpus's tokenizer",
     "data.prefetch": "steps of micro-batches read ahead by a background thread; 0: none",

@@ -20,8 +20,10 @@ from typing import Iterator
 
 import torch
 
+from zerotron.data.tokenizer import tokenizer_sha256
 from zerotron.training.checkpoint import _Assembler
-from zerotron.training.checkpoint_io import CheckpointError, ShardReader, read_metadata, resolve_load_path, sha256_file
+from zerotron.training.checkpoint_io import CheckpointError, ShardReader, read_metadata, resolve_load_path
+from zerotron.training.export_hf_tokenizer import write_hf_tokenizer_dir
 from zerotron.training.safetensors_stream import SafetensorsStreamWriter
 from zerotron.zero.optimizer import DTYPES
 
@@ -101,7 +103,8 @@ def _hf_name_and_fn(name: str, heads: int):
 
 
 def tokenizer_model(checkpoint: str, override: str | None = None) -> Path:
-    """The sentencepiece model ``checkpoint`` was trained with: its own copy, verified.
+    """The tokenizer ``checkpoint`` was trained with (a sentencepiece model or a Hugging Face
+    tokenizer directory): its own copy, verified.
 
     ``override`` serves checkpoints that predate the record; where a record exists it must match,
     since a different tokenizer would silently map every id to the wrong text.
@@ -109,9 +112,10 @@ def tokenizer_model(checkpoint: str, override: str | None = None) -> Path:
     meta, path, _ = _open(checkpoint)
     rec = meta.get("tokenizer")
     if override is not None:
-        if not Path(override).is_file():
-            raise CheckpointError(f"--tokenizer {override}: no such file; give the sentencepiece .model the run used")
-        if rec and sha256_file(Path(override)) != rec["sha256"]:
+        if not Path(override).exists():
+            raise CheckpointError(f"--tokenizer {override}: no such file; give the sentencepiece .model "
+                                  f"or the Hugging Face tokenizer directory the run used")
+        if rec and tokenizer_sha256(override) != rec["sha256"]:
             raise CheckpointError(f"--tokenizer {override} is not the tokenizer {path} was trained with "
                                   f"({rec['path']}, SHA-256 {rec['sha256'][:12]}…); leave --tokenizer out to use "
                                   f"the checkpoint's own copy")
@@ -120,7 +124,7 @@ def tokenizer_model(checkpoint: str, override: str | None = None) -> Path:
         raise CheckpointError(f"{path} records no tokenizer (it predates checkpoints that keep theirs); pass the "
                               f"sentencepiece model the run was trained with: --tokenizer PATH")
     copy = path / rec["file"]
-    if not copy.is_file() or sha256_file(copy) != rec["sha256"]:
+    if not copy.exists() or tokenizer_sha256(copy) != rec["sha256"]:
         raise CheckpointError(f"{copy} is missing or does not match the SHA-256 in metadata.json; pass the "
                               f"training tokenizer ({rec['path']}) with --tokenizer PATH")
     return copy
@@ -161,6 +165,8 @@ def write_hf_tokenizer(model: Path, out: Path, max_length: int) -> dict[str, int
     from transformers import GenerationConfig, PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import SpmConverter
 
+    if model.is_dir():  # a Hugging Face tokenizer: its own files, as the run read them
+        return write_hf_tokenizer_dir(model, out)
     proto, ids, pieces = _special_ids(model)
     scored = [(p.piece, p.score) for p in proto.pieces]
     vocab = scored if proto.trainer_spec.model_type == 1 else {piece: i for i, (piece, _) in enumerate(scored)}

@@ -200,11 +200,18 @@ def adopt_architecture(cfg: RunConfig, flagged: set[str]) -> HFModel:
 def use_hf_tokenizer(cfg: RunConfig, hf: HFModel) -> str | None:
     """The one place that makes the model directory the run's tokenizer (issue 43, part B).
 
-    The data pipeline reads SentencePiece models only until the Hugging Face tokenizer directory
-    lands in ``zerotron/data`` (branch hftok), so ``data.tokenizer`` is left as the user gave it
-    (or the built-in corpus's); returns the note the start-up prints, None when nothing to say.
+    Its ``tokenizer.json`` becomes ``data.tokenizer`` unless the user named one: the ids the
+    model was trained on are that tokenizer's, and the built-in corpus (no ``data.data_path``) is
+    then encoded with it. Returns the note the start-up prints, None when nothing to say.
     """
+    from zerotron.data.hf_tokenizer import is_hf_dir
+
     if cfg.data.tokenizer:
         return None
-    return (f"{hf.directory}'s tokenizer is not read yet (the data pipeline takes SentencePiece "
-            f"models); the run tokenizes with the built-in corpus's or data.tokenizer's")
+    if not is_hf_dir(hf.directory):
+        return (f"{hf.directory} holds no tokenizer.json; the run tokenizes with the built-in "
+                f"corpus's tokenizer, whose ids are not the ones the model learnt: set "
+                f"data.tokenizer to the model's tokenizer directory")
+    cfg.data.tokenizer = str(hf.directory)
+    corpus = "" if cfg.data.data_path else "; the built-in corpus is encoded with it"
+    return f"data.tokenizer={hf.directory} (the model's tokenizer.json){corpus}"

@@ -61,8 +61,10 @@ def _rules() -> list[Rule]:
               ("logging.eval_steps", lambda c: c.logging.eval_interval > 0 and _held_out(c),
                lambda c: "evaluation is off: logging.eval_interval=0" if c.logging.eval_interval <= 0
                else _NO_HELD_OUT)]
-    rules += [("data.default_corpus_vocab", lambda c: not c.data.data_path,
-               lambda c: "data.data_path replaces the built-in corpus; model.vocab_size sizes the model")]
+    rules += [("data.default_corpus_vocab", lambda c: not (c.data.data_path or c.data.tokenizer),
+               lambda c: "data.data_path replaces the built-in corpus; model.vocab_size sizes the model"
+               if c.data.data_path else "the built-in corpus is encoded with data.tokenizer, "
+               "whose vocabulary it keeps")]
     rules += [(f"checkpoint.{k}", lambda c: bool(c.checkpoint.save),
                lambda c: "no checkpoint is written: checkpoint.save is unset")
               for k in ("save_interval", "keep_last", "async_save")]

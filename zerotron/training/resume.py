@@ -296,25 +296,25 @@ def check_tokenizer(path: Path, tokenizer: str | None, cfg) -> None:
     """A checkpoint continues only with a tokenizer that encodes as its own did: another one's ids
     name other tokens to its embedding, which trains on in silence. Compared by
     ``encoding_digest`` against the copy the checkpoint keeps (two builds of the built-in corpus's
-    tokenizer differ in their bytes, not in how they encode); a checkpoint without a copy is not
-    checked."""
-    from zerotron.data.tokenizer import encoding_digest
+    tokenizer differ in their bytes, not in how they encode); one without a copy is not checked."""
+    from zerotron.data.tokenizer import encoding_digest, tokenizer_sha256
 
     meta = read_metadata(path)
     kept = meta.get("tokenizer")
     copy = path / kept["file"] if kept else None
-    if copy is not None and copy.is_file() and sha256_file(copy) != kept["sha256"]:
+    if copy is not None and copy.exists() and tokenizer_sha256(copy) != kept["sha256"]:
         raise CheckpointError(f"checkpoint {path}: its tokenizer copy {copy} does not match the "
                               f"SHA-256 in metadata.json" + LOAD_EARLIER)
-    if not tokenizer or copy is None or not copy.is_file() or encoding_digest(tokenizer) == encoding_digest(copy):
+    if not tokenizer or copy is None or not copy.exists() or encoding_digest(tokenizer) == encoding_digest(copy):
         return
     what = (f"the tokenizer at {tokenizer} has changed since" if Path(kept["path"]) == Path(tokenizer).resolve()
             else f"this run's tokenizer, {tokenizer}, encodes otherwise than {kept['path']}, the one it had when")
     head = (f"checkpoint {path} was trained with another tokenizer: {what} the checkpoint was written; its "
             f"token ids would mean other tokens to the checkpoint's embedding")
     theirs = meta.get("config", {}).get("data", {}).get("default_corpus_vocab")
-    if cfg.data.data_path:
-        fix = f"train on token files made with the checkpoint's own copy: --data.tokenizer {copy} --load {path}"
+    if cfg.data.data_path or cfg.data.tokenizer:  # token files, or the built-in corpus encoded with it
+        how = "train on token files made" if cfg.data.data_path else "encode the built-in corpus"
+        fix = f"{how} with the checkpoint's own copy: --data.tokenizer {copy} --load {path}"
     elif theirs is not None and theirs != cfg.data.default_corpus_vocab:
         fix = f"set data.default_corpus_vocab={theirs}, the checkpoint's, with --load {path}"
     else:

@@ -38,14 +38,15 @@ def prepare_data(cfg: RunConfig, grid: Grid, device) -> DataBundle:
         failure = ""
         if grid.rank == 0:
             try:
-                build_default_corpus(d.cache_dir, vocab_size=d.default_corpus_vocab)
+                build_default_corpus(d.cache_dir, vocab_size=d.default_corpus_vocab, tokenizer=d.tokenizer)
             except (OSError, ValueError) as e:
                 failure = (f"the built-in corpus could not be built in data.cache_dir={d.cache_dir} with "
                            f"data.default_corpus_vocab={d.default_corpus_vocab} (the default is 1024): {e}")
         failure = share(failure, grid, device)  # also the barrier: the others read what rank 0 built
         if failure:
             raise ConfigError(failure)
-        train, tok_path, evals = build_default_corpus(d.cache_dir, vocab_size=d.default_corpus_vocab)
+        train, tok_path, evals = build_default_corpus(d.cache_dir, vocab_size=d.default_corpus_vocab,
+                                                      tokenizer=d.tokenizer)
         bundle = DataBundle([train], None, [evals], tok_path, 0)
     else:
         bundle = DataBundle(list(d.data_path), list(d.data_weights) or None, list(d.eval_path), d.tokenizer, 0)
@@ -63,9 +64,9 @@ def check_data(cfg: RunConfig, tokenizer_path: str | None, train: list[str], eva
     """
     from zerotron.data import IndexedTokenDataset, Tokenizer, fingerprint
 
-    if tokenizer_path and not Path(tokenizer_path).is_file():
-        raise ConfigError(f"data.tokenizer={tokenizer_path}: file not found; train one with "
-                          f"scripts/train_tokenizer.py")
+    if tokenizer_path and not Path(tokenizer_path).exists():
+        raise ConfigError(f"data.tokenizer={tokenizer_path}: not found; train one with "
+                          f"scripts/train_tokenizer.py, or name a Hugging Face tokenizer directory")
     try:
         tok_vocab = Tokenizer.load(tokenizer_path).vocab_size if tokenizer_path else None
     except (OSError, ValueError) as e:
@@ -212,7 +213,7 @@ def preflight(cfg: RunConfig) -> None:
     check_environment()  # ZEROTRON_* variables: exit 2 naming one, not a traceback at start-up
     check_paths(cfg)
     vocab = None
-    if cfg.data.data_path:
+    if cfg.data.data_path or cfg.data.tokenizer:  # without data_path: the built-in corpus's tokenizer
         vocab = check_data(cfg, cfg.data.tokenizer, list(cfg.data.data_path), list(cfg.data.eval_path))
     mcfg = validate_model(cfg, vocab)
     if cfg.checkpoint.init_from_hf:  # every tensor there, of its shape: refused before any group
