@@ -147,9 +147,8 @@ class Trainer:
         """Drill hooks (zerotron/training/faults.py): kill or stall this rank, or poison a weight."""
         for point in ("kill", "stall", "pause", "slow"):
             faults.hit(point, step, self.grid.rank)
-        if faults.armed("nan", step, self.grid.rank):
-            with torch.no_grad():
-                next(self.model.parameters()).fill_(float("nan"))
+        if faults.armed("nan", step, self.grid.rank):  # init.constant_ fills under no_grad
+            torch.nn.init.constant_(next(self.model.parameters()), float("nan"))
 
     def _watch_loss(self, loss: torch.Tensor, grad_norm=None) -> None:
         """Remember, on the device, the first step whose loss -- or, where no overflow skips the step
