@@ -86,6 +86,8 @@ def all_layouts():
 def test_fp32_losses_equal_the_single_process_within_fp32_noise():
     per_rank = spawn(all_layouts, 4, timeout=400)
     ref_grid = Grid(ParallelDims(), rank=0, world_size=1)  # the references: this process alone
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny model: more threads only spin on a shared machine
     for lay, got in zip(LAYOUTS, per_rank[0]):
         cfg = gpt_config(lay["seq"])
         batches = data(cfg.vocab_size, lay["seq"], 4 // (lay.get("tp", 1) * lay["cp"]))
@@ -95,4 +97,5 @@ def test_fp32_losses_equal_the_single_process_within_fp32_noise():
                                   dtype=torch.float32)
         assert truth[-1] < truth[0] - 0.2, truth  # it learns: a layout that did not would show
         assert_fp32(got, truth, torch_fp32, f"{lay} losses over {STEPS} steps")
+    torch.set_num_threads(threads)
     ref_grid.close()
