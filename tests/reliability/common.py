@@ -12,6 +12,7 @@ import zerotron.training.trainer  # noqa: F401
 
 from scripts.pretrain_gpt import main as pretrain_main
 from tests.harness import Ranks
+from zerotron.training.cli import last_wins
 
 TINY = ["--config", "configs/tiny.yaml", "--tp", "1", "--micro-batch-size", "2", "--global-batch-size", "4",
         "--seq-length", "32", "--log-interval", "1", "--eval-interval", "0", "--wandb-mode", "disabled",
@@ -28,7 +29,7 @@ def _main(argv: list[str], env: dict[str, str]) -> tuple[int, str, str, float]:
     out, err = io.StringIO(), io.StringIO()
     start = time.monotonic()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = pretrain_main(argv)
+        code = pretrain_main(last_wins(argv))  # a test's flags override TINY's
     return code, out.getvalue(), err.getvalue(), time.monotonic() - start
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from tests.reliability.common import run, tiny
 from zerotron.data import IndexedTokenWriter, train_tokenizer
-from zerotron.training.cli import parse_config
+from zerotron.training.cli import last_wins, parse_config
 from zerotron.training.setup_run import preflight
 
 TEXTS = [f"Document {i}: the data pipeline packs documents across boundaries. " * (1 + i % 4) for i in range(200)]
@@ -35,7 +35,7 @@ def _argv(root, prefix="train", extra=()):
 
 
 def test_the_uncorrupted_corpus_passes_preflight_and_trains(corpus):
-    cfg = parse_config(_argv(corpus))
+    cfg = parse_config(last_wins(_argv(corpus)))
     preflight(cfg.validate(2))
     res = run(_argv(corpus), world=2)
     assert [r[0] for r in res] == [0, 0], res[0][2]

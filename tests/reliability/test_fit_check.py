@@ -20,10 +20,10 @@ BILLION = ["--model.hidden_size", "1536", "--model.num_layers", "40", "--model.n
 
 
 def _cfg(*flags):
-    from zerotron.training.cli import parse_config
+    from zerotron.training.cli import last_wins, parse_config
 
     base = ["--config", "configs/tiny.yaml", "--tp", "1", "--save", "none"]
-    return parse_config(base + list(flags)).validate(2)
+    return parse_config(last_wins(base + list(flags))).validate(2)
 
 
 def test_a_model_far_too_big_is_refused_on_every_rank_in_seconds(zerotron_cache):

@@ -13,10 +13,10 @@ from zerotron.training.config import ConfigError
 
 
 def _cfg(*flags):
-    from zerotron.training.cli import parse_config
+    from zerotron.training.cli import last_wins, parse_config
 
     base = ["--config", "configs/tiny.yaml", "--tp", "1", "--save", "none"]
-    return parse_config(base + list(flags))
+    return parse_config(last_wins(base + list(flags)))  # the flags override base
 
 
 def _preflight(*flags):
@@ -54,6 +54,24 @@ def test_a_bad_environment_variable_is_named(monkeypatch, tmp_path, name, value)
     monkeypatch.setenv(name, value)
     with pytest.raises(ConfigError, match=name):
         _preflight("--run-dir", str(tmp_path / "run"))
+
+
+def test_a_repeated_flag_is_refused_on_every_rank_before_any_process_group(monkeypatch, capsys):
+    """``--lr 0.5 --lr 0.001`` trained at 0.001 in silence; now every rank exits 2 naming the flag
+    and both values, before ``init_distributed`` (which would raise here)."""
+    import zerotron.parallel
+    from scripts.pretrain_gpt import main
+
+    def no_group(*args, **kwargs):
+        raise AssertionError("a repeated flag reached init_distributed")
+
+    monkeypatch.setattr(zerotron.parallel, "init_distributed", no_group)
+    for rank in ("0", "1"):
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        assert main(["--config", "configs/tiny.yaml", "--lr", "0.5", "--lr", "0.001"]) == 2
+        err = capsys.readouterr().err
+        assert f"[rank {rank}] config error: --lr is given twice (--lr 0.5, then --lr 0.001)" in err
 
 
 def test_the_disk_space_check_counts_what_a_shard_holds():
