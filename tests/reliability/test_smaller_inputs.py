@@ -48,12 +48,30 @@ def test_a_save_inside_another_checkpoint_is_refused(tmp_path):
 
 @pytest.mark.parametrize("name, value", [("ZEROTRON_COLLECTIVE_TIMEOUT", "soon"),
                                          ("ZEROTRON_COLLECTIVE_TIMEOUT", "-5"),
+                                         ("ZEROTRON_COLLECTIVE_TIMEOUT", "nan"),
+                                         ("ZEROTRON_PEAK_TFLOPS", "inf"),
                                          ("ZEROTRON_PEAK_TFLOPS", "nan"),
                                          ("ZEROTRON_DEVICE", "tpu")])
 def test_a_bad_environment_variable_is_named(monkeypatch, tmp_path, name, value):
     monkeypatch.setenv(name, value)
     with pytest.raises(ConfigError, match=name):
         _preflight("--run-dir", str(tmp_path / "run"))
+
+
+@pytest.mark.parametrize("name, value", [("ZEROTRON_COLLECTIVE_TIMEOUT", "soon"),
+                                         ("ZEROTRON_COLLECTIVE_TIMEOUT", "nan"),
+                                         ("ZEROTRON_PEAK_TFLOPS", "nan"),
+                                         ("ZEROTRON_PEAK_TFLOPS", "fast")])
+def test_each_variable_has_one_parser_and_it_names_the_variable(monkeypatch, name, value):
+    """The function that uses a variable is the one that reads it (start-up's check calls it), so
+    its own error names the variable; it used to be float()'s, or no error for 'nan'."""
+    from zerotron.model.flops import peak_tflops
+    from zerotron.parallel.runtime import collective_timeout
+
+    monkeypatch.setenv(name, value)
+    read = collective_timeout if name == "ZEROTRON_COLLECTIVE_TIMEOUT" else lambda: peak_tflops("")
+    with pytest.raises(ValueError, match=f"{name}='{value}' must be a positive number"):
+        read()
 
 
 def test_a_repeated_flag_is_refused_on_every_rank_before_any_process_group(monkeypatch, capsys):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import datetime
+import math
 import os
 import socket
 from dataclasses import dataclass
@@ -61,9 +62,21 @@ def keep_compiler_cache_in(cache_dir: str | os.PathLike) -> Path:
 
 
 def collective_timeout(seconds: float | None = None) -> datetime.timedelta:
-    """Timeout for every collective; the env var wins over the argument so CI can tighten it."""
-    env = os.environ.get("ZEROTRON_COLLECTIVE_TIMEOUT")
-    value = float(env) if env else (seconds if seconds is not None else DEFAULT_TIMEOUT_S)
+    """Timeout for every collective; the env var wins over the argument so CI can tighten it.
+    The one parser of ``ZEROTRON_COLLECTIVE_TIMEOUT``: start-up's check (``training.env_check``)
+    calls it, so a bad value is refused with this message before any process group."""
+    env = os.environ.get("ZEROTRON_COLLECTIVE_TIMEOUT", "").strip()
+    if env:
+        try:
+            value = float(env)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"ZEROTRON_COLLECTIVE_TIMEOUT={env!r} must be a positive number "
+                             f"(seconds a collective may wait before the rank fails); fix or "
+                             f"unset it")
+    else:
+        value = seconds if seconds is not None else DEFAULT_TIMEOUT_S
     if value <= 0:
         raise ValueError(f"collective timeout must be > 0 seconds, got {value}")
     return datetime.timedelta(seconds=value)
