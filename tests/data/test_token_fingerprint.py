@@ -61,3 +61,23 @@ def test_a_killed_worker_stops_preprocessing_instead_of_hanging(tokenizer, tmp_p
                          progress=False)
     assert time.monotonic() - start < 60
     assert not any(os.path.exists(prefix + s) for s in (".bin", ".idx", fingerprint.SUFFIX))
+
+
+def test_the_run_tokenizer_is_digested_once_for_all_its_token_files(tokenizer, tmp_path,
+                                                                     monkeypatch):
+    """Each token file's record is compared with one digest of the run's tokenizer: it used to be
+    recomputed per prefix (a SentencePiece parse and hash for every file of a blend)."""
+    from zerotron.data import tokenizer as tokenizer_module
+    from zerotron.training.cli import parse_config
+    from zerotron.training.setup_run import check_data
+
+    prefixes = [str(tmp_path / f"part{i}") for i in range(3)]
+    for prefix in prefixes:
+        tokenize_to_file(CORPUS, tokenizer, prefix, progress=False)
+    calls = []
+    real = tokenizer_module.encoding_digest
+    monkeypatch.setattr(tokenizer_module, "encoding_digest", lambda p: calls.append(p) or real(p))
+    cfg = parse_config(["--config", "configs/tiny.yaml", "--tp", "1", "--seq-length", "8",
+                        "--save", "none", "--data.tokenizer", tokenizer.model_path])
+    check_data(cfg, tokenizer.model_path, prefixes[:2], prefixes[2:])
+    assert calls == [tokenizer.model_path]
