@@ -194,6 +194,7 @@ def test_a_corrupt_only_checkpoint_gets_a_fix_that_works_from_where_it_lies(save
     (["--lr", "0.001"], "auto", "optimizer.lr", 0.003, 0.001),
     (["--global-batch-size", "8"], "auto", "training.global_batch_size", 4, 8),
     (["--seed", "7"], "explicit", "training.seed", 1234, 7),
+    ([], "auto", "training.train_steps", 4, 6),  # the cosine decay ended at 4: issue 46
 ])
 def test_resume_refuses_a_changed_schedule_batch_or_seed(flags, load, field, old, new, trained, zerotron_cache):
     extra = ["--load", str(trained / "checkpoints")] if load == "explicit" else []
@@ -202,7 +203,22 @@ def test_resume_refuses_a_changed_schedule_batch_or_seed(flags, load, field, old
         assert code == 2, err
         assert f"would change its run's schedule: {field}={old!r} in the checkpoint, {new!r} in this run" in err, err
         assert "--checkpoint.override_schedule true" in err, err
+        if field == "training.train_steps":  # and the way on along the checkpoint's decay
+            assert "its update 4 ran at lr 0.00165, which a cosine decay over 6 steps puts at " \
+                   "0.0026); to train on along the checkpoint's decay pass " \
+                   "--optimizer.schedule_steps 4" in err, err
     assert steps_in(trained / "checkpoints") == ["step_00000002", "step_00000004"]
+
+
+def test_longer_training_along_the_checkpoints_decay_resumes(trained, zerotron_cache, tmp_path):
+    """The fix the train_steps refusal gives: the decay ends where it did (at 4), so the steps
+    after it run at min_lr, and no override is needed (unset schedule_steps means train_steps)."""
+    res = run(argv(zerotron_cache, trained, 6, "--optimizer.schedule_steps", "4", "--load",
+                   str(trained / "checkpoints"), "--save", "none", "--run-dir", str(tmp_path)))
+    assert codes(res) == [0, 0], res[0][2]
+    assert "(step 4," in res[0][1] and "[zerotron] done: step 6 of 6" in res[0][1], res[0][1]
+    lrs = [json.loads(line).get("lr") for line in (tmp_path / "metrics.jsonl").open()]
+    assert [lr for lr in lrs if lr is not None] == [0.0003, 0.0003], lrs  # tiny.yaml's min_lr
 
 
 def test_override_schedule_resumes_with_the_new_values(zerotron_cache, tmp_path):
@@ -242,7 +258,8 @@ def test_a_load_that_names_a_file_or_a_partial_checkpoint_is_refused(target, nee
 def test_resume_refuses_another_tokenizer_naming_the_checkpoints_copy(trained, zerotron_cache):
     ckpt = trained / "checkpoints" / "step_00000004"
     res = run(argv(zerotron_cache, trained, 6, "--data.default_corpus_vocab", "1000", "--load", str(ckpt),
-                   "--save", "none"))
+                   "--save", "none", "--optimizer.schedule_steps", "4"),  # the schedule is not at issue
+              collective_timeout=120)  # rank 0 first builds the 1000-piece corpus, the others wait
     for code, _, err, _ in res:
         assert code == 2, err
         assert f"checkpoint {ckpt} was trained with another tokenizer: this run's tokenizer" in err, err

@@ -94,10 +94,11 @@ def corrupt_newest(d: Drill, name: str = "corrupt_newest") -> Row:
     data = bytearray(shard.read_bytes())
     data[len(data) // 2:len(data) // 2 + 16] = bytes(16)
     shard.write_bytes(bytes(data))
-    job = d.job(d.argv(name, 16, save))
+    keep = ("--optimizer.schedule_steps", "12")  # 16 steps along the reference's decay (ends at 12)
+    job = d.job(d.argv(name, 16, save, *keep))
     code = job.wait(JOB_S)
     said = job.first(r"step_00000012 is corrupt.*step_00000008, is intact \(verified\).*--checkpoint\.fallback true")
-    again = d.job(d.argv(name + "_fallback", 16, save, "--checkpoint.fallback", "true"))
+    again = d.job(d.argv(name + "_fallback", 16, save, *keep, "--checkpoint.fallback", "true"))
     code2 = again.wait(JOB_S)
     loaded = again.first(LOADED)
     step = int(re.search(LOADED, loaded[1]).group(1)) if loaded else None
