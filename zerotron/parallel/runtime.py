@@ -256,17 +256,28 @@ def _meminfo_available() -> int | None:
     return None
 
 
+CGROUP = Path("/sys/fs/cgroup")
+
+
+def _cgroup_file(name: str) -> str | None:
+    """The text of ``/sys/fs/cgroup/<name>``, or None where it cannot be read: the one read of
+    the cgroup's memory files (a test fakes a container's limit here)."""
+    try:
+        return (CGROUP / name).read_text().strip()
+    except OSError:
+        return None
+
+
 def _cgroup_room() -> tuple[int, str] | None:
     """Limit minus usage of this process's memory cgroup (v2, else v1); None when unlimited."""
     v1 = ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")
     for limit_file, usage_file in (("memory.max", "memory.current"), v1):
-        base = Path("/sys/fs/cgroup")
+        raw, used = _cgroup_file(limit_file), _cgroup_file(usage_file)
         try:
-            raw = (base / limit_file).read_text().strip()
-            if raw == "max" or int(raw) >= 2**60:
+            if raw is None or raw == "max" or int(raw) >= 2**60 or used is None:
                 continue
-            used = int((base / usage_file).read_text().strip())
-        except (OSError, ValueError):
+            room = max(0, int(raw) - int(used))
+        except ValueError:
             continue
-        return max(0, int(raw) - used), f"the cgroup limit {base / limit_file} less its usage"
+        return room, f"the cgroup limit {CGROUP / limit_file} less its usage"
     return None
