@@ -45,3 +45,14 @@ def run(argv: list[str], world: int = 2, fault: str = "", env: dict | None = Non
     """Per rank ``(exit code, stdout, stderr, seconds)``, or None for a rank in ``may_die`` that died."""
     with start(argv, world, fault, env, may_die, collective_timeout) as ranks:
         return ranks.wait(timeout)
+
+
+def forbid_process_group(monkeypatch) -> None:
+    """Make ``init_distributed`` fail the run if it is reached (forked ranks inherit the patch): a
+    refusal that must come at start-up is held by this mechanism, not by a clock."""
+    import zerotron.parallel
+
+    def reached(*args, **kwargs):
+        raise AssertionError("the run reached init_distributed: it was not refused at start-up")
+
+    monkeypatch.setattr(zerotron.parallel, "init_distributed", reached)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.reliability.common import run, tiny
+from tests.reliability.common import forbid_process_group, run, tiny
 from zerotron.parallel import runtime
 from zerotron.training.config import ConfigError
 
@@ -31,13 +31,7 @@ def _cfg(*flags):
 
 @pytest.fixture
 def no_process_group(monkeypatch):
-    """Forked ranks inherit this: a run that reaches ``init_distributed`` fails the test."""
-    import zerotron.parallel
-
-    def reached(*args, **kwargs):
-        raise AssertionError("the run reached init_distributed: it was not refused at start-up")
-
-    monkeypatch.setattr(zerotron.parallel, "init_distributed", reached)
+    forbid_process_group(monkeypatch)
 
 
 def _container(monkeypatch, limit: int, usage: int) -> None:

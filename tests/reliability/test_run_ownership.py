@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from tests.harness import spawn
-from tests.reliability.common import _main, run, tiny
+from tests.reliability.common import _main, forbid_process_group, run, tiny
 from zerotron.training.run_lock import LOCK_NAME, STALE_S
 
 HOST = socket.gethostname()
@@ -88,7 +88,10 @@ def test_a_locked_directory_is_refused_naming_the_holder_and_a_stale_lock_taken_
             old = time.time() - 10 * STALE_S
             os.utime(save / LOCK_NAME, (old, old))
     try:
-        res = run(argv(zerotron_cache, tmp_path, 2))
+        with pytest.MonkeyPatch.context() as patch:
+            if holder in ("live", "other_host"):  # refused before any process group, not timed
+                forbid_process_group(patch)
+            res = run(argv(zerotron_cache, tmp_path, 2))
     finally:
         if proc is not None:
             proc.kill()
@@ -99,11 +102,10 @@ def test_a_locked_directory_is_refused_naming_the_holder_and_a_stale_lock_taken_
         assert f"took over the stale lock of host {host}, pid {pid}" in res[0][1] and why in res[0][1], res[0][1]
         assert not (save / LOCK_NAME).exists()
         return
-    for code, _, err, seconds in res:
+    for code, _, err, _ in res:
         assert code == 2, err
         assert f"checkpoint.save={save} is in use by" in err and f"host {host}, pid {pid}" in err, err
         assert "config error" in err  # refused by preflight, before init_process_group (run_lock.check_free)
-        assert seconds < 15
     assert steps_in(save) == []
     assert ("delete" in res[0][2]) == (holder == "other_host")  # only an unprobeable holder may need a hand
 
