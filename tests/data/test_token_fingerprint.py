@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 
 import pytest
 
@@ -55,11 +54,9 @@ def _dies(texts, append_eod):  # a worker killed mid-file, as the OOM killer wou
 def test_a_killed_worker_stops_preprocessing_instead_of_hanging(tokenizer, tmp_path, monkeypatch):
     monkeypatch.setattr(preprocess, "_encode", _dies)  # inherited by the forked workers
     prefix = str(tmp_path / "corpus")
-    start = time.monotonic()
-    with pytest.raises(WorkerDied, match="a tokenizer worker process died"):
-        tokenize_to_file(iter(CORPUS * 4), tokenizer, prefix, workers=2, batch_size=8,
-                         progress=False)
-    assert time.monotonic() - start < 60
+    with pytest.raises(WorkerDied, match="a tokenizer worker process died"):  # a hang: the
+        tokenize_to_file(iter(CORPUS * 4), tokenizer, prefix, workers=2,  # suite's timeout fails it
+                         batch_size=8, progress=False)
     assert not any(os.path.exists(prefix + s) for s in (".bin", ".idx", fingerprint.SUFFIX))
 
 

@@ -82,7 +82,8 @@ def test_a_built_in_corpus_that_cannot_be_built_stops_every_rank(tmp_path):
     vocabulary smaller than the corpus's alphabet) reaches the rank waiting for it, so both exit 2
     naming the field instead of one traceback and one rank left in a collective."""
     res = run(tiny(str(tmp_path / "cache")) + ["--train-steps", "2", "--run-dir", str(tmp_path / "run"),
-                                               "--data.default_corpus_vocab", "5"], world=2)
+                                               "--data.default_corpus_vocab", "5"], world=2,
+              collective_timeout=120)  # rank 1 waits while rank 0 gathers the corpus's text
     for code, _, err, _ in res:
         assert code == 2, err
         assert "the built-in corpus could not be built" in err and "data.default_corpus_vocab=5" in err, err

@@ -126,7 +126,7 @@ def test_pruning_touches_only_checkpoints_this_run_wrote(keep_last, zerotron_cac
     assert mine_a == ["step_00000002", "step_00000004"][-keep_last:]
     # another run (another weight decay: it trains something else) continues A's checkpoint in A's directory
     res = run(argv(zerotron_cache, tmp_path / "b", 8, *keep, "--save", str(save), "--load", str(save),
-                   "--optimizer.weight_decay", "0.05"))
+                   "--optimizer.weight_decay", "0.05", "--optimizer.schedule_steps", "4"))  # A's decay
     assert codes(res) == [0, 0], res[0][2]
     mine_b = ["step_00000006", "step_00000008"][-keep_last:]
     assert steps_in(save) == mine_a + mine_b
@@ -299,7 +299,8 @@ def test_a_run_already_at_train_steps_exits_0_saying_so(train_steps, trained, ze
     res = run(argv(zerotron_cache, trained, train_steps))
     assert codes(res) == [0, 0], res[0][2]
     assert (f"the run is already complete at step 4 ({trained / 'checkpoints' / 'step_00000004'}; "
-            f"training.train_steps={train_steps}): nothing to train") in res[0][1], res[0][1]
+            f"training.train_steps={train_steps}): nothing to train; raise training.train_steps to "
+            f"go on (with --optimizer.schedule_steps 4 to keep its decay)") in res[0][1], res[0][1]
     assert steps_in(trained / "checkpoints") == ["step_00000002", "step_00000004"]
 
 

@@ -257,8 +257,13 @@ def plan_resume(cfg, grid, device, log: Callable[[str], None] = print) -> Resume
                               f"{_fresh_start(candidates, save)}")
     step = int(meta["step"]) if chosen is not None else 0
     if chosen is not None and cfg.training.train_steps <= step:
+        o = cfg.optimizer  # a decay ending at train_steps: a longer run resumes along it only so
+        decay = o.schedule_steps is None and o.decay != "constant" and o.schedule != "onecycle"
+        ended = flatten(meta.get("config", {})).get("training.train_steps")
+        keep = f" (with --optimizer.schedule_steps {ended} to keep its decay)" if decay else ""
         raise AlreadyComplete(f"the run is already complete at step {step} ({chosen}; training.train_steps="
-                              f"{cfg.training.train_steps}): nothing to train; raise training.train_steps to go on")
+                              f"{cfg.training.train_steps}): nothing to train; raise training.train_steps to go "
+                              f"on{keep}")
     if chosen is not None:
         diffs = differences(meta.get("config", {}), ours, only=SCHEDULE)
         stretch = restretched(meta, flatten(meta.get("config", {})), cfg)
