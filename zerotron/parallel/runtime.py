@@ -61,21 +61,28 @@ def keep_compiler_cache_in(cache_dir: str | os.PathLike) -> Path:
     return Path(path)
 
 
+def positive_env(name: str, holds: str) -> float | None:
+    """Environment variable ``name`` as a positive finite number, None when unset; a ValueError
+    naming it and what it ``holds`` otherwise ('soon', 'nan' and -5 included)."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name}={raw!r} must be a positive number ({holds}); fix or unset it")
+    return value
+
+
 def collective_timeout(seconds: float | None = None) -> datetime.timedelta:
     """Timeout for every collective; the env var wins over the argument so CI can tighten it.
     The one parser of ``ZEROTRON_COLLECTIVE_TIMEOUT``: start-up's check (``training.env_check``)
     calls it, so a bad value is refused with this message before any process group."""
-    env = os.environ.get("ZEROTRON_COLLECTIVE_TIMEOUT", "").strip()
-    if env:
-        try:
-            value = float(env)
-        except ValueError:
-            value = math.nan
-        if not (math.isfinite(value) and value > 0):
-            raise ValueError(f"ZEROTRON_COLLECTIVE_TIMEOUT={env!r} must be a positive number "
-                             f"(seconds a collective may wait before the rank fails); fix or "
-                             f"unset it")
-    else:
+    value = positive_env("ZEROTRON_COLLECTIVE_TIMEOUT",
+                         "seconds a collective may wait before the rank fails")
+    if value is None:
         value = seconds if seconds is not None else DEFAULT_TIMEOUT_S
     if value <= 0:
         raise ValueError(f"collective timeout must be > 0 seconds, got {value}")
