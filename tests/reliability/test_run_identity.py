@@ -21,7 +21,8 @@ def test_a_copied_checkpoint_directory_is_the_same_run(tmp_path):
     from zerotron.training import resume
     from zerotron.training.cli import last_wins, parse_config
 
-    here, there = (parse_config(last_wins(tiny(str(tmp_path)) + ["--save", str(tmp_path / d)])) for d in ("a", "b"))
+    here, there = (parse_config(last_wins(tiny(str(tmp_path)) + ["--save", str(tmp_path / d)]))
+                   for d in ("a", "b"))
     assert resume.run_id(here) == resume.run_id(there)
     flat = resume.flatten(there.to_dict())
     assert resume.differences(here.to_dict(), flat, ignore=resume.IGNORED) == []

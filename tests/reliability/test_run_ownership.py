@@ -126,7 +126,7 @@ def test_pruning_touches_only_checkpoints_this_run_wrote(keep_last, zerotron_cac
     assert mine_a == ["step_00000002", "step_00000004"][-keep_last:]
     # another run (another weight decay: it trains something else) continues A's checkpoint in A's directory
     res = run(argv(zerotron_cache, tmp_path / "b", 8, *keep, "--save", str(save), "--load", str(save),
-                   "--optimizer.weight_decay", "0.05", "--optimizer.schedule_steps", "4"))  # A's decay
+                   "--optimizer.weight_decay", "0.05", "--optimizer.schedule_steps", "4"))
     assert codes(res) == [0, 0], res[0][2]
     mine_b = ["step_00000006", "step_00000008"][-keep_last:]
     assert steps_in(save) == mine_a + mine_b
@@ -210,17 +210,13 @@ def test_resume_refuses_a_changed_schedule_batch_or_seed(flags, load, field, old
                    "0.0026); to train on along the checkpoint's decay pass " \
                    "--optimizer.schedule_steps 4" in err, err
     assert steps_in(trained / "checkpoints") == ["step_00000002", "step_00000004"]
-
-
-def test_longer_training_along_the_checkpoints_decay_resumes(trained, zerotron_cache, tmp_path):
-    """The fix the train_steps refusal gives: the decay ends where it did (at 4), so the steps
-    after it run at min_lr, and no override is needed (unset schedule_steps means train_steps)."""
-    res = run(argv(zerotron_cache, trained, 6, "--optimizer.schedule_steps", "4", "--load",
-                   str(trained / "checkpoints"), "--save", "none", "--run-dir", str(tmp_path)))
-    assert codes(res) == [0, 0], res[0][2]
-    assert "(step 4," in res[0][1] and "[zerotron] done: step 6 of 6" in res[0][1], res[0][1]
-    lrs = [json.loads(line).get("lr") for line in (tmp_path / "metrics.jsonl").open()]
-    assert [lr for lr in lrs if lr is not None] == [0.0003, 0.0003], lrs  # tiny.yaml's min_lr
+    if field == "training.train_steps":  # that fix resumes, no override: steps 5, 6 at min_lr
+        run_dir = trained / "along_the_decay"
+        res = run(argv(zerotron_cache, trained, 6, "--optimizer.schedule_steps", "4", "--load",
+                       str(trained / "checkpoints"), "--save", "none", "--run-dir", str(run_dir)))
+        assert codes(res) == [0, 0] and "(step 4," in res[0][1], res[0][2]
+        lrs = [json.loads(line).get("lr") for line in (run_dir / "metrics.jsonl").open()]
+        assert [lr for lr in lrs if lr is not None] == [0.0003, 0.0003], lrs  # tiny.yaml's min_lr
 
 
 def test_override_schedule_resumes_with_the_new_values(zerotron_cache, tmp_path):
@@ -260,7 +256,7 @@ def test_a_load_that_names_a_file_or_a_partial_checkpoint_is_refused(target, nee
 def test_resume_refuses_another_tokenizer_naming_the_checkpoints_copy(trained, zerotron_cache):
     ckpt = trained / "checkpoints" / "step_00000004"
     res = run(argv(zerotron_cache, trained, 6, "--data.default_corpus_vocab", "1000", "--load", str(ckpt),
-                   "--save", "none", "--optimizer.schedule_steps", "4"),  # the schedule is not at issue
+                   "--save", "none", "--optimizer.schedule_steps", "4"),  # keep the schedule
               collective_timeout=120)  # rank 0 first builds the 1000-piece corpus, the others wait
     for code, _, err, _ in res:
         assert code == 2, err

@@ -75,8 +75,9 @@ def test_invalid_values_name_the_field(argv, world, needle):
     (["--train-steps", "5", "--training.train-steps", "6"], "--train-steps and --training.train-steps both set"),
     (["--lr", "0.5", "--lr", "0.001"], "--lr is given twice (--lr 0.5, then --lr 0.001)"),
     (["--model.hidden_size=8", "--model.hidden_size", "16"], "--model.hidden_size is given twice"),
-    (["--model.hidden-size", "8", "--model.hidden_size", "16"], "--model.hidden-size and --model.hidden_size"),
-    (["--checkpoint-activations", "--checkpoint-activations"], "--checkpoint-activations is given twice"),
+    (["--model.hidden-size", "8", "--model.hidden_size", "16"],
+     "--model.hidden-size and --model.hidden_size"),
+    (["--checkpoint-activations"] * 2, "--checkpoint-activations is given twice"),
 ])
 def test_bad_keys_and_types(argv, needle):
     with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace(")", r"\)")):

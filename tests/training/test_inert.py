@@ -40,7 +40,7 @@ CASES = [  # (field, flags that set it with its feature off, flags that turn the
 
 
 def notes(argv: list[str], world: int = 2) -> list[str]:
-    argv = last_wins(["--config", "configs/tiny.yaml", "--tp", "1", *argv])  # a case's flags override the base's
+    argv = last_wins(["--config", "configs/tiny.yaml", "--tp", "1", *argv])  # a case's flags win
     return no_effect(parse_config(argv).validate(world))
 
 

@@ -31,7 +31,7 @@ def bare_launch_s(d: Drill, name: str) -> float:
 
 
 def _judge_time(took: float, bare: float) -> tuple[bool, str]:
-    """Whether a refusal ``took`` s after launch is fast for what it does, and the words saying so."""
+    """Whether a refusal ``took`` s after launch is fast for what it does, and words saying so."""
     over = took - bare
     words = f"; a bare launch (--help) took {bare:.1f} s, the refusal {over:+.1f} s more"
     if over >= REFUSAL_OVER_LAUNCH_S:
@@ -104,7 +104,8 @@ def second_run_dir(d: Drill, name: str = "run_dir") -> Row:
     fast, timing = _judge_time(took, bare)
     ok = names_holder and second.exited(2) and fast and ok1
     text = (f"second run refused before init_process_group, naming logging.run_dir and the holder "
-            f"(pid {holder})" if names_holder else "second run NOT refused naming the holder") + timing
+            f"(pid {holder})" if names_holder else "second run NOT refused naming the holder")
+    text += timing
     lost = (f"none (config.yaml unchanged, metrics.jsonl steps 1..{FIRST_STEPS})" if ok1 else
             f"FIRST RUN HURT: exit {code1}, config kept {same_config}, steps {steps[:3]}..")
     return Row(text, took, f"{second.exit_text(code2)}; first {code1}", lost, ok)

@@ -15,8 +15,8 @@ whether that checkpoint may continue it.
   loaded only with ``checkpoint.fallback=true``.
 * **May it continue.** As Megatron's ``check_checkpoint_args``: a learning-rate schedule, global
   batch or seed (``SCHEDULE``; ``training.train_steps`` where a decay ends there and the steps
-  trained would change rate: ``resume_schedule``) that differs from the checkpoint's is refused unless
-  ``checkpoint.override_schedule=true``, and a tokenizer that encodes otherwise than the
+  trained would change rate: ``resume_schedule``) that differs from the checkpoint's is refused
+  unless ``checkpoint.override_schedule=true``, and a tokenizer that encodes otherwise than the
   checkpoint's (``check_tokenizer``) always; a checkpoint at or past ``training.train_steps`` means
   the run is complete (``AlreadyComplete``, exit 0). A run never writes over checkpoints it
   does not continue: a fresh start (or a load from elsewhere) into a directory that holds
@@ -191,7 +191,8 @@ def _candidates(cfg, save: Path | None, ours: dict, log) -> tuple[list[Path], st
             elif other is None:
                 other = (p, diffs)
         if not mine and all(is_schedule(k) for k, _, _ in other[1]):
-            raise CheckpointError(refusal("checkpoint.load=auto", other[0], _fields(other[1]), None))
+            asked = "checkpoint.load=auto"
+            raise CheckpointError(refusal(asked, other[0], _fields(other[1]), None))
         if not mine:
             raise CheckpointError(
                 f"checkpoint.load=auto: checkpoint.save={save} holds checkpoints of another run ({other[0].name}: "
@@ -261,9 +262,9 @@ def plan_resume(cfg, grid, device, log: Callable[[str], None] = print) -> Resume
         decay = o.schedule_steps is None and o.decay != "constant" and o.schedule != "onecycle"
         ended = flatten(meta.get("config", {})).get("training.train_steps")
         keep = f" (with --optimizer.schedule_steps {ended} to keep its decay)" if decay else ""
-        raise AlreadyComplete(f"the run is already complete at step {step} ({chosen}; training.train_steps="
-                              f"{cfg.training.train_steps}): nothing to train; raise training.train_steps to go "
-                              f"on{keep}")
+        raise AlreadyComplete(f"the run is already complete at step {step} ({chosen}; "
+                              f"training.train_steps={cfg.training.train_steps}): nothing to "
+                              f"train; raise training.train_steps to go on{keep}")
     if chosen is not None:
         diffs = differences(meta.get("config", {}), ours, only=SCHEDULE)
         stretch = restretched(meta, flatten(meta.get("config", {})), cfg)

@@ -244,7 +244,7 @@ class RunLock:
                 self.path.unlink()
             except FileNotFoundError:
                 pass
-            except OSError as e:  # a read-only remount: one line, not a traceback over the real error
+            except OSError as e:  # read-only remount: one line, not a traceback over the stop
                 print(f"[zerotron] could not remove the lock {self.path} ({e.strerror or e}); a "
                       f"later run takes it over once this process has ended (from another host, "
                       f"after {STALE_S:.0f} s)", file=sys.stderr, flush=True)
