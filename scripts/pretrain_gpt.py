@@ -74,8 +74,9 @@ def main(argv: list[str] | None = None) -> int:
                 run_dir.mkdir(parents=True, exist_ok=True)
                 (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
             except OSError as e:  # a full or read-only run directory: every rank stops naming it
-                trainer.logger.failed = (f"cannot write {run_dir / 'config.yaml'} ({e.strerror or e});"
-                                         f" free space there or give the run another logging.run_dir")
+                from zerotron.training.metrics import cannot_write
+
+                trainer.logger.failed = cannot_write(run_dir / "config.yaml", e, run_dir)
         result = trainer.train()
     except AlreadyComplete as e:
         if env.rank == 0:

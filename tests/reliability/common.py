@@ -12,6 +12,7 @@ import zerotron.training.trainer  # noqa: F401
 
 from scripts.pretrain_gpt import main as pretrain_main
 from tests.harness import Ranks
+from zerotron.training.cli import last_wins
 
 TINY = ["--config", "configs/tiny.yaml", "--tp", "1", "--micro-batch-size", "2", "--global-batch-size", "4",
         "--seq-length", "32", "--log-interval", "1", "--eval-interval", "0", "--wandb-mode", "disabled",
@@ -28,7 +29,7 @@ def _main(argv: list[str], env: dict[str, str]) -> tuple[int, str, str, float]:
     out, err = io.StringIO(), io.StringIO()
     start = time.monotonic()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = pretrain_main(argv)
+        code = pretrain_main(last_wins(argv))  # a test's flags override TINY's
     return code, out.getvalue(), err.getvalue(), time.monotonic() - start
 
 
@@ -44,3 +45,14 @@ def run(argv: list[str], world: int = 2, fault: str = "", env: dict | None = Non
     """Per rank ``(exit code, stdout, stderr, seconds)``, or None for a rank in ``may_die`` that died."""
     with start(argv, world, fault, env, may_die, collective_timeout) as ranks:
         return ranks.wait(timeout)
+
+
+def forbid_process_group(monkeypatch) -> None:
+    """Make ``init_distributed`` fail the run if it is reached (forked ranks inherit the patch): a
+    refusal that must come at start-up is held by this mechanism, not by a clock."""
+    import zerotron.parallel
+
+    def reached(*args, **kwargs):
+        raise AssertionError("the run reached init_distributed: it was not refused at start-up")
+
+    monkeypatch.setattr(zerotron.parallel, "init_distributed", reached)

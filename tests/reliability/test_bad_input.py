@@ -16,7 +16,7 @@ import pytest
 import zerotron.parallel
 from scripts.pretrain_gpt import main
 from zerotron.data import IndexedTokenWriter, build_default_corpus
-from zerotron.training.cli import parse_config
+from zerotron.training.cli import last_wins, parse_config
 from zerotron.training.config import DataSection
 
 BASE = ["--config", "configs/tiny.yaml", "--tp", "1", "--micro-batch-size", "2", "--global-batch-size", "4",
@@ -33,7 +33,8 @@ def run_main(monkeypatch, capsys, tmp_path):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
 
     def run(extra: list[str]) -> tuple[int, str]:
-        code = main(BASE + ["--run-dir", str(tmp_path / "run"), "--data.cache_dir", str(tmp_path / "c")] + extra)
+        code = main(last_wins(BASE + ["--run-dir", str(tmp_path / "run"), "--data.cache_dir",
+                              str(tmp_path / "c")] + extra))  # extra overrides BASE
         return code, capsys.readouterr().err
 
     return run

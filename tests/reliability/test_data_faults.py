@@ -12,7 +12,7 @@ import pytest
 
 from tests.reliability.common import run, tiny
 from zerotron.data import IndexedTokenWriter, train_tokenizer
-from zerotron.training.cli import parse_config
+from zerotron.training.cli import last_wins, parse_config
 from zerotron.training.setup_run import preflight
 
 TEXTS = [f"Document {i}: the data pipeline packs documents across boundaries. " * (1 + i % 4) for i in range(200)]
@@ -35,7 +35,7 @@ def _argv(root, prefix="train", extra=()):
 
 
 def test_the_uncorrupted_corpus_passes_preflight_and_trains(corpus):
-    cfg = parse_config(_argv(corpus))
+    cfg = parse_config(last_wins(_argv(corpus)))
     preflight(cfg.validate(2))
     res = run(_argv(corpus), world=2)
     assert [r[0] for r in res] == [0, 0], res[0][2]
@@ -82,7 +82,8 @@ def test_a_built_in_corpus_that_cannot_be_built_stops_every_rank(tmp_path):
     vocabulary smaller than the corpus's alphabet) reaches the rank waiting for it, so both exit 2
     naming the field instead of one traceback and one rank left in a collective."""
     res = run(tiny(str(tmp_path / "cache")) + ["--train-steps", "2", "--run-dir", str(tmp_path / "run"),
-                                               "--data.default_corpus_vocab", "5"], world=2)
+                                               "--data.default_corpus_vocab", "5"], world=2,
+              collective_timeout=120)  # rank 1 waits while rank 0 gathers the corpus's text
     for code, _, err, _ in res:
         assert code == 2, err
         assert "the built-in corpus could not be built" in err and "data.default_corpus_vocab=5" in err, err

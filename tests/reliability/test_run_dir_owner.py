@@ -3,7 +3,8 @@ refused before it touches ``config.yaml`` or ``metrics.jsonl``; a corrupt lock i
 
 Through scripts/pretrain_gpt.py's ``main`` on 2 gloo ranks; the live run is a process holding the
 lock as a run does (``RunLock.acquire``), and the reference for "untouched" is the bytes of the
-files before the second run.
+files before the second run. That the refusal comes before any process group is held by
+``init_distributed`` failing if reached (scripts/drill.py reports the seconds).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import subprocess
 import sys
 import time
 
-from tests.reliability.common import run, tiny
+from tests.reliability.common import forbid_process_group, run, tiny
 from zerotron.training.run_lock import LOCK_NAME, RunLock, check_free
 
 HOLD = """import sys, time
@@ -27,7 +28,7 @@ time.sleep(120)
 
 
 def test_a_second_run_in_a_live_run_directory_is_refused_leaving_its_files(zerotron_cache,
-                                                                           tmp_path):
+                                                                           tmp_path, monkeypatch):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "config.yaml").write_text("the first run's config\n")
@@ -37,14 +38,15 @@ def test_a_second_run_in_a_live_run_directory_is_refused_leaving_its_files(zerot
                             text=True)
     try:
         assert proc.stdout.readline().strip() == "held"
+        forbid_process_group(monkeypatch)  # refused in preflight, before any process group
         res = run(tiny(zerotron_cache) + ["--run-dir", str(run_dir), "--train-steps", "2"])
     finally:
         proc.kill()
         proc.wait()
-    for code, _, err, seconds in res:
+    for code, _, err, _ in res:
         assert code == 2, err
         assert f"logging.run_dir={run_dir} is in use by another run" in err, err
-        assert f"pid {proc.pid}" in err and "config error" in err and seconds < 15, err
+        assert f"pid {proc.pid}" in err and "config error" in err, err
     assert (run_dir / "config.yaml").read_text() == "the first run's config\n"
     assert (run_dir / "metrics.jsonl").read_text() == records
     assert not (run_dir / "metrics.superseded.jsonl").exists()
@@ -108,3 +110,50 @@ def test_a_run_whose_checkpoints_go_into_its_run_directory_itself_holds_one_lock
     assert res[0][0] == 0, res[0][2]
     assert (tmp_path / "step_00000001" / "metadata.json").is_file()
     assert not (tmp_path / LOCK_NAME).exists()
+
+
+def read_only_mid_run(run_dir, cache) -> tuple[int, str]:
+    """scripts/pretrain_gpt.py's ``main`` whose run directory goes read-only on rank 0 after
+    step 2, as a remount would: ``metrics.jsonl``'s open file and the lock's removal meet EROFS."""
+    import errno
+
+    from tests.reliability.common import _main
+    from zerotron.training import run_lock, trainer
+
+    def erofs(path):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+
+    class ReadOnly:
+        def write(self, *text):
+            erofs(run_dir / "metrics.jsonl")
+
+        close = flush = write
+
+    real_step, real_unlink = trainer.Trainer.train_step, run_lock.Path.unlink
+
+    def step(self, *args, **kwargs):
+        if self.step == 2 and self.grid.rank == 0:
+            self.logger._file = ReadOnly()
+            run_lock.Path.unlink = lambda p, *a, **k: erofs(p) if p.parent == run_dir else \
+                real_unlink(p, *a, **k)
+        return real_step(self, *args, **kwargs)
+
+    trainer.Trainer.train_step = step
+    code, _, err, _ = _main(tiny(cache) + ["--train-steps", "4", "--run-dir", str(run_dir)],
+                            {"ZEROTRON_FAULT": ""})
+    return code, err
+
+
+def test_a_read_only_remount_mid_run_is_one_line_per_rank_and_exit_2(zerotron_cache, tmp_path):
+    """It was a triple traceback on rank 0: the lock's removal raised over the stop itself."""
+    from tests.harness import spawn
+
+    run_dir = tmp_path / "run"
+    (code0, err0), (code1, err1) = spawn(read_only_mid_run, 2, run_dir, zerotron_cache,
+                                         timeout=120)
+    assert (code0, code1) == (2, 2), (err0, err1)
+    assert "Traceback" not in err0 + err1, err0
+    assert f"TrainingStopped: cannot write {run_dir / 'metrics.jsonl'} (Read-only file system); " \
+           f"the file system of logging.run_dir={run_dir} is read-only: remount it writable" in err0
+    assert f"could not remove the lock {run_dir / LOCK_NAME} (Read-only file system)" in err0
+    assert f"[rank 1] TrainingStopped: rank 0 cannot write logging.run_dir={run_dir}" in err1

@@ -19,13 +19,15 @@ def test_a_copied_checkpoint_directory_is_the_same_run(tmp_path):
     another file system (or run directory) resumes with ``checkpoint.load=auto``. It used to count
     as a difference, so auto-resume in the copy was refused as "checkpoints of another run"."""
     from zerotron.training import resume
-    from zerotron.training.cli import parse_config
+    from zerotron.training.cli import last_wins, parse_config
 
-    here, there = (parse_config(tiny(str(tmp_path)) + ["--save", str(tmp_path / d)]) for d in ("a", "b"))
+    here, there = (parse_config(last_wins(tiny(str(tmp_path)) + ["--save", str(tmp_path / d)]))
+                   for d in ("a", "b"))
     assert resume.run_id(here) == resume.run_id(there)
     flat = resume.flatten(there.to_dict())
     assert resume.differences(here.to_dict(), flat, ignore=resume.IGNORED) == []
-    other = parse_config(tiny(str(tmp_path)) + ["--save", str(tmp_path / "a"), "--optimizer.weight_decay", "0.05"])
+    other = parse_config(last_wins(tiny(str(tmp_path)) + ["--save", str(tmp_path / "a"),
+                                                          "--optimizer.weight_decay", "0.05"]))
     assert resume.run_id(other) != resume.run_id(here)  # what is trained still tells runs apart
 
 

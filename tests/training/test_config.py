@@ -73,6 +73,11 @@ def test_invalid_values_name_the_field(argv, world, needle):
     (["--tp", "4", "--parallel.tp", "2"], "--tp and --parallel.tp both set parallel.tp; give one of them"),
     (["--parallel.tp=2", "--tp", "4"], "--tp and --parallel.tp both set parallel.tp"),
     (["--train-steps", "5", "--training.train-steps", "6"], "--train-steps and --training.train-steps both set"),
+    (["--lr", "0.5", "--lr", "0.001"], "--lr is given twice (--lr 0.5, then --lr 0.001)"),
+    (["--model.hidden_size=8", "--model.hidden_size", "16"], "--model.hidden_size is given twice"),
+    (["--model.hidden-size", "8", "--model.hidden_size", "16"],
+     "--model.hidden-size and --model.hidden_size"),
+    (["--checkpoint-activations"] * 2, "--checkpoint-activations is given twice"),
 ])
 def test_bad_keys_and_types(argv, needle):
     with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace(")", r"\)")):

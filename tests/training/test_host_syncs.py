@@ -35,7 +35,7 @@ SCENARIOS = {"bf16": ["--precision", "bf16"], "fp16": ["--precision", "fp16"],
 def _config(cache: str, run_dir: str, *flags):
     import torch.distributed as dist
 
-    from zerotron.training.cli import parse_config
+    from zerotron.training.cli import last_wins, parse_config
 
     world = dist.get_world_size()
     pp = int(flags[flags.index("--pp") + 1]) if "--pp" in flags else 1
@@ -44,7 +44,7 @@ def _config(cache: str, run_dir: str, *flags):
             "--train-steps", str(2 * STEPS), "--wandb-mode", "disabled", "--log-interval", "100",
             "--eval-interval", "0", "--run-dir", run_dir, "--data.cache_dir", cache, "--save", "none",
             "--optimizer.warmup_steps", "2"]
-    return parse_config(base + [str(f) for f in flags]).validate(world)
+    return parse_config(last_wins(base + [str(f) for f in flags])).validate(world)
 
 
 def _counts(cache: str, run_dir: str, flags: list[str]) -> dict:

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from zerotron.training.cli import parse_config
+from zerotron.training.cli import last_wins, parse_config
 from zerotron.training.config import RunConfig
 from zerotron.training.inert import RULES, no_effect
 
@@ -40,7 +40,8 @@ CASES = [  # (field, flags that set it with its feature off, flags that turn the
 
 
 def notes(argv: list[str], world: int = 2) -> list[str]:
-    return no_effect(parse_config(["--config", "configs/tiny.yaml", "--tp", "1", *argv]).validate(world))
+    argv = last_wins(["--config", "configs/tiny.yaml", "--tp", "1", *argv])  # a case's flags win
+    return no_effect(parse_config(argv).validate(world))
 
 
 def test_every_rule_names_a_field_of_the_run_config():

@@ -31,7 +31,7 @@ def run_llama(run_dir, cache, steps, flags):
     import torch.distributed as dist
 
     from zerotron.parallel.runtime import init_distributed
-    from zerotron.training.cli import parse_config
+    from zerotron.training.cli import last_wins, parse_config
     from zerotron.training.trainer import Trainer
 
     base = ["--config", str(ROOT / "configs" / "tiny-llama.yaml"), "--seq-length", "32",
@@ -39,7 +39,7 @@ def run_llama(run_dir, cache, steps, flags):
             "--wandb-mode", "disabled", "--log-interval", "100", "--eval-interval", "0",
             "--run-dir", str(run_dir), "--data.cache_dir", cache, "--save", "none",
             "--optimizer.warmup_steps", "5", "--tp", "1", "--precision", "fp64"]
-    cfg = parse_config(base + [str(f) for f in flags]).validate(dist.get_world_size())
+    cfg = parse_config(last_wins(base + [str(f) for f in flags])).validate(dist.get_world_size())
     trainer = Trainer(cfg, init_distributed())
     assert trainer.mcfg.architecture == "llama"
     assert {p.dtype for p in trainer.model.parameters()} == {torch.float64}

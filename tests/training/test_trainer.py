@@ -29,13 +29,13 @@ FP64 = ["--precision", "fp64"]
 
 
 def make_config(run_dir, cache, *flags):
-    from zerotron.training.cli import parse_config
+    from zerotron.training.cli import last_wins, parse_config
 
     base = ["--config", str(ROOT / "configs" / "tiny.yaml"), "--seq-length", "32", "--micro-batch-size", "2",
             "--global-batch-size", "8", "--train-steps", "20", "--wandb-mode", "disabled", "--log-interval", "100",
             "--eval-interval", "0", "--run-dir", str(run_dir), "--data.cache_dir", cache, "--save", "none",
             "--optimizer.warmup_steps", "5", "--tp", "1"]
-    return parse_config(base + [str(f) for f in flags])
+    return parse_config(last_wins(base + [str(f) for f in flags]))  # the flags override base
 
 
 def run_steps(run_dir, cache, steps, flags, kill_rank_at=None):

@@ -37,11 +37,10 @@ def record(prefix: str, model_path: str) -> None:
     publish(tmp, path)
 
 
-def mismatch(prefix: str, model_path: str) -> str | None:
+def mismatch(prefix: str, model_path: str, digest: str) -> str | None:
     """Why ``prefix``'s token files were not made with the tokenizer at ``model_path`` (naming
-    both), or None when they were or when no record exists."""
-    from zerotron.data.tokenizer import encoding_digest
-
+    both), or None when they were or when no record exists. ``digest`` is that tokenizer's
+    ``encoding_digest``, computed once by the caller for all the run's token files."""
     path = prefix + SUFFIX
     try:
         with open(path) as f:
@@ -52,7 +51,7 @@ def mismatch(prefix: str, model_path: str) -> str | None:
         return f"{path} (the record of the tokenizer it was made with) is unreadable ({e})"
     if not isinstance(rec, dict) or not isinstance(rec.get("encoding_sha256"), str):
         return f"{path} (the record of the tokenizer it was made with) is not such a record"
-    if rec["encoding_sha256"] == encoding_digest(model_path):
+    if rec["encoding_sha256"] == digest:
         return None
     return (f"was tokenized with {rec.get('tokenizer')} (recorded in {path}), which encodes "
             f"otherwise than {model_path}")

@@ -30,8 +30,6 @@ last stage, the logits (``layers``, ``logits``).
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from zerotron.model.config import GPTConfig
@@ -89,8 +87,10 @@ def peak_tflops(device_name: str, dtype=torch.bfloat16, override: float | None =
     ``device_name`` is matched by substring, e.g. ``torch.cuda.get_device_name()`` =
     "NVIDIA H200" or "Tesla V100-SXM2-32GB".
     """
-    if override is None and os.environ.get("ZEROTRON_PEAK_TFLOPS"):
-        override = float(os.environ["ZEROTRON_PEAK_TFLOPS"])
+    if override is None:  # the one read of the variable (start-up's check calls here)
+        from zerotron.parallel.runtime import positive_env
+
+        override = positive_env("ZEROTRON_PEAK_TFLOPS", "the device's peak TFLOP/s, for MFU")
     if override is not None:
         if override <= 0:
             raise ValueError(f"peak TFLOP/s override={override}: must be > 0")

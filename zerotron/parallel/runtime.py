@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import datetime
+import math
 import os
 import socket
 from dataclasses import dataclass
@@ -60,10 +61,29 @@ def keep_compiler_cache_in(cache_dir: str | os.PathLike) -> Path:
     return Path(path)
 
 
+def positive_env(name: str, holds: str) -> float | None:
+    """Environment variable ``name`` as a positive finite number, None when unset; a ValueError
+    naming it and what it ``holds`` otherwise ('soon', 'nan' and -5 included)."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name}={raw!r} must be a positive number ({holds}); fix or unset it")
+    return value
+
+
 def collective_timeout(seconds: float | None = None) -> datetime.timedelta:
-    """Timeout for every collective; the env var wins over the argument so CI can tighten it."""
-    env = os.environ.get("ZEROTRON_COLLECTIVE_TIMEOUT")
-    value = float(env) if env else (seconds if seconds is not None else DEFAULT_TIMEOUT_S)
+    """Timeout for every collective; the env var wins over the argument so CI can tighten it.
+    The one parser of ``ZEROTRON_COLLECTIVE_TIMEOUT``: start-up's check (``training.env_check``)
+    calls it, so a bad value is refused with this message before any process group."""
+    value = positive_env("ZEROTRON_COLLECTIVE_TIMEOUT",
+                         "seconds a collective may wait before the rank fails")
+    if value is None:
+        value = seconds if seconds is not None else DEFAULT_TIMEOUT_S
     if value <= 0:
         raise ValueError(f"collective timeout must be > 0 seconds, got {value}")
     return datetime.timedelta(seconds=value)
@@ -243,17 +263,28 @@ def _meminfo_available() -> int | None:
     return None
 
 
+CGROUP = Path("/sys/fs/cgroup")
+
+
+def _cgroup_file(name: str) -> str | None:
+    """The text of ``/sys/fs/cgroup/<name>``, or None where it cannot be read: the one read of
+    the cgroup's memory files (a test fakes a container's limit here)."""
+    try:
+        return (CGROUP / name).read_text().strip()
+    except OSError:
+        return None
+
+
 def _cgroup_room() -> tuple[int, str] | None:
     """Limit minus usage of this process's memory cgroup (v2, else v1); None when unlimited."""
     v1 = ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")
     for limit_file, usage_file in (("memory.max", "memory.current"), v1):
-        base = Path("/sys/fs/cgroup")
+        raw, used = _cgroup_file(limit_file), _cgroup_file(usage_file)
         try:
-            raw = (base / limit_file).read_text().strip()
-            if raw == "max" or int(raw) >= 2**60:
+            if raw is None or raw == "max" or int(raw) >= 2**60 or used is None:
                 continue
-            used = int((base / usage_file).read_text().strip())
-        except (OSError, ValueError):
+            room = max(0, int(raw) - int(used))
+        except ValueError:
             continue
-        return max(0, int(raw) - used), f"the cgroup limit {base / limit_file} less its usage"
+        return room, f"the cgroup limit {CGROUP / limit_file} less its usage"
     return None

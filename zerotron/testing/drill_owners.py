@@ -16,12 +16,33 @@ import signal
 from zerotron.testing.drill_job import Row, complete_steps, intact
 from zerotron.testing.drill_run import JOB_S, LOADED, SAVED, Drill, now, wait_step
 
-LOCK_BOUND_S = 15.0  # a second run on a held directory must be refused within this
+# A refusal in preflight may cost this much beyond a bare launch of the same layout measured at
+# the same moment. The launch itself -- torchrun's import of torch, then each worker's -- is what
+# took 19.6 s at a load average of 20 (about 10 s per import), not the lock check (< 1 s).
+REFUSAL_OVER_LAUNCH_S = 5.0
+
+
+def bare_launch_s(d: Drill, name: str) -> float:
+    """Seconds ``--help`` takes through the same launcher and layout, now: the part of a refusal's
+    time no check can save (torchrun, Python and torch start-up), measured beside it."""
+    job = d.job(d.argv(name + "_bare_launch", 1, None, "--help"))
+    job.wait(JOB_S)
+    return job.end - job.start
+
+
+def _judge_time(took: float, bare: float) -> tuple[bool, str]:
+    """Whether a refusal ``took`` s after launch is fast for what it does, and words saying so."""
+    over = took - bare
+    words = f"; a bare launch (--help) took {bare:.1f} s, the refusal {over:+.1f} s more"
+    if over >= REFUSAL_OVER_LAUNCH_S:
+        words += f" [>= {REFUSAL_OVER_LAUNCH_S:g} s over the launch]"
+    return over < REFUSAL_OVER_LAUNCH_S, words
 FIRST_STEPS = 16  # the first run pauses at step 6 (ZEROTRON_FAULT=pause) until the second has ended
 
 
 def second_run(d: Drill, name: str = "lock") -> Row:
-    """Two runs on one ``--save``: the second must exit 2 naming the first (host and pid) in < 15 s;
+    """Two runs on one ``--save``: the second must exit 2 naming the first (host and pid), in
+    less than ``REFUSAL_OVER_LAUNCH_S`` beyond a bare launch;
     the first must finish with all its checkpoints intact. The first holds at the start of step 6
     (``pause``, every rank) until the second has ended, so it is still running however fast it trains."""
     save, release = d.root / name / "ck", d.root / name / "release"
@@ -33,6 +54,7 @@ def second_run(d: Drill, name: str = "lock") -> Row:
     holder = first.worker_pid(0)
     second = d.job(d.argv(name + "_second", FIRST_STEPS, save))
     code2 = second.wait(JOB_S)
+    bare = bare_launch_s(d, name)  # while the first run still holds: the same load
     release.write_text("")  # the first run goes on from step 6 to the end
     refusal = second.first(r"in use by another run")
     took = (refusal[0] if refusal else second.end) - second.start
@@ -41,12 +63,11 @@ def second_run(d: Drill, name: str = "lock") -> Row:
     steps, problems = intact(save)
     want = [FIRST_STEPS - 4, FIRST_STEPS]  # keep_last 2
     ok1 = code1 == 0 and steps == want and not problems and not second.first(r"\[checkpoint\] saved")
-    ok = names_holder and second.exited(2) and took < LOCK_BOUND_S and ok1
+    fast, timing = _judge_time(took, bare)
+    ok = names_holder and second.exited(2) and fast and ok1
     text = (f"second run refused before init_process_group, naming the holder (host, pid {holder}); "
             f"exited {second.end - second.start:.1f} s after launch" if names_holder
-            else "second run NOT refused naming the holder")
-    if took >= LOCK_BOUND_S:
-        text += f" [refused after {took:.1f} s >= {LOCK_BOUND_S:g} s]"
+            else "second run NOT refused naming the holder") + timing
     lost = (f"none (first run finished: step_{want[0]}, step_{want[1]} verified)" if ok1 else
             f"FIRST RUN HURT: exit {code1}, checkpoints {steps} {problems[:2]}")
     return Row(text, took, f"{second.exit_text(code2)}; first 0" if code1 == 0 else f"first {code1}", lost, ok)
@@ -54,7 +75,8 @@ def second_run(d: Drill, name: str = "lock") -> Row:
 
 def second_run_dir(d: Drill, name: str = "run_dir") -> Row:
     """Two runs in one ``--run-dir`` without checkpoints: the second must exit 2 naming the first
-    (``logging.run_dir``, host and pid) in < 15 s, before touching its ``config.yaml`` or
+    (``logging.run_dir``, host and pid) within ``REFUSAL_OVER_LAUNCH_S`` of a bare launch, before
+    touching its ``config.yaml`` or
     ``metrics.jsonl``; the first must finish with one metrics record per step."""
     release = d.root / name / "release"
     argv = d.argv(name, FIRST_STEPS, None, "--log-interval", "1")
@@ -69,6 +91,7 @@ def second_run_dir(d: Drill, name: str = "run_dir") -> Row:
     config = (run_dir / "config.yaml").read_text()
     second = d.job(argv[:-2] + ["--lr", "0.001", "--log-interval", "1"])  # another run, same dir
     code2 = second.wait(JOB_S)
+    bare = bare_launch_s(d, name)  # while the first run still holds: the same load
     same_config = (run_dir / "config.yaml").read_text() == config
     release.write_text("")
     refusal = second.first(r"logging\.run_dir=.* is in use by another run")
@@ -78,9 +101,11 @@ def second_run_dir(d: Drill, name: str = "run_dir") -> Row:
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     steps = [json.loads(line).get("step") for line in lines]
     ok1 = code1 == 0 and steps == list(range(1, FIRST_STEPS + 1)) and same_config
-    ok = names_holder and second.exited(2) and took < LOCK_BOUND_S and ok1
+    fast, timing = _judge_time(took, bare)
+    ok = names_holder and second.exited(2) and fast and ok1
     text = (f"second run refused before init_process_group, naming logging.run_dir and the holder "
             f"(pid {holder})" if names_holder else "second run NOT refused naming the holder")
+    text += timing
     lost = (f"none (config.yaml unchanged, metrics.jsonl steps 1..{FIRST_STEPS})" if ok1 else
             f"FIRST RUN HURT: exit {code1}, config kept {same_config}, steps {steps[:3]}..")
     return Row(text, took, f"{second.exit_text(code2)}; first {code1}", lost, ok)
@@ -94,10 +119,11 @@ def corrupt_newest(d: Drill, name: str = "corrupt_newest") -> Row:
     data = bytearray(shard.read_bytes())
     data[len(data) // 2:len(data) // 2 + 16] = bytes(16)
     shard.write_bytes(bytes(data))
-    job = d.job(d.argv(name, 16, save))
+    keep = ("--optimizer.schedule_steps", "12")  # 16 steps along the reference's decay (ends at 12)
+    job = d.job(d.argv(name, 16, save, *keep))
     code = job.wait(JOB_S)
     said = job.first(r"step_00000012 is corrupt.*step_00000008, is intact \(verified\).*--checkpoint\.fallback true")
-    again = d.job(d.argv(name + "_fallback", 16, save, "--checkpoint.fallback", "true"))
+    again = d.job(d.argv(name + "_fallback", 16, save, *keep, "--checkpoint.fallback", "true"))
     code2 = again.wait(JOB_S)
     loaded = again.first(LOADED)
     step = int(re.search(LOADED, loaded[1]).group(1)) if loaded else None

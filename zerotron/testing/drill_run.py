@@ -44,8 +44,11 @@ class Drill:
         return [r for r in range(self.layout.nproc) if r != VICTIM]
 
     def argv(self, name: str, steps: int, save: Path | str | None = None, *extra: str) -> list[str]:
-        return [*COMMON, *self.layout.flags, "--train-steps", str(steps), "--run-dir", str(self.root / name / "run"),
-                "--save", str(save) if save else "none", *extra]
+        from zerotron.training.cli import last_wins  # a scenario's extra flags win
+
+        return last_wins([*COMMON, *self.layout.flags, "--train-steps", str(steps), "--run-dir",
+                          str(self.root / name / "run"), "--save", str(save) if save else "none",
+                          *extra])
 
     def job(self, argv: list[str], env: dict[str, str] | None = None, torchrun: tuple[str, ...] = ()) -> Job:
         run_dir = Path(argv[argv.index("--run-dir") + 1])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
 import yaml
@@ -51,6 +52,64 @@ SHORT_FLAGS = {
 }
 BOOL_FLAGS = {"checkpoint-activations", "partition-activations", "cpu-offload-activations", "offload-optimizer",
               "sequence-parallel", "compile"}
+OTHER_FLAGS = {"config": "--config", "deepspeed-config": "--deepspeed-config",
+               "profile-steps": "logging.profile_steps"}  # what each flag of its own sets
+
+
+def _setting(token: str) -> str | None:
+    """What a command-line token sets (``section.field`` or the flag itself), None for a value."""
+    if not token.startswith("--") or token == "--":
+        return None
+    name = token[2:].partition("=")[0]
+    if name in SHORT_FLAGS:
+        return ".".join(SHORT_FLAGS[name])
+    if name in OTHER_FLAGS:
+        return OTHER_FLAGS[name]
+    section, dot, key = name.partition(".")
+    return f"{section}.{key}".replace("-", "_") if dot else None
+
+
+def _flags(argv: list[str]) -> list[tuple[str | None, list[str]]]:
+    """``argv`` cut into ``(what it sets, its tokens)``: a flag with its value, or a lone token."""
+    chunks: list[tuple[str | None, list[str]]] = []
+    i = 0
+    while i < len(argv):
+        what, token = _setting(argv[i]), argv[i]
+        takes_value = (what is not None and "=" not in token and token[2:] not in BOOL_FLAGS
+                       and i + 1 < len(argv))
+        width = 3 if takes_value and token == "--profile-steps" else 2 if takes_value else 1
+        chunks.append((what, argv[i:i + width]))
+        i += width
+    return chunks
+
+
+def refuse_repeats(argv: list[str]) -> None:
+    """A flag given twice (``--lr 0.5 --lr 0.001``) is refused naming it: argparse would let the
+    last one win in silence, and the first may be the one the user meant (issue 46)."""
+    seen: dict[str, list[str]] = {}  # what is set -> the tokens that first set it
+    for what, tokens in _flags(argv):
+        if what is None:
+            continue
+        if what not in seen:
+            seen[what] = tokens
+            continue
+        first, flag = seen[what][0].partition("=")[0], tokens[0].partition("=")[0]
+        if first != flag:  # two spellings of one field, e.g. --tp 4 --parallel.tp 2
+            short, long_ = sorted((first, flag), key=lambda f: "." in f)
+            raise ConfigError(f"{short} and {long_} both set {what}; give one of them")
+        raise ConfigError(f"{flag} is given twice ({' '.join(seen[what])}, then "
+                          f"{' '.join(tokens)}); the last would win in silence: give it once")
+
+
+def last_wins(argv: list[str]) -> list[str]:
+    """``argv`` with each setting kept only where it is last given: for callers that build a
+    command line as a base plus overrides (tests, the drill). A user's repeat is refused."""
+    chunks = _flags(list(argv))
+    last = {what: i for i, (what, _) in enumerate(chunks) if what is not None}
+    return [t for i, (what, tokens) in enumerate(chunks) if what is None or last[what] == i
+            for t in tokens]
+
+
 def apply_mapping(cfg: RunConfig, data: dict, source: str) -> None:
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: expected a mapping of sections, got {type(data).__name__}")
@@ -129,6 +188,7 @@ def parse_config(argv: list[str] | None = None, exit_codes: str = "", world_size
     """Parse flags into a ``RunConfig`` (not yet validated against a world size). ``world_size``
     (default ``$WORLD_SIZE``, else 1) sizes a DeepSpeed JSON's batch triple."""
     parser = build_parser(exit_codes)
+    refuse_repeats(list(sys.argv[1:] if argv is None else argv))
     args, rest = parser.parse_known_args(argv)
     cfg = RunConfig()
     if args.config:

@@ -5,34 +5,26 @@ where it used to be a traceback (exit 1) from deep inside start-up that named no
 
 from __future__ import annotations
 
-import math
 import os
 
 from zerotron.training.config import ConfigError
 
-# variable: what it holds, for the message
-NUMBERS = {"ZEROTRON_COLLECTIVE_TIMEOUT": "seconds a collective may wait before the rank fails",
-           "ZEROTRON_PEAK_TFLOPS": "the device's peak TFLOP/s, for MFU"}
 PATH_FIELDS = (("checkpoint", "save"), ("checkpoint", "load"), ("logging", "run_dir"),
                ("data", "cache_dir"), ("data", "tokenizer"))
 
 
 def check_environment() -> None:
     """``ZEROTRON_COLLECTIVE_TIMEOUT`` / ``ZEROTRON_PEAK_TFLOPS`` positive numbers,
-    ``ZEROTRON_DEVICE`` / ``ZEROTRON_BACKEND`` known names (``parallel.runtime`` decides)."""
-    from zerotron.parallel.runtime import pick_backend, pick_device
+    ``ZEROTRON_DEVICE`` / ``ZEROTRON_BACKEND`` known names: each read by the one function that
+    uses it (``parallel.runtime``, ``model.flops``), whose error names the variable."""
+    from zerotron.model.flops import peak_tflops
+    from zerotron.parallel.runtime import collective_timeout, pick_backend, pick_device
 
-    for name, holds in NUMBERS.items():
-        raw = os.environ.get(name, "").strip()
-        if not raw:
-            continue
-        try:
-            value = float(raw)
-        except ValueError:
-            value = math.nan
-        if not (math.isfinite(value) and value > 0):
-            raise ConfigError(f"{name}={raw!r} must be a positive number ({holds}); fix or "
-                              f"unset it")
+    try:
+        collective_timeout()
+        peak_tflops("")  # no device name: only the variable is read
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     try:
         pick_backend(pick_device(int(os.environ.get("LOCAL_RANK", 0) or 0)))
     except (ValueError, RuntimeError) as e:

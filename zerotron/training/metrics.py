@@ -8,6 +8,7 @@ read to the host here, all its tensors in one read (``host_values``), at the log
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import resource
@@ -30,6 +31,18 @@ def peak_memory(device: torch.device) -> dict[str, int]:
         out["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
     return out
 
+
+
+def cannot_write(path: Path, error: OSError, run_dir: Path) -> str:
+    """Why rank 0 stops on a file of the run directory it cannot write, with the fix that fits
+    the error: room for a full disk or quota, a writable mount for a read-only remount."""
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        fix = f"free space on the file system of logging.run_dir={run_dir}"
+    elif error.errno == errno.EROFS:
+        fix = f"the file system of logging.run_dir={run_dir} is read-only: remount it writable"
+    else:
+        fix = f"make logging.run_dir={run_dir} writable"
+    return f"cannot write {path} ({error.strerror or error}); {fix}, or give the run another one"
 
 class PeakWindow:
     """The allocator's peaks per log window on CUDA: each ``read`` returns the peaks since the last
@@ -157,9 +170,8 @@ class MetricsLogger:
         try:
             self._file.write(json.dumps(record) + "\n")
         except OSError as e:  # a full disk: said once, by rank 0, and agreed on by every rank
-            self.failed = self.failed or (
-                f"cannot write {self.run_dir / 'metrics.jsonl'} ({e.strerror or e}); free space on "
-                f"the file system of logging.run_dir={self.run_dir}, or give the run another one")
+            self.failed = self.failed or cannot_write(self.run_dir / "metrics.jsonl", e,
+                                                      self.run_dir)
             return
         flat = {k: v for k, v in record.items() if isinstance(v, (int, float))}
         for group, nbytes in (record.get("comm_bytes") or {}).items():

@@ -14,8 +14,9 @@ whether that checkpoint may continue it.
   hashing. A corrupt newest checkpoint is refused, naming it and the one before it, which is
   loaded only with ``checkpoint.fallback=true``.
 * **May it continue.** As Megatron's ``check_checkpoint_args``: a learning-rate schedule, global
-  batch or seed (``SCHEDULE``) that differs from the checkpoint's is refused unless
-  ``checkpoint.override_schedule=true``, and a tokenizer that encodes otherwise than the
+  batch or seed (``SCHEDULE``; ``training.train_steps`` where a decay ends there and the steps
+  trained would change rate: ``resume_schedule``) that differs from the checkpoint's is refused
+  unless ``checkpoint.override_schedule=true``, and a tokenizer that encodes otherwise than the
   checkpoint's (``check_tokenizer``) always; a checkpoint at or past ``training.train_steps`` means
   the run is complete (``AlreadyComplete``, exit 0). A run never writes over checkpoints it
   does not continue: a fresh start (or a load from elsewhere) into a directory that holds
@@ -40,15 +41,14 @@ from zerotron.training.checkpoint_io import (LOAD_EARLIER, CheckpointError, chec
                                              complete_checkpoints, owner, read_metadata, resolve_load_path,
                                              sha256_file, step_of)
 from zerotron.training.run_lock import RunLock, RunLockError
+from zerotron.training.resume_schedule import (DECAY_END, SCHEDULE, decay_end, is_schedule,
+                                              refusal, restretched)
 
 # not part of what a run trains: its length, how it is logged, how and where its checkpoints are
 # taken (a checkpoint directory copied or moved elsewhere still continues the same run)
 IGNORED = ("training.train_steps", "training.skip_memory_check", "logging.*", "checkpoint.save",
            "checkpoint.load", "checkpoint.fallback", "checkpoint.override_schedule",
            "checkpoint.keep_last", "checkpoint.save_interval", "checkpoint.async_save")
-SCHEDULE = ("optimizer.lr", "optimizer.min_lr", "optimizer.warmup_steps", "optimizer.decay",
-            "optimizer.schedule", "optimizer.warmup_min_lr", "optimizer.warmup_type", "optimizer.schedule_steps",
-            "training.global_batch_size", "training.seed")
 
 
 class AlreadyComplete(Exception):
@@ -82,8 +82,12 @@ def differences(saved: dict, ours: dict[str, Any], *, only=None, ignore=()) -> l
     """``(field, checkpoint's value, this run's)`` for each field both configs have and that differs
     (a field newer than the checkpoint is not compared)."""
     old = flatten(saved or {})
+    differ = {k: old[k] != v for k, v in ours.items() if k in old}
+    if DECAY_END in differ:  # unset means train_steps (resume_schedule; both unset: restretched)
+        either = old[DECAY_END] is not None or ours[DECAY_END] is not None
+        differ[DECAY_END] = either and decay_end(old) != decay_end(ours)
     return [(k, old[k], v) for k, v in ours.items()
-            if (only is None or k in only) and not _ignored(k, ignore) and k in old and old[k] != v]
+            if (only is None or k in only) and not _ignored(k, ignore) and differ.get(k)]
 
 
 def _fields(diffs) -> str:
@@ -186,8 +190,9 @@ def _candidates(cfg, save: Path | None, ours: dict, log) -> tuple[list[Path], st
                 mine.append(p)
             elif other is None:
                 other = (p, diffs)
-        if not mine and all(k in SCHEDULE for k, _, _ in other[1]):
-            raise CheckpointError(_schedule_refusal("checkpoint.load=auto", other[0], other[1]))
+        if not mine and all(is_schedule(k) for k, _, _ in other[1]):
+            asked = "checkpoint.load=auto"
+            raise CheckpointError(refusal(asked, other[0], _fields(other[1]), None))
         if not mine:
             raise CheckpointError(
                 f"checkpoint.load=auto: checkpoint.save={save} holds checkpoints of another run ({other[0].name}: "
@@ -205,11 +210,6 @@ def _candidates(cfg, save: Path | None, ours: dict, log) -> tuple[list[Path], st
     for note in notes:
         log(f"[checkpoint] {note}")
     return list(reversed(complete_checkpoints(path))), f"checkpoint.load={c.load}"
-
-
-def _schedule_refusal(asked: str, path: Path, diffs) -> str:
-    return (f"{asked}: resuming {path} would change its run's schedule: {_fields(diffs)}; keep the checkpoint's "
-            f"values, or pass --checkpoint.override_schedule true to continue with this run's")
 
 
 def _fresh_start(paths: list[Path], save: Path | None) -> str:
@@ -258,38 +258,27 @@ def plan_resume(cfg, grid, device, log: Callable[[str], None] = print) -> Resume
                               f"{_fresh_start(candidates, save)}")
     step = int(meta["step"]) if chosen is not None else 0
     if chosen is not None and cfg.training.train_steps <= step:
-        raise AlreadyComplete(f"the run is already complete at step {step} ({chosen}; training.train_steps="
-                              f"{cfg.training.train_steps}): nothing to train; raise training.train_steps to go on")
+        o = cfg.optimizer  # a decay ending at train_steps: a longer run resumes along it only so
+        decay = o.schedule_steps is None and o.decay != "constant" and o.schedule != "onecycle"
+        ended = flatten(meta.get("config", {})).get("training.train_steps")
+        keep = f" (with --optimizer.schedule_steps {ended} to keep its decay)" if decay else ""
+        raise AlreadyComplete(f"the run is already complete at step {step} ({chosen}; "
+                              f"training.train_steps={cfg.training.train_steps}): nothing to "
+                              f"train; raise training.train_steps to go on{keep}")
     if chosen is not None:
         diffs = differences(meta.get("config", {}), ours, only=SCHEDULE)
+        stretch = restretched(meta, flatten(meta.get("config", {})), cfg)
+        diffs += [stretch[0]] if stretch else []
         if diffs and not c.override_schedule:
-            raise CheckpointError(_schedule_refusal(asked, chosen, diffs))
+            keep = (stretch[0][1], stretch[1]) if stretch else None
+            raise CheckpointError(refusal(asked, chosen, _fields(diffs), keep))
         if diffs:
             log(f"[checkpoint] checkpoint.override_schedule=true: continuing with {_fields(diffs)}")
-        _note_stretch(meta, cfg, log)
     if save is not None:
         _check_save_dir(save, chosen, step, rid, skipped, asked, log)
     files = frozenset(meta["files"]) if chosen is not None else frozenset()
     consumed = int(meta["consumed_samples"]) if chosen is not None else 0
     return ResumePlan(chosen, step, files, consumed)
-
-
-def _note_stretch(meta: dict, cfg, log) -> None:
-    """Say so when a new ``training.train_steps`` stretches a decay over ``train_steps`` (no
-    ``optimizer.schedule_steps``): the next step's rate changes (issue 46: 6.95e-4 -> 2.07e-3)."""
-    from zerotron.training.schedule import lr_at
-
-    o, old = cfg.optimizer, flatten(meta.get("config", {})).get("training.train_steps")
-    new = cfg.training.train_steps
-    fixed = o.schedule_steps is not None or o.schedule == "onecycle"
-    if fixed or not isinstance(old, int) or old == new:
-        return
-    was, now = (lr_at(int(meta.get("adam_step", meta["step"])), o, n) for n in (old, new))
-    if was != now:
-        log(f"[checkpoint] training.train_steps={old} in the checkpoint, {new} in this run: the "
-            f"learning-rate schedule ({o.decay} decay over train_steps) is stretched, so the next "
-            f"step's rate is {now:.3g} where the checkpoint's run would use {was:.3g}; to keep its "
-            f"schedule pass --optimizer.schedule_steps {old} --checkpoint.override_schedule true")
 
 
 def check_tokenizer(path: Path, tokenizer: str | None, cfg) -> None:

@@ -26,6 +26,7 @@ import contextlib
 import json
 import os
 import socket
+import sys
 import threading
 import time
 from pathlib import Path
@@ -239,6 +240,12 @@ class RunLock:
             return
         holder = _read(self.path)
         if holder is not None and all(holder.get(k) == self.info[k] for k in ("host", "pid", "started")):
-            with contextlib.suppress(FileNotFoundError):
+            try:
                 self.path.unlink()
+            except FileNotFoundError:
+                pass
+            except OSError as e:  # read-only remount: one line, not a traceback over the stop
+                print(f"[zerotron] could not remove the lock {self.path} ({e.strerror or e}); a "
+                      f"later run takes it over once this process has ended (from another host, "
+                      f"after {STALE_S:.0f} s)", file=sys.stderr, flush=True)
         self.path = None

@@ -64,6 +64,7 @@ def check_data(cfg: RunConfig, tokenizer_path: str | None, train: list[str], eva
     and their shifted labels).
     """
     from zerotron.data import IndexedTokenDataset, Tokenizer, fingerprint
+    from zerotron.data.tokenizer import encoding_digest
 
     if tokenizer_path and not Path(tokenizer_path).exists():
         raise ConfigError(f"data.tokenizer={tokenizer_path}: not found; train one with "
@@ -79,6 +80,7 @@ def check_data(cfg: RunConfig, tokenizer_path: str | None, train: list[str], eva
         raise ConfigError(f"data.tokenizer has {tok_vocab} tokens but model.vocab_size={vocab}; token ids would "
                           f"fall outside the embedding: raise model.vocab_size to >= {tok_vocab} or leave it unset")
     seq = _seq_length(cfg)
+    digest = encoding_digest(tokenizer_path) if tokenizer_path else None  # once for all files
     for field_name, prefixes in (("data.data_path", train), ("data.eval_path", evals)):
         for prefix in prefixes:
             try:
@@ -88,7 +90,7 @@ def check_data(cfg: RunConfig, tokenizer_path: str | None, train: list[str], eva
                                      f"data.tokenizer={tokenizer_path} has {tok_vocab} tokens; set data.tokenizer "
                                      f"to the tokenizer it was made with, or re-run scripts/preprocess_data.py "
                                      f"with this one")
-                other = fingerprint.mismatch(prefix, tokenizer_path) if tokenizer_path else None
+                other = fingerprint.mismatch(prefix, tokenizer_path, digest) if digest else None
                 if other:  # the record beside the files names another tokenizer
                     raise ValueError(f"{other}; set data.tokenizer to the tokenizer it was made "
                                      f"with, or re-run scripts/preprocess_data.py with this one")
