@@ -4,6 +4,8 @@ Reference: the Megatron rank order written out independently below (TP fastest, 
 PP), and the members each torch group really has, found by all-reducing one-hot rank vectors.
 """
 
+import re
+
 import pytest
 import torch
 
@@ -93,3 +95,53 @@ def test_invalid_sizes_fail_on_every_rank_before_any_collective(tp, pp, dp, need
 def test_resolve_infers_dp():
     assert ParallelDims(2, 2).resolve(8) == ParallelDims(2, 2, 2)
     assert ParallelDims(1, 1, -1).resolve(3) == ParallelDims(1, 1, 3)
+
+
+def expected_cp_groups(rank, tp, cp, dp, pp):
+    """Megatron-core's order with context parallelism (TP fastest, then CP, DP, PP), from
+    coordinates without zerotron code: which ranks share every coordinate but the named ones."""
+    coords = {}
+    for r in range(tp * cp * dp * pp):
+        coords[r] = {"tp": r % tp, "cp": (r // tp) % cp, "dp": (r // (tp * cp)) % dp, "pp": r // (tp * cp * dp)}
+
+    def varying(*axes):
+        return sorted(r for r, c in coords.items()
+                      if all(c[a] == coords[rank][a] for a in ("tp", "cp", "dp", "pp") if a not in axes))
+
+    return coords[rank], {"tp": varying("tp"), "cp": varying("cp"), "dp": varying("dp"),
+                          "dp_cp": varying("dp", "cp"), "pp": varying("pp"), "mp": varying("tp", "pp")}
+
+
+def check_cp_layouts(world):
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    for tp, cp, pp in ((1, 2, 1), (1, 4, 1), (2, 2, 1), (1, 2, 2)):
+        dp = world // (tp * cp * pp)
+        g = Grid(ParallelDims(tp=tp, pp=pp, cp=cp))
+        where = f"world={world} tp={tp} cp={cp} dp={dp} pp={pp} rank={rank}"
+        coords, want = expected_cp_groups(rank, tp, cp, dp, pp)
+        assert (g.tp_rank, g.cp_rank, g.dp_rank, g.pp_rank) == tuple(coords.values()), where
+        assert g.dp_cp_size == dp * cp and g.cp == cp, where
+        for name in ("tp", "cp", "dp", "dp_cp", "pp", "mp"):
+            grp = getattr(g, f"{name}_group")
+            assert list(grp.ranks) == want[name], f"{name} {where}"
+            if grp.size > 1:
+                assert members(grp, world) == want[name], f"{name} membership {where}"
+    g = Grid(ParallelDims(tp=2))  # cp = 1: the DP group is the data-parallel-with-CP group
+    assert g.dp_cp_group is g.dp_group and g.cp_group.ranks == (rank,)
+    return True
+
+
+def test_cp_layouts_match_megatron_core_order():
+    assert all(spawn(check_cp_layouts, 4, 4, timeout=240))
+
+
+@pytest.mark.parametrize("dims,needle", [
+    (dict(tp=2, cp=3), "parallel.tp*parallel.cp*parallel.pp=2*3*1=6 does not divide the 4"),
+    (dict(cp=0), "parallel.cp=0: must be a positive integer"),
+    (dict(cp=2, dp=4), "parallel.dp=4 but world_size/(tp*cp*pp)=2"),
+])
+def test_bad_cp_sizes_named(dims, needle):
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        ParallelDims(**dims).resolve(4)

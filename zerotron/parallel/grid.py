@@ -1,12 +1,16 @@
-"""The 3D grid of process groups: tensor (TP) x data (DP) x pipeline (PP) parallelism.
+"""The grid of process groups: tensor (TP) x context (CP) x data (DP) x pipeline (PP) parallelism.
 
-Rank order follows Megatron-LM: TP ranks are adjacent (fastest varying), then DP, then PP,
+Rank order follows Megatron-LM: TP ranks are adjacent (fastest varying), then CP, then DP, then PP,
 
-    rank = tp_rank + tp * (dp_rank + dp * pp_rank)
+    rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))
 
 so a TP group -- which all-reduces twice per transformer block forward and twice backward
-(Megatron-LM §3) -- stays inside one node, and a DP group takes the GPUs at the same position in
-each model-parallel group (ZeRO §10.1's MP x DP layout).
+(Megatron-LM §3) -- stays inside one node, the CP ring (K/V passed every attention) next to it,
+and a DP group takes the GPUs at the same position in each model-parallel group (ZeRO §10.1's
+MP x DP layout). Parameters are replicated over CP as over DP, so their gradients are reduced,
+and ZeRO partitions, over the data-parallel-with-CP group (Megatron's ``dp_cp``: the ranks
+sharing tp_rank and pp_rank); with cp = 1 that group is the DP group itself and every rank's
+mapping is the 3D grid's.
 
 Every group is created once, by every rank, in the same order, and cached by its tuple of ranks
 (identical tuples share one torch group). Every group gets the default group's collective timeout
@@ -30,7 +34,11 @@ from zerotron.parallel.runtime import group_timeout
 
 @dataclass
 class ParallelDims:
-    """Sizes of the three parallel axes; ``dp=None`` (or -1) means "whatever the world leaves".
+    """Sizes of the parallel axes; ``dp=None`` (or -1) means "whatever the world leaves".
+
+    ``cp`` (context parallelism, Megatron's ``--context-parallel-size``) splits every sequence
+    into 2·cp chunks, rank i of the CP group holding chunks i and 2·cp-1-i
+    (``parallel.context_parallel``); 1: none.
 
     ``pipeline_schedule`` ("1f1b" or "afab", see ``parallel.pipeline``) travels with the sizes: it
     is part of the same plan (it sets how many micro-batches a stage holds), not of the grid; so
@@ -42,15 +50,16 @@ class ParallelDims:
     tp: int = 1
     pp: int = 1
     dp: int | None = None
+    cp: int = 1
     pipeline_schedule: str = "1f1b"
     sequence_parallel: bool = False
     virtual_stages: int = 1
 
     def resolve(self, world_size: int) -> "ParallelDims":
         """Validate the sizes against ``world_size`` and fill in ``dp``; raises before any collective."""
-        for name in ("tp", "pp"):
+        for name in ("tp", "pp", "cp"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"parallel.{name}={value!r}: must be a positive integer")
         if world_size < 1:
             raise ValueError(f"world_size={world_size}: must be >= 1")
@@ -66,35 +75,48 @@ class ParallelDims:
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("parallel.sequence_parallel=true with parallel.tp=1: there is no TP group to split "
                              "the sequence over; set parallel.tp > 1 or turn sequence_parallel off")
-        mp = self.tp * self.pp
+        mp = self.tp * self.cp * self.pp
         if world_size % mp:
-            raise ValueError(f"parallel.tp*parallel.pp={self.tp}*{self.pp}={mp} does not divide the {world_size} "
-                             f"processes; pick tp and pp whose product divides the world size")
+            if self.cp == 1:
+                raise ValueError(f"parallel.tp*parallel.pp={self.tp}*{self.pp}={mp} does not divide the "
+                                 f"{world_size} processes; pick tp and pp whose product divides the world size")
+            raise ValueError(f"parallel.tp*parallel.cp*parallel.pp={self.tp}*{self.cp}*{self.pp}={mp} does not "
+                             f"divide the {world_size} processes; pick tp, cp and pp whose product divides "
+                             f"the world size")
         dp = world_size // mp
         if self.dp not in (None, -1):
             if not isinstance(self.dp, int) or self.dp < 1:
                 raise ValueError(f"parallel.dp={self.dp!r}: must be a positive integer or -1 (infer)")
             if self.dp != dp:
-                raise ValueError(f"parallel.dp={self.dp} but world_size/(tp*pp)={dp}; set dp={dp} or leave it unset")
+                sizes = "tp*pp" if self.cp == 1 else "tp*cp*pp"
+                raise ValueError(f"parallel.dp={self.dp} but world_size/({sizes})={dp}; set dp={dp} or leave it "
+                                 f"unset")
         return dataclasses.replace(self, dp=dp)
 
 
 def layout(dims: ParallelDims) -> dict[str, list[tuple[int, ...]]]:
     """All groups of each kind, as tuples of global ranks; pure arithmetic, no torch.distributed."""
-    tp, pp, dp = dims.tp, dims.pp, dims.dp
+    tp, pp, dp, cp = dims.tp, dims.pp, dims.dp, dims.cp
     assert dp is not None, "resolve() the dims first"
 
-    def rank(t: int, d: int, p: int) -> int:
-        return t + tp * (d + dp * p)
+    def rank(t: int, c: int, d: int, p: int) -> int:
+        return t + tp * (c + cp * (d + dp * p))
 
+    # (d, c) pairs in rank order: a data-parallel-with-CP group's members, CP fastest
+    dcs = [(d, c) for d in range(dp) for c in range(cp)]
     return {
-        "tp": [tuple(rank(t, d, p) for t in range(tp)) for p in range(pp) for d in range(dp)],
-        "dp": [tuple(rank(t, d, p) for d in range(dp)) for p in range(pp) for t in range(tp)],
-        "pp": [tuple(rank(t, d, p) for p in range(pp)) for d in range(dp) for t in range(tp)],
-        "mp": [tuple(rank(t, d, p) for p in range(pp) for t in range(tp)) for d in range(dp)],
+        "tp": [tuple(rank(t, c, d, p) for t in range(tp)) for p in range(pp) for d, c in dcs],
+        "cp": [tuple(rank(t, c, d, p) for c in range(cp)) for p in range(pp) for d in range(dp)
+               for t in range(tp)],
+        "dp": [tuple(rank(t, c, d, p) for d in range(dp)) for p in range(pp) for c in range(cp)
+               for t in range(tp)],
+        "dp_cp": [tuple(rank(t, c, d, p) for d, c in dcs) for p in range(pp) for t in range(tp)],
+        "pp": [tuple(rank(t, c, d, p) for p in range(pp)) for d, c in dcs for t in range(tp)],
+        "mp": [tuple(rank(t, c, d, p) for p in range(pp) for t in range(tp)) for d, c in dcs],
         # First and last stage share the tied word embedding (Megatron's embedding group).
-        "embedding": [tuple(sorted({rank(t, d, 0), rank(t, d, pp - 1)})) for d in range(dp) for t in range(tp)],
-        "world": [tuple(range(tp * pp * dp))],
+        "embedding": [tuple(sorted({rank(t, c, d, 0), rank(t, c, d, pp - 1)})) for d, c in dcs
+                      for t in range(tp)],
+        "world": [tuple(range(tp * cp * pp * dp))],
     }
 
 
@@ -122,7 +144,7 @@ class Group:
 
 
 class Grid:
-    """This rank's place in the TP x DP x PP grid and the process groups along each axis."""
+    """This rank's place in the TP x CP x DP x PP grid and the process groups along each axis."""
 
     def __init__(self, dims: ParallelDims, rank: int | None = None, world_size: int | None = None,
                  timeout: datetime.timedelta | float | None = None):
@@ -138,20 +160,30 @@ class Grid:
         self.timeout = timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(seconds=timeout)
         self.stats = CommStats()
         self.health = Health(self.rank, world_size, timeout_s=self.timeout.total_seconds())
-        tp, dp = self.dims.tp, self.dims.dp
+        tp, dp, cp = self.dims.tp, self.dims.dp, self.dims.cp
         self.tp_rank = self.rank % tp
-        self.dp_rank = (self.rank // tp) % dp
-        self.pp_rank = self.rank // (tp * dp)
+        self.cp_rank = (self.rank // tp) % cp
+        self.dp_rank = (self.rank // (tp * cp)) % dp
+        self.pp_rank = self.rank // (tp * cp * dp)
         self._cache: dict[tuple[int, ...], object] = {}
         self._split_cache: dict[tuple[str, int], tuple[Group, Group]] = {}
         groups = {}
         for kind, all_groups in layout(self.dims).items():
+            if cp == 1 and kind in ("cp", "dp_cp"):
+                continue  # without CP no group is made for it: the 3D grid's groups, unchanged
             for ranks in all_groups:  # every rank creates every group, in the same order
                 pg = self._new_group(ranks)
                 if self.rank in ranks:
                     groups[kind] = Group(kind, ranks, pg, self.stats, self.health)
         self.tp_group: Group = groups["tp"]
         self.dp_group: Group = groups["dp"]
+        # the ring of context parallelism; without it this rank alone, a group no collective
+        # reaches torch with (a size-1 group returns at once in ``collectives``)
+        self.cp_group: Group = groups["cp"] if cp > 1 else Group("cp", (self.rank,), None, self.stats,
+                                                                   self.health)
+        # gradients' reduction and ZeRO's partition: DP x CP (Megatron's data-parallel-with-CP
+        # group); the DP group itself when cp = 1, so its counters keep the name "dp"
+        self.dp_cp_group: Group = groups["dp_cp"] if cp > 1 else self.dp_group
         self.pp_group: Group = groups["pp"]
         self.mp_group: Group = groups["mp"]
         self.world_group: Group = groups["world"]
@@ -217,6 +249,20 @@ class Grid:
         return self.dims.dp
 
     @property
+    def cp_size(self) -> int:
+        return self.dims.cp
+
+    @property
+    def cp(self) -> int:
+        """Context-parallel size (``parallel.cp``)."""
+        return self.dims.cp
+
+    @property
+    def dp_cp_size(self) -> int:
+        """Replicas of every parameter: dp x cp, the size ZeRO partitions over."""
+        return self.dims.dp * self.dims.cp
+
+    @property
     def mp_size(self) -> int:
         return self.dims.tp * self.dims.pp
 
@@ -226,7 +272,9 @@ class Grid:
 
     @property
     def coords(self) -> dict[str, int]:
-        return {"tp": self.tp_rank, "dp": self.dp_rank, "pp": self.pp_rank}
+        if self.dims.cp == 1:
+            return {"tp": self.tp_rank, "dp": self.dp_rank, "pp": self.pp_rank}
+        return {"tp": self.tp_rank, "cp": self.cp_rank, "dp": self.dp_rank, "pp": self.pp_rank}
 
     # pipeline neighbours ---------------------------------------------------------------------
     @property
@@ -248,4 +296,6 @@ class Grid:
         return None if self.is_first_stage else self.pp_group.ranks[self.pp_rank - 1]
 
     def __repr__(self) -> str:
-        return f"Grid(rank={self.rank}, tp={self.tp_size}, pp={self.pp_size}, dp={self.dp_size}, coords={self.coords})"
+        cp = f", cp={self.cp_size}" if self.cp_size > 1 else ""
+        return (f"Grid(rank={self.rank}, tp={self.tp_size}{cp}, pp={self.pp_size}, dp={self.dp_size}, "
+                f"coords={self.coords})")

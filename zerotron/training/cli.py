@@ -22,6 +22,7 @@ from zerotron.training.config_values import set_field
 SHORT_FLAGS = {
     "tp": ("parallel", "tp"),
     "pp": ("parallel", "pp"),
+    "cp": ("parallel", "cp"),  # Megatron's --context-parallel-size
     "sequence-parallel": ("parallel", "sequence_parallel"),
     "virtual-stages": ("parallel", "virtual_stages"),  # Megatron's --num-layers-per-virtual-pipeline-stage, by count
     "zero-stage": ("zero", "stage"),

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from zerotron.parallel import Grid
 from zerotron.parallel import collectives as C
+from zerotron.parallel.context_parallel import check_context_parallel
 from zerotron.training.config import ConfigError, RunConfig
 
 
@@ -158,6 +159,8 @@ def model_config(cfg: RunConfig, vocab_size: int, tokenizer_path: str | None = N
         from zerotron.data.tokenizer import Tokenizer
         mcfg.eod_token_id = Tokenizer.load(str(tokenizer_path)).eod_id
     mcfg.validate(cfg.parallel.tp)
+    par = cfg.parallel
+    check_context_parallel(mcfg.seq_length, par.cp, par.tp, par.sequence_parallel, mcfg.attention_dropout)
     return mcfg
 
 
