@@ -8,19 +8,25 @@ sequence s/cp (``local_setup``): activations per rank fall as 1/cp. Parameters a
 over CP, and ZeRO partitions the model states over DP × CP (Megatron's data-parallel-with-CP
 group): ``Setup.zero_shards`` is the paper's Nd in §5.4's formulas.
 
-Beyond the layer's own activations, attention holds what the ring has in flight
-(``ring_working_bytes``); n = b·s/cp tokens, K/V width kv/t per TP rank (kv = query groups × head
-dim, GQA), e bytes per activation value:
+Beyond the layer's own activations, attention holds what the ring has in flight. The ring
+(``parallel/ring_attention.py``) computes each block of queries against one rank's K/V exactly,
+with dense scores in a compute dtype c (fp32 for 16-bit inputs, float64 for float64). With n =
+s/cp tokens, a/t heads and g/t query groups of head dim d on a TP rank, in bytes:
 
-* **forward**: the K/V pair being attended to and the pair arriving beside it (double
-  buffering, so the transfer overlaps the current step's attention), 2 · 2·n·kv/t·e, and the
-  running merge of the partial outputs: the fp32 accumulated output n·h/t·4 with its fp32
-  log-sum-exp n·a/t·4, plus one step's partial output n·h/t·e and LSE n·a/t·4;
-* **backward**: the same two K/V buffers, the dK/dV pair travelling with them and the one
-  arriving (fp32 accumulators: 2 · 2·n·kv/t·4), and the fp32 dQ accumulator n·h/t·4.
+* **saved for backward** beyond a fused kernel: the merged output in c, b·(a/t)·n·d·c (its
+  log-sum-exp is the fused kernel's, in ``activations.norm_stats_bytes``);
+* **the largest block** is the diagonal one (n queries by n keys; the others are half of it):
+  its scores S = b·(a/t)·n²·c, and three of them alive at once -- the scores beside their
+  shifted copy and its exponential in forward; the probabilities beside dO·Vᵀ and its
+  difference with D in backward (flash-attention's recurrence) -- plus the causal mask, n² bytes;
+* **beside it in forward**: q in c (a copy unless c is the input's dtype), the stacked K/V pair
+  in c (2·b·(g/t)·n·d·c) and the receive buffer of the next, the running output and
+  log-sum-exp, and K/V expanded to every query head when g < a (GQA);
+* **beside it in backward**: q and dO in c, D, the dQ accumulator, the K/V pair, its receive
+  buffer and the dK/dV accumulator (three pairs), and the expanded K/V.
 
-The larger of the two coincides with one layer's attention: beside a recomputed layer in
-backward (full recompute) or beside the kept activations (none).
+The forward moment coincides with the kept activations (checkpoints); the backward one with
+the recomputed layer's (``working_memory.step_working_bytes``).
 """
 
 from __future__ import annotations
@@ -41,25 +47,46 @@ def local_setup(setup):
     return dataclasses.replace(setup, model=model)
 
 
+def compute_bytes(act_bytes: int) -> int:
+    """The ring's arithmetic dtype: fp32 for 16-bit activations, their own dtype above."""
+    return max(act_bytes, 4)
+
+
+def _sizes(setup, act_bytes: int) -> dict[str, float]:
+    """Bytes of the ring's tensors on one rank (module docstring); ``setup`` is local."""
+    cfg, t, c = setup.model, setup.tp, compute_bytes(act_bytes)
+    n, d, heads, groups = cfg.seq_length, cfg.head_dim, cfg.num_heads // t, cfg.query_groups // t
+    b = setup.micro_batch
+    rows = b * heads * n  # one value per query head and token
+    return {"q": rows * d * c, "copy": rows * d * c if c != act_bytes else 0,
+            "pair": 2 * b * groups * n * d * c, "lse": rows * c,
+            "expanded": 2 * rows * d * c if groups != heads else 0,
+            "scores": rows * n * c, "mask": n * n}
+
+
+def ring_saved_bytes(setup, act_bytes: int) -> float:
+    """Per layer, what the ring saves beyond a fused kernel: its output in the compute dtype."""
+    if getattr(setup, "cp", 1) == 1:
+        return 0.0
+    return _sizes(setup, act_bytes)["q"]
+
+
 def ring_forward_bytes(setup, act_bytes: int) -> float:
-    """Forward's ring buffers and partial-output merge (module docstring); ``setup`` local."""
-    cfg, t, e = setup.model, setup.tp, act_bytes
-    n = setup.micro_batch * cfg.seq_length
-    kv = 2 * n * cfg.kv_size / t * e  # one K/V pair
-    merge = n * cfg.hidden_size / t * (4 + e) + 2 * n * cfg.num_heads / t * 4
-    return 2 * kv + merge
+    """Forward's peak inside one layer's ring attention (module docstring)."""
+    z = _sizes(setup, act_bytes)
+    return 3 * z["scores"] + z["mask"] + z["copy"] + 2 * z["pair"] + z["q"] + z["lse"] + z["expanded"]
 
 
 def ring_backward_bytes(setup, act_bytes: int) -> float:
-    """Backward's K/V and dK/dV buffers and the dQ accumulator (module docstring)."""
-    cfg, t, e = setup.model, setup.tp, act_bytes
-    n = setup.micro_batch * cfg.seq_length
-    kv, dkv = 2 * n * cfg.kv_size / t * e, 2 * n * cfg.kv_size / t * 4
-    return 2 * kv + 2 * dkv + n * cfg.hidden_size / t * 4
+    """Backward's peak inside one layer's ring attention (module docstring)."""
+    z = _sizes(setup, act_bytes)
+    return (3 * z["scores"] + z["mask"] + 2 * z["copy"] + z["lse"] + z["q"] + 3 * z["pair"]
+            + z["expanded"])
 
 
 def ring_working_bytes(setup, act_bytes: int, backward: bool = True) -> float:
-    """What ring attention holds in flight at one layer's attention, 0 without CP."""
+    """What ring attention holds at one layer's attention, beyond what the layer saved; 0
+    without CP."""
     if getattr(setup, "cp", 1) == 1:
         return 0.0
     if backward:

@@ -8,7 +8,7 @@ docstring there derives each term, ``scripts/bench/memory_grid.py`` measures the
 from __future__ import annotations
 
 from zerotron.estimate.activations import layer_activation_bytes, llama_extra_bytes
-from zerotron.estimate.context_parallel import ring_working_bytes
+from zerotron.estimate.context_parallel import ring_saved_bytes, ring_working_bytes
 from zerotron.parallel.rng import STREAMS
 
 
@@ -39,6 +39,7 @@ def block_layer_bytes(setup, act_bytes: int) -> float:
     table2 = layer_working_bytes(setup.micro_batch, cfg.seq_length, cfg.hidden_size,
                                  cfg.num_heads, t, setup.fused_attention, sp, sel, act_bytes,
                                  dropout_mask_bytes(setup, act_bytes), cfg.ffn_size)
+    table2 += 0 if sel else ring_saved_bytes(setup, act_bytes)  # a CP ring's output in fp32
     return table2 + llama_extra_bytes(cfg, setup.micro_batch, t, sp, "selective" if sel else "none",
                                       act_bytes, cpu=setup.device == "cpu")
 
@@ -211,14 +212,16 @@ def step_working_bytes(setup, *, psi: int, largest_group: int, kept: float, laye
                    + llama_extra_bytes(cfg, b, t, sp, "selective" if sel else "none", pb,
                                        cpu=setup.device == "cpu")
                    + (setup.checkpoint_every - 1) * (layer + (kept_gather_bytes(b, s, h, t, pb) if keep else 0)))
-        segment += ring_working_bytes(setup, pb)  # a CP ring's buffers beside the recomputed layer
+        # a CP ring's saved output and its buffers beside the recomputed layer
+        segment += (0 if sel else ring_saved_bytes(setup, pb)) + ring_working_bytes(setup, pb)
         mid = copy if setup.stage == 3 or c < psi else 0
         blocks = max(segment + mid + waiting, tied - kept, one_tied + copy - kept)
     else:  # the first bucket goes out once its C elements' layers are done, their activations freed
         done = kept * min(1.0, c / psi)
         ring = ring_working_bytes(setup, pb)  # the last layer's backward ring, beside everything kept
         blocks = max(waiting + max(ring, copy - done), tied - kept)
+    ring_fwd = ring_working_bytes(setup, pb, backward=False)  # the last layer's forward ring
     if setup.stage == 3:
         at_head = gathered if head_gathered is None else head_gathered
-        return max(head_fwd + root, head_bwd + at_head, blocks + gathered) - gathered
-    return max(head_fwd, head_bwd, blocks)
+        return max(head_fwd + root, head_bwd + at_head, blocks + gathered, ring_fwd + gathered) - gathered
+    return max(head_fwd, head_bwd, blocks, ring_fwd)
