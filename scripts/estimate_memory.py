@@ -231,9 +231,10 @@ def main(argv=None) -> dict:
     print(fmt_table(table2_text()))
     if setup is not None:
         b = out["breakdown"]
-        print(f"\nBreakdown per GPU: {b['model']} on {b['gpus']} GPUs, MP {b['tp']} x CP {b['cp']} "
-              f"x DP {b['dp']}, seq {setup.model.seq_length}, micro-batch {b['micro_batch']}, "
-              f"stage {b['stage']}, Pa {b['pa']}, Pa+cpu {b['cpu']}")
+        cp = f" x CP {b['cp']}" if b["cp"] > 1 else ""
+        print(f"\nBreakdown per GPU: {b['model']} on {b['gpus']} GPUs, MP {b['tp']}{cp} x DP {b['dp']}, "
+              f"micro-batch {b['micro_batch']}, seq {setup.model.seq_length}, stage {b['stage']}, "
+              f"Pa {b['pa']}, Pa+cpu {b['cpu']}")
         for key in ("params_total", "params_per_rank"):
             print(f"  {key:22s} {count(b[key]):>10s}")
         for key in ("model_states", "checkpoints_device", "checkpoints_host", "working", "fixed_buffers", "total"):
