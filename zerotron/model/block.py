@@ -42,6 +42,7 @@ from zerotron.model.layernorm import make_norm
 from zerotron.model.rope import rotary_tables, rotate
 from zerotron.parallel import host_sync
 from zerotron.parallel.grid import Grid
+from zerotron.parallel.ring_attention import RingContext, ring_attention
 from zerotron.parallel.rng import TPRNG
 from zerotron.parallel.sequence_parallel import sequence_parallel_norm
 from zerotron.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -100,8 +101,11 @@ class ParallelAttention(nn.Module):
         # zerotron.activation.selective); called as core_runner(core, q, k, v).
         self.core_runner = None
         # While a packed batch runs (model.documents): each token's position inside its document
-        # and its document's index, [b, s] (None: positions 0..s-1, one document).
+        # and its document's index, [b, s] (None: positions 0..s-1, one document). With context
+        # parallelism positions are those of this rank's tokens, documents the whole sequence's.
         self.positions = self.documents = None
+        # context parallelism: this rank's place in the CP ring (parallel.ring_attention)
+        self.ring = RingContext(grid.cp_group, grid.cp_rank, grid.cp_size) if grid.cp_size > 1 else None
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """QKᵀ, softmax, dropout, ·V over this rank's heads ([b, heads, s, head_dim]; k, v:
@@ -110,6 +114,8 @@ class ParallelAttention(nn.Module):
         region = self.rng.fork() if p > 0 else contextlib.nullcontext()
         # a dry run's fake GPU runs the fused causal kernel: O(s) per head, what flex would hold
         fake_gpu = host_sync.simulated() and q.device.type != "cpu"
+        if self.ring is not None:  # the rest of the sequence's K/V come around the CP ring
+            return ring_attention(q, k, v, self.ring, self.documents)
         if self.documents is not None and not fake_gpu:
             return document_attention(q, k, v, self.documents)  # no dropout: refused at start-up
         with region:  # per-rank stream: each rank's heads get their own dropout masks
@@ -136,8 +142,11 @@ class ParallelAttention(nn.Module):
             q = sequence_parallel_norm(self.q_norm, q, self.group)
             k = sequence_parallel_norm(self.k_norm, k, self.group)
         if cfg.position_embedding_type == "rope":
-            positions = (torch.arange(s, device=q.device) if self.positions is None
-                         else self.positions.unsqueeze(1))  # [b, 1, s]: one table per sample
+            positions = self.positions
+            if positions is None and self.ring is not None:  # this CP rank's tokens' global positions
+                positions = self.ring.positions(s, q.device).unsqueeze(0)
+            positions = (torch.arange(s, device=q.device) if positions is None
+                         else positions.unsqueeze(1))  # [b, 1, s]: one table per sample
             cos, sin = rotary_tables(cfg, positions, q.dtype)
             q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         y = self.core(q, k, v) if self.core_runner is None else self.core_runner(self.core, q, k, v)

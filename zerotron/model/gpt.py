@@ -34,6 +34,8 @@ from zerotron.model.block import TransformerBlock
 from zerotron.model.documents import document_layout
 from zerotron.model.layernorm import make_norm
 from zerotron.model.config import GPTConfig
+from zerotron.parallel import collectives as C
+from zerotron.parallel.context_parallel import check_context_parallel, local_chunks
 from zerotron.parallel.cross_entropy import vocab_parallel_cross_entropy
 from zerotron.parallel.grid import Grid
 from zerotron.parallel.rng import TPRNG
@@ -116,7 +118,9 @@ class GPT(nn.Module):
                              f"pipeline stages yet); got "
                              f"eod_token_id={config.eod_token_id}, pp={grid.pp_size}")
         if sequence_parallel:
-            check_sequence_length(config.seq_length, grid.tp_size)
+            check_sequence_length(config.seq_length // grid.cp_size, grid.tp_size)
+        check_context_parallel(config.seq_length, grid.cp_size, grid.tp_size, sequence_parallel,
+                               config.attention_dropout)
         self.sequence_parallel = sequence_parallel
         if dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
             raise ValueError(f"dtype={dtype}: use torch.float32, torch.float16 or torch.bfloat16 "
@@ -216,6 +220,7 @@ class GPT(nn.Module):
     def hidden_shape(self, micro_batch: int, seq: int | None = None) -> tuple[int, int, int]:
         """Shape of the hidden state between embed, blocks, head and pipeline stages on this rank."""
         s, h = self.config.seq_length if seq is None else seq, self.config.hidden_size
+        s //= self.grid.cp_size  # context parallelism: this rank's two chunks
         return (s // self.grid.tp_size, micro_batch, h) if self.sequence_parallel else (micro_batch, s, h)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -223,13 +228,22 @@ class GPT(nn.Module):
         parallelism this rank's [s/t, b, h]."""
         if self.embedding is None:
             raise RuntimeError("embed() on a stage built with pre_process=False")
-        if not self.config.document_masking:
+        cp, cp_rank = self.grid.cp_size, self.grid.cp_rank
+        if not self.config.document_masking and cp == 1:
             return self.embedding(input_ids)
-        documents, positions = document_layout(input_ids, self.config.eod_token_id)
+        if not self.config.document_masking:  # CP: this rank's chunks, their global positions
+            ids = local_chunks(input_ids, cp_rank, cp)
+            positions = local_chunks(torch.arange(input_ids.shape[1], device=input_ids.device), cp_rank, cp, 0)
+            return self.embedding(ids, positions.expand_as(ids))
+        documents, positions = document_layout(input_ids, self.config.eod_token_id)  # whole sequence
+        if not self.config.reset_position_ids:
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+        positions = local_chunks(positions, cp_rank, cp)  # global or in-document, per token
         for block in self.blocks:  # read by attention in this forward, and in its recomputes
             block.attn.documents = documents if self.config.reset_attention_mask else None
-            block.attn.positions = positions if self.config.reset_position_ids else None
-        return self.embedding(input_ids, positions if self.config.reset_position_ids else None)
+            block.attn.positions = positions if (self.config.reset_position_ids or cp > 1) else None
+        ids = local_chunks(input_ids, cp_rank, cp)
+        return self.embedding(ids, positions if (self.config.reset_position_ids or cp > 1) else None)
 
     def head(self, hidden: torch.Tensor, labels: torch.Tensor | None = None,
              ignore_index: int = -100) -> torch.Tensor:
@@ -292,8 +306,16 @@ class GPT(nn.Module):
         x = self.run_blocks(x, blocks)
         if not post:
             return x
+        cp = self.grid.cp_size
+        if labels is not None:
+            labels = local_chunks(labels, self.grid.cp_rank, cp)  # the labels of this rank's tokens
         out = self.head(x, labels, ignore_index)
         if labels is None:
             return out
-        count = (labels != ignore_index).sum().clamp(min=1)
-        return out.sum() / count
+        count = (labels != ignore_index).sum()
+        if cp == 1:
+            return out.sum() / count.clamp(min=1)
+        # Context parallelism: the mean over the whole sequence's tokens, as at cp = 1. Gradients
+        # are averaged over DP x CP, so each rank's share is scaled by cp (Megatron-LM#906).
+        C.all_reduce(count, self.grid.cp_group)
+        return out.sum() * cp / count.clamp(min=1)
