@@ -142,6 +142,9 @@ def ring_overlap(comm: dict, ranks: dict[str, list[int]], hw: Hardware,
     ops = {k: v for k, v in comm.items() if k.endswith("/cp")}
     if not ops:
         return {}
+    if "cp" not in ranks:
+        raise ValueError(f"ring_overlap: comm has the CP ring's {sorted(ops)} but ranks has no 'cp' group "
+                         f"({sorted(ranks)}); pass the CP group's global ranks")
     cp = len(ranks["cp"])
     span = group_span(ranks["cp"], hw.link().gpus_per_node)
     worst = max(ops.values(), key=lambda c: c["bytes"])  # sends and receives run together
