@@ -51,3 +51,16 @@ def test_sequence_parallel_needs_each_ranks_tokens_divisible_by_tp():
     cfg.validate(8)
     with pytest.raises(ConfigError, match="each CP rank's 18 tokens are split over parallel.tp=4"):
         validate_model(cfg)
+
+
+@pytest.mark.parametrize("zero,needle", [
+    (dict(zero_hpz_partition_size=2), "zero.zero_hpz_partition_size=2 with parallel.cp=2"),
+    (dict(zero_quantized_gradients=True), "zero.zero_quantized_gradients=True with parallel.cp=2"),
+])
+def test_zeropp_node_groups_refused_under_cp(zero, needle):
+    cfg = _cfg(cp=2)
+    cfg.zero.stage = 3
+    for k, v in zero.items():
+        setattr(cfg.zero, k, v)
+    with pytest.raises(ConfigError, match=needle):
+        cfg.validate(4)

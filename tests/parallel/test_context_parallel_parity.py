@@ -1,6 +1,7 @@
 """Context parallelism against the single-sequence model, float64, on 4 gloo ranks.
 
-Layouts: CP 4; CP 2 x TP 2 with sequence parallelism; CP 2 x DP 2 -- GPT-2 and the Llama block
+Layouts: CP 4; CP 2 x TP 2 with sequence parallelism; CP 2 x DP 2; CP 2 x PP 2 (1F1B, and
+interleaved with 2 model chunks per rank, two micro-batches) -- GPT-2 and the Llama block
 (RoPE with Llama-3.1 scaling, GQA 3:1, SwiGLU, RMSNorm), with document masking whose documents
 cross chunk boundaries, with full and selective recompute. Reference: the same model at cp = 1
 (same seed, so the same weights: init is layout-independent), run on each rank on the whole
@@ -46,13 +47,19 @@ def batch(documents: bool, s: int):
     return ids, labels
 
 
-def one_case(shape, cp, tp=1, sp=False, recompute=None, documents=False):
+def one_case(shape, cp, tp=1, sp=False, recompute=None, documents=False, pp=1, v=1):
     from zerotron.activation import ActivationCheckpointConfig, apply_activation_checkpointing
+    from zerotron.model.stages import build_stage
 
-    cfg = GPTConfig(**SHAPES[shape], reset_attention_mask=documents, reset_position_ids=documents)
-    ref_grid, grid = Grid(ParallelDims(tp=tp)), Grid(ParallelDims(tp=tp, cp=cp))
+    layers = dict(num_layers=4) if pp > 1 else {}
+    cfg = GPTConfig(**{**SHAPES[shape], **layers}, reset_attention_mask=documents,
+                    reset_position_ids=documents)
+    ref_grid = Grid(ParallelDims(tp=tp))
+    grid = Grid(ParallelDims(tp=tp, cp=cp, pp=pp, virtual_stages=v))
     ref = GPT(cfg, ref_grid, dtype=torch.float64, seed=5, sequence_parallel=sp)
-    model = GPT(cfg, grid, dtype=torch.float64, seed=5, sequence_parallel=sp)
+    model = build_stage(cfg, grid, dtype=torch.float64, seed=5, sequence_parallel=sp)
+    if pp > 1:
+        return pipeline_case(cfg, ref, model, grid, ref_grid)
     if recompute:
         ac = ActivationCheckpointConfig(checkpoint_activations=recompute == "full",
                                         recompute_granularity=recompute)
@@ -73,6 +80,26 @@ def one_case(shape, cp, tp=1, sp=False, recompute=None, documents=False):
     return errors
 
 
+def pipeline_case(cfg, ref, model, grid, ref_grid):
+    """Two micro-batches through the pipeline schedule; gradients of this stage's parameters."""
+    from zerotron.model.stages import pipeline_step
+
+    ids, labels = batch(False, cfg.seq_length)
+    mbs = [(ids[:1], labels[:1]), (ids[1:], labels[1:])]
+    pipeline_step(model, mbs if grid.is_first_stage or grid.is_last_stage else [(None, None)] * 2,
+                  micro_batch_size=1)
+    (sum(ref(x, labels=y) for x, y in mbs) / 2).backward()
+    ref_grads = {ref.global_name(n): p.grad for n, p in ref.named_parameters()}
+    errors = {}
+    for name, p in model.named_parameters():
+        g = p.grad.clone()
+        C.all_reduce(g, grid.cp_group)
+        errors[name] = rel_err(g / grid.cp_size, ref_grads[model.global_name(name)])
+    grid.close()
+    ref_grid.close()
+    return errors
+
+
 CASES = [
     dict(shape="gpt2", cp=4),
     dict(shape="llama", cp=4, documents=True),
@@ -80,6 +107,8 @@ CASES = [
     dict(shape="gpt2", cp=2, tp=2, sp=True, recompute="selective"),
     dict(shape="llama", cp=2, recompute="full"),
     dict(shape="llama", cp=2, recompute="selective", documents=True),
+    dict(shape="llama", cp=2, pp=2),
+    dict(shape="gpt2", cp=2, pp=2, v=2),
 ]
 
 

@@ -230,7 +230,7 @@ def train_step(stage, microbatches: Sequence, grid: Grid, shape: Sequence[int], 
         optimizer.reduce_gradients()
     loss = run.loss_sum / run.m
     if grid.is_last_stage:  # the global batch's loss: average over the data-parallel replicas
-        C.all_reduce(loss, grid.dp_group, op="avg")
+        C.all_reduce(loss, grid.dp_cp_group, op="avg")  # x CP: a CP rank's loss is cp x its share
     C.broadcast(loss, grid.pp_group.ranks[-1], grid.pp_group)
     clock.stop()
     return StepOutput(loss, clock)

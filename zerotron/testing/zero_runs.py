@@ -64,7 +64,7 @@ def train_gpt(zero_kw: dict, steps: int, per_rank: int = 4, seed: int = 11,
         times.append(time.perf_counter() - t0)
         losses.append(loss.detach())
     comm = opt.comm_per_step  # the last step's own traffic: taken before the reporting all-reduce
-    mean = C.all_reduce(torch.stack(losses), grid.dp_group) / grid.dp_size
+    mean = C.all_reduce(torch.stack(losses), grid.dp_cp_group) / grid.dp_cp_group.size
     values = host_sync.read(mean, "log", placeholder=[0.0] * steps)  # once, after the run
     losses = values if isinstance(values, list) else [values]
     out = {"losses": losses, "comm": comm, "memory": opt.memory_report(), "times": times,

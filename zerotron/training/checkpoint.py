@@ -125,7 +125,8 @@ def checkpoint_header(step: int, opt, grid, state: dict, *, consumed_samples: in
     return json.loads(json.dumps({
         "format_version": FORMAT_VERSION, "step": step, "consumed_samples": consumed_samples,
         "run_id": run_id, "adam_step": int(state.get("step", step)), "loss_scaler": state.get("loss_scaler"),
-        "layout": {"tp": grid.tp_size, "pp": grid.pp_size, "dp": grid.dp_size, "stage": opt.stage,
+        "layout": {"tp": grid.tp_size, "pp": grid.pp_size, "dp": grid.dp_size, "cp": grid.cp_size,
+                   "stage": opt.stage,
                    "virtual_stages": getattr(grid.dims, "virtual_stages", 1),
                    "world_size": grid.world_size},
         "model": model_config, "config": run_config}))
@@ -309,11 +310,12 @@ def load_checkpoint(load: str, model, opt, grid, *, model_config: dict, log: Cal
 
     opt.load_partition_state(read_fn, step=meta.get("adam_step", meta["step"]), loss_scaler=meta.get("loss_scaler"))
     layout = meta["layout"]
-    same_layout = ((layout["tp"], layout["pp"], layout["dp"], layout.get("virtual_stages", 1))  # v moves layers
-                   == (grid.tp_size, grid.pp_size, grid.dp_size, getattr(grid.dims, "virtual_stages", 1)))
+    same_layout = ((layout["tp"], layout["pp"], layout["dp"], layout.get("cp", 1),  # v moves layers
+                    layout.get("virtual_stages", 1))
+                   == (grid.tp_size, grid.pp_size, grid.dp_size, grid.cp_size, getattr(grid.dims, "virtual_stages", 1)))
     rng = None
     if same_layout:  # RNG streams belong to ranks; after a layout change the trainer reseeds instead
         rng = reader.tensors_with_prefix(f"rank_{grid.rank:05d}.safetensors", "rng/")
     log(f"[checkpoint] loaded {path} (step {meta['step']}, layout tp={layout['tp']} pp={layout['pp']} "
-        f"dp={layout['dp']} stage={layout['stage']}{'' if same_layout else ' -> resharded'})")
+        f"dp={layout['dp']} cp={layout.get('cp', 1)} stage={layout['stage']}{'' if same_layout else ' -> resharded'})")
     return {"step": meta["step"], "consumed_samples": meta["consumed_samples"], "rng": rng, "path": str(path)}

@@ -168,9 +168,11 @@ def _check_layout(layout: dict, path: Path) -> dict:
         _int(_need(layout, key, path, "layout."), f"layout.{key}", path, 1, MAX_WORLD)
     _int(_need(layout, "stage", path, "layout."), "layout.stage", path, 0, 3)
     _int(layout.get("virtual_stages", 1), "layout.virtual_stages", path, 1, MAX_WORLD)
-    if layout["tp"] * layout["pp"] * layout["dp"] != layout["world_size"]:
-        raise _error(path, f"layout tp x pp x dp = {layout['tp']} x {layout['pp']} x "
-                           f"{layout['dp']} is not world_size={layout['world_size']}")
+    _int(layout.get("cp", 1), "layout.cp", path, 1, MAX_WORLD)  # absent before context parallelism
+    cp = layout.get("cp", 1)
+    if layout["tp"] * layout["pp"] * layout["dp"] * cp != layout["world_size"]:
+        raise _error(path, f"layout tp x pp x dp x cp = {layout['tp']} x {layout['pp']} x "
+                           f"{layout['dp']} x {cp} is not world_size={layout['world_size']}")
     return layout
 
 

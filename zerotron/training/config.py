@@ -183,6 +183,13 @@ class RunConfig:
         except ValueError as e:
             raise ConfigError(str(e)) from None
         dp = self.parallel.dp
+        z = self.zero
+        if self.parallel.cp > 1 and (z.zero_hpz_partition_size > 1 or z.zero_quantized_gradients):
+            key = "zero_hpz_partition_size" if z.zero_hpz_partition_size > 1 else "zero_quantized_gradients"
+            raise ConfigError(f"zero.{key}={getattr(z, key)} with parallel.cp={self.parallel.cp}: ZeRO++'s "
+                              f"node-local groups split the DP group, not the data-parallel-with-CP group "
+                              f"ZeRO partitions over under context parallelism; turn it off or set "
+                              f"parallel.cp=1")
         t = self.training
         for name in ("train_steps", "micro_batch_size", "global_batch_size"):
             _positive(f"training.{name}", getattr(t, name))

@@ -130,8 +130,8 @@ def _group_ranks(grid: Grid) -> dict[str, list[int]]:
     """Members of every group this rank communicates in, ZeRO++'s node-split groups included."""
     groups = {"tp": grid.tp_group, "dp": grid.dp_group, "pp": grid.pp_group, "mp": grid.mp_group,
               "world": grid.world_group, "embedding": grid.embedding_group}
-    if grid.cp_size > 1:  # the ring, and the data-parallel-with-CP group ZeRO reduces over
-        groups.update({"cp": grid.cp_group, "dp_cp": grid.dp_cp_group})
+    if grid.cp_size > 1:  # context parallelism: the ring, and DP x CP (gradients, ZeRO)
+        groups.update(cp=grid.cp_group, dp_cp=grid.dp_cp_group)
     for split in grid._split_cache.values():
         groups.update({g.name: g for g in split})
     return {name: list(g.ranks) for name, g in groups.items() if g is not None}

@@ -105,8 +105,9 @@ class RunLog:
         acc = z.grad_accum(t.precision)
         if z.stage <= 1 and not z.contiguous_gradients and cfg.num_microbatches > 1 and acc != t.precision:
             acc = f"{t.precision} over micro-batches, reduced in {acc}: zero.contiguous_gradients is off"
+        cp = f" x CP {g.cp_size}" if g.cp_size > 1 else ""  # context parallelism: the sequence split
         lines = [
-            f"world {g.world_size} = TP {g.tp_size} x PP {g.pp_size} x DP {g.dp_size} | {zero} | precision "
+            f"world {g.world_size} = TP {g.tp_size}{cp} x PP {g.pp_size} x DP {g.dp_size} | {zero} | precision "
             f"{t.precision} (gradients accumulate in {acc}) | {env.device.type}, {env.backend}",
             f"model {cfg.model.preset}{_family(m)}: {m.num_layers} layers, hidden {m.hidden_size}, "
             f"{m.num_heads} heads{_groups(m)}, vocab "

@@ -134,10 +134,11 @@ class Trainer:
         rng_streams.restore_checkpoint_states(self.model.rng, rng, self.env.device)
 
     def _dp_mean(self, value: torch.Tensor) -> torch.Tensor:
-        """The mean over DP of a 0-dim device value, as a 0-dim float64 device tensor (no host read)."""
+        """The mean over DP (x CP: each CP rank's loss is its share of the sequence's times cp) of
+        a 0-dim device value, as a 0-dim float64 device tensor (no host read)."""
         x = value.detach().to(torch.float64).reshape(1).clone()
-        C.all_reduce(x, self.grid.dp_group, op="sum")
-        return x[0] / self.grid.dp_size
+        C.all_reduce(x, self.grid.dp_cp_group, op="sum")
+        return x[0] / self.grid.dp_cp_group.size
 
     MAX_SKIPS_AT_MIN_SCALE = 8  # consecutive overflowed (skipped) steps at the loss-scale floor
 

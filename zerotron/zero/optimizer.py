@@ -96,7 +96,7 @@ class ZeroOptimizer(PartitionStateIO):
         self.device = self.params[0].device if device is None else torch.device(device)
         if self.device.type == "meta":
             raise ValueError("ZeroOptimizer: the parameters are on the meta device; pass device= for their storage")
-        dp = grid.dp_group
+        dp = grid.dp_cp_group
         shards, rank = (dp.size, dp.rank_of(grid.rank)) if cfg.stage >= 1 else (1, 0)
         groups, persistent, unit_mods, unit_groups = plan_groups(model, self.params, self.names, grid, cfg,
                                                                  stage3_units)
@@ -138,7 +138,7 @@ class ZeroOptimizer(PartitionStateIO):
         """Fill the master shard and the 16-bit storage one chunk at a time, from the fp32 values
         ``master_init`` draws (the same on every DP rank: no communication) or else from DP rank 0's
         parameters (a broadcast); then bind the parameters to that storage."""
-        lay, dp, st = self.layout, self.grid.dp_group, self.state
+        lay, dp, st = self.layout, self.grid.dp_cp_group, self.state
         draws = None if self.master_init is None else ParamDraws(
             self.master_init, self.names, lay.shapes, self.master_dtype, self.device)
         self.flat_param = self.part_param = None
@@ -304,7 +304,7 @@ class ZeroOptimizer(PartitionStateIO):
                 if 1 <= self.stage <= 2:
                     self.gather_in[:c.shard].copy_(st.masters[c.index])
                     C.all_gather(self.flat_param[c.offset:c.offset + c.numel], self.gather_in[:c.shard],
-                                 self.grid.dp_group)
+                                 self.grid.dp_cp_group)
                     continue
                 fresh = st.fresh(c)  # None: the parameters already hold the update
                 if fresh is not None and self.stage == 0:

@@ -43,7 +43,7 @@ class PartitionStateIO:
 
     def full_params(self):
         """Yield ``(name, full fp32 TP-local tensor)`` from the master weights, gathered over DP."""
-        lay, dp = self.layout, self.grid.dp_group
+        lay, dp = self.layout, self.grid.dp_cp_group
         parts: dict[int, torch.Tensor] = {}
         done = [0] * len(lay.numels)
         for c in lay.chunks:

@@ -39,7 +39,7 @@ def build(cfg, grid, layout, dtype: torch.dtype, master_dtype: torch.dtype, devi
     groups (``Grid.split_group``: collective).
     ``owner``: the object whose lifetime the disk files follow; ``grad_dtype``: the reduced gradients'
     (default ``dtype``) -- in the master dtype on the device they need no fp32 staging buffer."""
-    dp = grid.dp_group
+    dp = grid.dp_cp_group
     cfg.validate(dp_size=dp.size)
     check_node_local(cfg, grid.dims, runtime.gpus_per_node())
     block = cfg.zero_quantization_block_size
