@@ -112,11 +112,12 @@ def ring_comm(cfg, mcfg: GPTConfig) -> list[tuple[str, float, float]]:
     the ring in forward, once more per recompute of the core (full recompute's forward,
     selective's in backward), and cp − 1 times again in backward, where each rank also sends
     the dK/dV it accumulated for the pair it holds onward with it: cp − 1 hops, plus one home,
-    of a pair of the gradient's size. Each transfer is one send and one receive.
+    of a pair of the gradient's size. Each transfer is one send and one receive, in the ring's
+    compute dtype (fp32 for 16-bit runs: ``parallel/ring_attention.py``).
     """
     par, ac = cfg.parallel, cfg.activation_checkpointing
     cp, tp = par.cp, par.tp
-    elem = DTYPE_BYTES[cfg.training.precision]
+    elem = max(4, DTYPE_BYTES[cfg.training.precision])  # the ring moves its fp32 compute copies
     layers = math.ceil(mcfg.num_layers / par.pp)
     pair = 2 * cfg.training.micro_batch_size * (mcfg.seq_length // cp) * mcfg.kv_size // tp
     # the attention core runs again in full recompute's forward and in selective's backward
