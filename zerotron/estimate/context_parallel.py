@@ -25,8 +25,12 @@ s/cp tokens, a/t heads and g/t query groups of head dim d on a TP rank, in bytes
 * **beside it in backward**: q and dO in c, D, the dQ accumulator, the K/V pair, its receive
   buffer and the dK/dV accumulator (three pairs), and the expanded K/V.
 
-The forward moment coincides with the kept activations (checkpoints); the backward one with
-the recomputed layer's (``working_memory.step_working_bytes``).
+The forward moment coincides with the kept activations (checkpoints). The backward one comes
+after the layer's MLP and output projection have run backward and freed what they saved, so
+beside a recomputed layer it meets only the attention side of it (``attention_side_bytes``):
+the norm's output the QKV GEMM saved, the QKV output q, k and v are views of (and RoPE's
+rotated copies of q and k), and the two gradients in flight (the residual stream's and the
+core's output's), each b·n·h·e.
 """
 
 from __future__ import annotations
@@ -82,6 +86,16 @@ def ring_backward_bytes(setup, act_bytes: int) -> float:
     z = _sizes(setup, act_bytes)
     return (3 * z["scores"] + z["mask"] + 2 * z["copy"] + z["lse"] + z["q"] + 3 * z["pair"]
             + z["expanded"])
+
+
+def attention_side_bytes(setup, act_bytes: int) -> float:
+    """What a recomputed layer still holds when its ring attention runs backward (module
+    docstring); ``setup`` is local."""
+    cfg, t, e = setup.model, setup.tp, act_bytes
+    tokens = setup.micro_batch * cfg.seq_length
+    qkv = tokens * (cfg.hidden_size + 2 * cfg.kv_size) / t * e
+    rotated = tokens * (cfg.hidden_size + cfg.kv_size) / t * e if cfg.position_embedding_type == "rope" else 0
+    return qkv + rotated + 3 * tokens * cfg.hidden_size * e + ring_saved_bytes(setup, act_bytes)
 
 
 def ring_working_bytes(setup, act_bytes: int, backward: bool = True) -> float:

@@ -8,7 +8,7 @@ docstring there derives each term, ``scripts/bench/memory_grid.py`` measures the
 from __future__ import annotations
 
 from zerotron.estimate.activations import layer_activation_bytes, llama_extra_bytes
-from zerotron.estimate.context_parallel import ring_saved_bytes, ring_working_bytes
+from zerotron.estimate.context_parallel import attention_side_bytes, ring_saved_bytes, ring_working_bytes
 from zerotron.parallel.rng import STREAMS
 
 
@@ -212,8 +212,9 @@ def step_working_bytes(setup, *, psi: int, largest_group: int, kept: float, laye
                    + llama_extra_bytes(cfg, b, t, sp, "selective" if sel else "none", pb,
                                        cpu=setup.device == "cpu")
                    + (setup.checkpoint_every - 1) * (layer + (kept_gather_bytes(b, s, h, t, pb) if keep else 0)))
-        # a CP ring's saved output and its buffers beside the recomputed layer
-        segment += (0 if sel else ring_saved_bytes(setup, pb)) + ring_working_bytes(setup, pb)
+        segment += 0 if sel else ring_saved_bytes(setup, pb)  # a CP ring's output, fp32
+        if ring_working_bytes(setup, pb):  # its backward, once the MLP's tensors are freed
+            segment = max(segment, attention_side_bytes(setup, pb) + ring_working_bytes(setup, pb))
         mid = copy if setup.stage == 3 or c < psi else 0
         blocks = max(segment + mid + waiting, tied - kept, one_tied + copy - kept)
     else:  # the first bucket goes out once its C elements' layers are done, their activations freed
