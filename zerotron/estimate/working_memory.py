@@ -41,7 +41,7 @@ def block_layer_bytes(setup, act_bytes: int) -> float:
                                  dropout_mask_bytes(setup, act_bytes), cfg.ffn_size)
     table2 += 0 if sel else ring_saved_bytes(setup, act_bytes)  # a CP ring's output in fp32
     return table2 + llama_extra_bytes(cfg, setup.micro_batch, t, sp, "selective" if sel else "none",
-                                      act_bytes, cpu=setup.device == "cpu")
+                                      act_bytes, cpu=setup.device == "cpu", ring=setup.cp > 1)
 
 
 def recompute_working_bytes(b: int, s: int, h: int, heads: int, tp: int = 1, fused_attention: bool = True,
@@ -210,7 +210,7 @@ def step_working_bytes(setup, *, psi: int, largest_group: int, kept: float, laye
         segment = (recompute_working_bytes(b, s, h, cfg.num_heads, t, setup.fused_attention, sp, sel, pb,
                                            dropout_mask_bytes(setup, pb), keep, cfg.ffn_size)
                    + llama_extra_bytes(cfg, b, t, sp, "selective" if sel else "none", pb,
-                                       cpu=setup.device == "cpu")
+                                       cpu=setup.device == "cpu", ring=setup.cp > 1)
                    + (setup.checkpoint_every - 1) * (layer + (kept_gather_bytes(b, s, h, t, pb) if keep else 0)))
         segment += 0 if sel else ring_saved_bytes(setup, pb)  # a CP ring's output, fp32
         if ring_working_bytes(setup, pb):  # its backward, once the MLP's tensors are freed
