@@ -27,7 +27,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from zerotron.testing.bench_args import add_gpt_flags, check_gpt, gpt_config, positive_float, positive_int  # noqa: E402
+from zerotron.testing.bench_args import (add_gpt_flags, check_gpt, gpt_config,  # noqa: E402
+                                         positive_float, positive_int)
 from zerotron.testing.launch import spawn  # noqa: E402
 
 MiB = 1 << 20
@@ -112,16 +113,18 @@ def main(argv=None) -> int:
     ap.add_argument("--scaling-tolerance", type=positive_float, default=0.10,
                     help="largest |cp x activation peak / CP 1's - 1| passed")
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--out", default=str(ROOT / "runs" / "bench"), help="where the ranks' rendezvous file goes")
+    ap.add_argument("--out", default=str(ROOT / "runs" / "bench"),
+                    help="where the ranks' rendezvous file goes")
     a = ap.parse_args(argv)
     check_gpt(ap, a, 1, note="the layouts run TP 1")
     if a.seq % 8:
         ap.error(f"--seq {a.seq}: CP 4 cuts every sequence into 8 chunks; give a multiple of 8")
-    print(f"GPT {a.layers} x h{a.hidden}, heads {model_cfg(a).num_heads}, vocab {a.vocab}, seq {a.seq}, micro-batch "
-          f"{a.batch}, {a.precision}, ZeRO-{a.stage}, checkpointing {'on' if a.checkpointing else 'off'}, "
-          f"4 ranks; MiB, max over ranks, the last step", flush=True)
-    print(f"{'layout':>9} {'peak':>8} {'model':>8} {'ratio':>6} {'act':>8} {'model':>8} {'ratio':>6} "
-          f"{'act x cp / CP1':>15}", flush=True)
+    print(f"GPT {a.layers} x h{a.hidden}, heads {model_cfg(a).num_heads}, vocab {a.vocab}, "
+          f"seq {a.seq}, micro-batch {a.batch}, {a.precision}, ZeRO-{a.stage}, checkpointing "
+          f"{'on' if a.checkpointing else 'off'}, 4 ranks; MiB, max over ranks, the last step",
+          flush=True)
+    print(f"{'layout':>9} {'peak':>8} {'model':>8} {'ratio':>6} {'act':>8} {'model':>8} "
+          f"{'ratio':>6} {'act x cp / CP1':>15}", flush=True)
     bad, rows, first = 0, [], None
     for cp, dp in LAYOUTS:
         m = spawn(worker, 4, a, cp, timeout=1800, collective_timeout=120, store_dir=a.out)[0]
@@ -133,8 +136,8 @@ def main(argv=None) -> int:
         rows.append({"cp": cp, "dp": dp, "measured": m, "predicted": p, "ratio": ratio,
                      "activation_ratio": act_ratio, "scaled_activations": scaled})
         print(f"{f'CP{cp}xDP{dp}':>9} {m['peak'] / MiB:8.2f} {p['peak'] / MiB:8.2f} {ratio:6.3f} "
-              f"{m['activations'] / MiB:8.2f} {p['activations'] / MiB:8.2f} {act_ratio:6.3f} {scaled:15.3f}",
-              flush=True)
+              f"{m['activations'] / MiB:8.2f} {p['activations'] / MiB:8.2f} {act_ratio:6.3f} "
+              f"{scaled:15.3f}", flush=True)
     if a.json:
         print(json.dumps(rows))
     print(f"{len(rows) - bad} of {len(rows)} within {a.tolerance:.0%} of the model and "

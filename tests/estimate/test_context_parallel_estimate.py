@@ -15,13 +15,14 @@ from zerotron.estimate.comm_volumes import analytic_comm, ring_comm
 from zerotron.estimate.memory_model import Setup, estimate
 from zerotron.model import get_preset
 
+RECOMPUTE = "--activation_checkpointing.checkpoint_activations"
 LAYOUTS = {  # world 4: (overrides, rank simulated)
     "tp2-cp2-llama-bf16-recompute": (["--config", "configs/tiny-llama.yaml", "--parallel.tp", "2",
                                       "--parallel.cp", "2", "--zero.stage", "1",
-                                      "--training.precision", "bf16",
-                                      "--activation_checkpointing.checkpoint_activations", "true"], 3),
-    "cp2-dp2-gpt2-zero2": (["--config", "configs/tiny.yaml", "--parallel.tp", "1", "--parallel.cp", "2",
-                            "--zero.stage", "2", "--model.vocab_size", "1024"], 2),
+                                      "--training.precision", "bf16", RECOMPUTE, "true"], 3),
+    "cp2-dp2-gpt2-zero2": (["--config", "configs/tiny.yaml", "--parallel.tp", "1",
+                            "--parallel.cp", "2", "--zero.stage", "2",
+                            "--model.vocab_size", "1024"], 2),
 }
 
 
@@ -33,14 +34,15 @@ def test_counted_cp_traffic_equals_the_formula(name):
 
     torch.set_num_threads(1)
     args, rank = LAYOUTS[name]
-    cfg = parse_config(args + ["--training.global_batch_size", "2", "--training.micro_batch_size", "1",
-                               "--model.seq_length", "64"], world_size=4)
+    cfg = parse_config(args + ["--training.global_batch_size", "2",
+                               "--training.micro_batch_size", "1", "--model.seq_length", "64"],
+                       world_size=4)
     cfg.validate(4)
     mcfg = validate_model(cfg)
     measured = simulate_rank(cfg, mcfg, 4, rank, device_kind="cpu").comm_ops
     counted = analytic_comm(cfg, mcfg)
     big = {k: {"calls": v["calls"], "bytes": v["bytes"]}
-           for k, v in measured.items() if v["bytes"] > 64}  # scalars: norm, overflow, loss, token count
+           for k, v in measured.items() if v["bytes"] > 64}  # scalars: norm, loss, token count
     assert counted == big
     assert counted["send/cp"]["bytes"] > 0
 
@@ -66,7 +68,8 @@ def test_memory_terms_follow_the_layout():
     base = Setup(model, tp=8, dp=1, cp=1, micro_batch=1, stage=1, sequence_parallel=True,
                  precision="bf16")
     cp4 = estimate(dataclasses.replace(base, cp=4))
-    short = estimate(dataclasses.replace(base, dp=4, model=dataclasses.replace(model, seq_length=8192)))
+    short = estimate(dataclasses.replace(base, dp=4,
+                                         model=dataclasses.replace(model, seq_length=8192)))
     assert cp4["model_states"] == short["model_states"]  # ZeRO-1 over DP x CP = 4
     assert cp4["checkpoints_device"] == short["checkpoints_device"]  # s/cp tokens per rank
     assert cp4["working"] > short["working"]  # + the ring's buffers and dense block scores
@@ -97,5 +100,33 @@ def test_the_tracker_peak_at_cp_1_2_4_is_the_model_within_five_percent(capsys, t
     assert [r["cp"] for r in rows] == [1, 2, 4]
     for r in rows:
         assert abs(r["ratio"] - 1) <= 0.05, out
-    assert rows[0]["measured"]["activations"] > rows[1]["measured"]["activations"] > rows[2]["measured"]["activations"]
+    peaks = [r["measured"]["activations"] for r in rows]
+    assert peaks[0] > peaks[1] > peaks[2]
     assert abs(rows[2]["scaled_activations"] - 1) <= 0.10, out
+
+
+def test_estimate_memory_takes_cp_from_the_flag_and_the_config(capsys):
+    """``--cp`` and ``parallel.cp``: the 131k config fits 80 GB with CP 8 and names CP in its
+    breakdown; a world or a sequence CP cannot split exits 2 naming the flag and the fix."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
+    import estimate_memory
+
+    cfg = "configs/llama/llama3.1-8b-seq131k-64gpus.yaml"
+    out = estimate_memory.main(["--config", cfg, "--gpu", "h100", "--c-batches", "4"])
+    b = out["breakdown"]
+    assert (b["gpus"], b["tp"], b["cp"], b["dp"], b["fits"]) == (64, 8, 8, 1, True)
+    assert "MP 8 x CP 8 x DP 1" in capsys.readouterr().out
+    by_flag = estimate_memory.main(["--config", cfg, "--cp", "4", "--gpus", "32",
+                                    "--c-batches", "4"])
+    assert (by_flag["breakdown"]["cp"], by_flag["breakdown"]["gpus"]) == (4, 32)
+    capsys.readouterr()
+    for argv, said in ((["--cp", "4", "--gpus", "48"],
+                        "--gpus 48 is not a multiple of --tp 8 x --cp 4"),
+                       (["--cp", "8", "--gpus", "64", "--seq", "1000"],
+                        "--cp 8: the sequence (1000)")):
+        with pytest.raises(SystemExit) as exit_:
+            estimate_memory.main(["--preset", "llama3.1-8b", "--tp", "8", *argv])
+        assert exit_.value.code == 2 and said in capsys.readouterr().err

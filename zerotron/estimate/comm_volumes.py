@@ -22,7 +22,8 @@ DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
 
 
 def group_ranks(tp: int, pp: int, dp: int, cp: int = 1) -> dict[str, list[int]]:
-    """Rank 0's groups: TP innermost, then CP, then DP, then PP (rank = t + tp·(c + cp·(d + dp·p)))."""
+    """Rank 0's groups: TP innermost, then CP, then DP, then PP
+    (rank = t + tp·(c + cp·(d + dp·p)))."""
     out = {"tp": list(range(tp)), "dp": [tp * cp * d for d in range(dp)],
            "pp": [tp * cp * dp * p for p in range(pp)], "embedding": [0, tp * cp * dp * (pp - 1)],
            "world": list(range(tp * cp * dp * pp))}

@@ -78,7 +78,8 @@ def ring_saved_bytes(setup, act_bytes: int) -> float:
 def ring_forward_bytes(setup, act_bytes: int) -> float:
     """Forward's peak inside one layer's ring attention (module docstring)."""
     z = _sizes(setup, act_bytes)
-    return 3 * z["scores"] + z["mask"] + z["copy"] + 2 * z["pair"] + z["q"] + z["lse"] + z["expanded"]
+    return (3 * z["scores"] + z["mask"] + z["copy"] + 2 * z["pair"] + z["q"] + z["lse"]
+            + z["expanded"])
 
 
 def ring_backward_bytes(setup, act_bytes: int) -> float:
@@ -94,7 +95,8 @@ def attention_side_bytes(setup, act_bytes: int) -> float:
     cfg, t, e = setup.model, setup.tp, act_bytes
     tokens = setup.micro_batch * cfg.seq_length
     qkv = tokens * (cfg.hidden_size + 2 * cfg.kv_size) / t * e
-    rotated = tokens * (cfg.hidden_size + cfg.kv_size) / t * e if cfg.position_embedding_type == "rope" else 0
+    rope = cfg.position_embedding_type == "rope"  # rotated copies of q and k
+    rotated = tokens * (cfg.hidden_size + cfg.kv_size) / t * e if rope else 0
     return qkv + rotated + 3 * tokens * cfg.hidden_size * e + ring_saved_bytes(setup, act_bytes)
 
 

@@ -156,7 +156,8 @@ def setup_from_run_config(cfg, model: GPTConfig, gpus: int, backend: str = "nccl
     cp = getattr(cfg.parallel, "cp", 1)
     mp = cfg.parallel.tp * cfg.parallel.pp * cp
     if gpus % mp:
-        raise ValueError(f"gpus={gpus} is not divisible by tp x cp x pp = {mp}; use a multiple of it")
+        raise ValueError(f"gpus={gpus} is not divisible by tp x cp x pp = {mp}; "
+                         f"use a multiple of it")
     return Setup(model, tp=cfg.parallel.tp, dp=gpus // mp, cp=cp, micro_batch=t.micro_batch_size, stage=z.stage,
                  checkpoint_activations=ac.checkpoint_activations, checkpoint_every=ac.checkpoint_every,
                  partition_activations=ac.partition_activations, cpu_checkpointing=ac.cpu_checkpointing,

@@ -39,8 +39,8 @@ from dataclasses import asdict, dataclass, field
 from zerotron.estimate import kernels
 from zerotron.estimate.comm_volumes import DTYPE_BYTES, analytic_comm, group_ranks, rank_params
 from zerotron.estimate.hardware import Hardware
-from zerotron.estimate.step_time import (BACKWARD_SHARE, collective_time, default_overlap, group_span,
-                                         predict_step)
+from zerotron.estimate.step_time import (BACKWARD_SHARE, collective_time, default_overlap,
+                                         group_span, predict_step)
 from zerotron.model.config import GPTConfig
 from zerotron.model.flops import flops_per_iteration
 
@@ -143,8 +143,8 @@ def ring_overlap(comm: dict, ranks: dict[str, list[int]], hw: Hardware,
     if not ops:
         return {}
     if "cp" not in ranks:
-        raise ValueError(f"ring_overlap: comm has the CP ring's {sorted(ops)} but ranks has no 'cp' group "
-                         f"({sorted(ranks)}); pass the CP group's global ranks")
+        raise ValueError(f"ring_overlap: comm has the CP ring's {sorted(ops)} but ranks has no "
+                         f"'cp' group ({sorted(ranks)}); pass the CP group's global ranks")
     cp = len(ranks["cp"])
     span = group_span(ranks["cp"], hw.link().gpus_per_node)
     worst = max(ops.values(), key=lambda c: c["bytes"])  # sends and receives run together

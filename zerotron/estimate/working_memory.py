@@ -8,7 +8,8 @@ docstring there derives each term, ``scripts/bench/memory_grid.py`` measures the
 from __future__ import annotations
 
 from zerotron.estimate.activations import layer_activation_bytes, llama_extra_bytes
-from zerotron.estimate.context_parallel import attention_side_bytes, ring_saved_bytes, ring_working_bytes
+from zerotron.estimate.context_parallel import (attention_side_bytes, ring_saved_bytes,
+                                                ring_working_bytes)
 from zerotron.parallel.rng import STREAMS
 
 
@@ -219,10 +220,11 @@ def step_working_bytes(setup, *, psi: int, largest_group: int, kept: float, laye
         blocks = max(segment + mid + waiting, tied - kept, one_tied + copy - kept)
     else:  # the first bucket goes out once its C elements' layers are done, their activations freed
         done = kept * min(1.0, c / psi)
-        ring = ring_working_bytes(setup, pb)  # the last layer's backward ring, beside everything kept
+        ring = ring_working_bytes(setup, pb)  # the last layer's backward ring, beside all kept
         blocks = max(waiting + max(ring, copy - done), tied - kept)
     ring_fwd = ring_working_bytes(setup, pb, backward=False)  # the last layer's forward ring
     if setup.stage == 3:
         at_head = gathered if head_gathered is None else head_gathered
-        return max(head_fwd + root, head_bwd + at_head, blocks + gathered, ring_fwd + gathered) - gathered
+        return max(head_fwd + root, head_bwd + at_head, blocks + gathered,
+                   ring_fwd + gathered) - gathered
     return max(head_fwd, head_bwd, blocks, ring_fwd)
