@@ -104,7 +104,7 @@ def main(argv=None) -> int:
     ap.add_argument("--nproc", type=int, default=2, help="ranks of the DP-only layout")
     ap.add_argument("--only", default="", help="comma-separated scenario names (see --list)")
     ap.add_argument("--layouts", default="dp,tp2xdp2,tp2xpp2,tp2xpp2xdp2",
-                    help="comma-separated: dp, tp2xdp2, tp2xpp2, tp2xpp2xdp2 (8 ranks)")
+                    help="comma-separated: dp, tp2xdp2, tp2xpp2, tp2xpp2xdp2 (8 ranks), tp2xcp2")
     ap.add_argument("--timeout", type=positive_float, default=20.0,
                     help="collective timeout, s (ZEROTRON_COLLECTIVE_TIMEOUT)")
     ap.add_argument("--out", default=str(ROOT / "runs" / "drill"), help="where the drill's directory is made")

@@ -29,13 +29,14 @@ def check_resume(tmp):
     cfg = GPTConfig(num_layers=2, hidden_size=16, num_heads=2, vocab_size=64, seq_length=16,
                     dropout=0.0, attention_dropout=0.0, make_vocab_size_divisible_by=8)
     g = torch.Generator().manual_seed(9)
-    batches = [(torch.randint(0, 64, (BATCH, 16), generator=g), torch.randint(0, 64, (BATCH, 16), generator=g))
+    batches = [tuple(torch.randint(0, 64, (BATCH, 16), generator=g) for _ in range(2))
                for _ in range(STEPS)]
 
     def build(cp):
         grid = Grid(ParallelDims(cp=cp))
         model = GPT(cfg, grid, seed=3, dtype=torch.float64)
-        opt = ZeroOptimizer(model, grid, ZeroConfig(stage=1), clip_grad=1.0, precision="fp64", **HYPER)
+        opt = ZeroOptimizer(model, grid, ZeroConfig(stage=1), clip_grad=1.0, precision="fp64",
+                            **HYPER)
         return grid, model, opt
 
     def train(grid, model, opt, steps):
@@ -46,13 +47,14 @@ def check_resume(tmp):
             loss = model(x[mine], labels=y[mine])
             opt.backward(loss)
             opt.step()
-            out.append(C.all_reduce(loss.detach().reshape(1), grid.dp_cp_group) / grid.dp_cp_group.size)
+            mean = C.all_reduce(loss.detach().reshape(1), grid.dp_cp_group)
+            out.append(mean / grid.dp_cp_group.size)
         return torch.cat(out)
 
     grid, model, opt = build(2)
     train(grid, model, opt, batches[:2])
-    path = save_checkpoint(str(tmp), 2, model, opt, grid, consumed_samples=2 * BATCH, model_config={},
-                           run_config={}, rng_states={}, run_id="cp")
+    path = save_checkpoint(str(tmp), 2, model, opt, grid, consumed_samples=2 * BATCH,
+                           model_config={}, run_config={}, rng_states={}, run_id="cp")
     want = train(grid, model, opt, batches[2:])
     errors = {}
     for cp in (1, 4):

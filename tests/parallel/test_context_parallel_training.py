@@ -1,10 +1,10 @@
 """20 fp32 training steps under context parallelism against the single process, 4 gloo ranks.
 
-Layouts: TP 2 x CP 2 (ZeRO-1), CP 2 x DP 2 (ZeRO-2), CP 4 at seq 512 (ZeRO-0). Reference (every
-rank computes it): the same GPT (same seed, so the same weights) trained on the whole global
-batch by ``torch.optim.AdamW`` with ``clip_grad_norm_`` (``tests/zero/common.reference_train``'s
-loop, on a model that cannot be deep-copied: it holds its grid),
-once in float64 (the truth) and once in fp32 (torch's own fp32 error). Each step's loss of the
+Layouts: TP 2 x CP 2 (ZeRO-1), CP 2 x DP 2 (ZeRO-2), CP 4 at seq 512 (ZeRO-3). Reference
+(computed once, in the test's own process): the same GPT (same seed, so the same weights)
+trained on the whole global batch by ``torch.optim.AdamW`` with ``clip_grad_norm_``
+(``tests/zero/common.reference_train``'s loop, on a model that cannot be deep-copied: it holds
+its grid), once in float64 (the truth) and once in fp32 (torch's own fp32 error). Each step's loss of the
 CP run -- reported as the trainer does, averaged over DP x CP -- must lie within
 ``tests/parity.assert_fp32``'s bound: twice torch's own fp32 error plus 1e-7.
 """
@@ -21,7 +21,8 @@ from zerotron.parallel import Grid, ParallelDims
 from zerotron.parallel import collectives as C
 
 STEPS, PER_RANK = 20, 2
-LAYOUTS = [dict(tp=2, cp=2, stage=1, seq=32), dict(cp=2, stage=2, seq=32), dict(cp=4, stage=0, seq=512)]
+LAYOUTS = [dict(tp=2, cp=2, stage=1, seq=32), dict(cp=2, stage=2, seq=32),
+           dict(cp=4, stage=3, seq=512)]
 
 
 def data(vocab, seq, dp):
@@ -42,7 +43,8 @@ def reference(model, batches):
     params = list(model.parameters())
     groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": HYPER["weight_decay"]},
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
-    opt = torch.optim.AdamW(groups, lr=HYPER["lr"], betas=HYPER["betas"], eps=HYPER["eps"], foreach=False)
+    opt = torch.optim.AdamW(groups, lr=HYPER["lr"], betas=HYPER["betas"], eps=HYPER["eps"],
+                            foreach=False)
     losses = []
     for (x, y), in batches:
         loss = model(x, labels=y)
@@ -65,7 +67,8 @@ def train_layout(tp=1, cp=1, stage=0, seq=32):
     opt = ZeroOptimizer(model, grid, zcfg, clip_grad=1.0, precision="fp32", **HYPER)
     losses = []
     for (x, y), in batches:
-        mine = slice(grid.dp_rank * PER_RANK, (grid.dp_rank + 1) * PER_RANK)  # CP ranks: same samples
+        # this DP rank's samples: every CP rank of it the same ones
+        mine = slice(grid.dp_rank * PER_RANK, (grid.dp_rank + 1) * PER_RANK)
         loss = model(x[mine], labels=y[mine])
         opt.backward(loss)
         opt.step()
@@ -88,7 +91,8 @@ def test_fp32_losses_equal_the_single_process_within_fp32_noise():
         batches = data(cfg.vocab_size, lay["seq"], 4 // (lay.get("tp", 1) * lay["cp"]))
         truth = torch.tensor(reference(GPT(cfg, ref_grid, seed=3, dtype=torch.float64), batches),
                              dtype=torch.float64)
-        torch_fp32 = torch.tensor(reference(GPT(cfg, ref_grid, seed=3), batches), dtype=torch.float32)
+        torch_fp32 = torch.tensor(reference(GPT(cfg, ref_grid, seed=3), batches),
+                                  dtype=torch.float32)
         assert truth[-1] < truth[0] - 0.2, truth  # it learns: a layout that did not would show
         assert_fp32(got, truth, torch_fp32, f"{lay} losses over {STEPS} steps")
     ref_grid.close()

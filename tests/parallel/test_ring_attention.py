@@ -49,7 +49,8 @@ def ring_vs_whole(cp, heads, groups, documents):
     kv_bytes = 2 * b * groups * (s // cp) * d * 8
     assert sent == (2 * (cp - 1) + cp) * kv_bytes, (sent, kv_bytes)
     errors = [_rel(out.detach(), local_chunks(whole.detach(), grid.cp_rank, cp, dim=2))]
-    errors += [_rel(m.grad, local_chunks(t.grad, grid.cp_rank, cp, dim=2)) for m, t in zip(mine, (q, k, v))]
+    errors += [_rel(m.grad, local_chunks(t.grad, grid.cp_rank, cp, dim=2))
+               for m, t in zip(mine, (q, k, v))]
     grid.close()
     return errors, None
 

@@ -23,17 +23,18 @@ def check_context_parallel(seq_length: int, cp: int, tp: int = 1, sequence_paral
     if cp == 1:
         return
     if seq_length % (2 * cp):
-        raise ValueError(f"model.seq_length={seq_length} is not divisible by 2*parallel.cp={2 * cp}: context "
-                         f"parallelism cuts every sequence into 2*cp chunks; use a seq_length that is a "
-                         f"multiple of {2 * cp} or another parallel.cp")
+        raise ValueError(f"model.seq_length={seq_length} is not divisible by 2*parallel.cp="
+                         f"{2 * cp}: context parallelism cuts every sequence into 2*cp chunks; "
+                         f"use a seq_length that is a multiple of {2 * cp} or another parallel.cp")
     local = seq_length // cp
     if sequence_parallel and local % tp:
-        raise ValueError(f"model.seq_length={seq_length}: each CP rank's {local} tokens are split over "
-                         f"parallel.tp={tp} by sequence parallelism; use a seq_length that is a multiple of "
-                         f"{2 * cp * tp // _gcd(2, tp)} or turn parallel.sequence_parallel off")
+        raise ValueError(f"model.seq_length={seq_length}: each CP rank's {local} tokens are split "
+                         f"over parallel.tp={tp} by sequence parallelism; use a seq_length that is "
+                         f"a multiple of {2 * cp * tp // _gcd(2, tp)} or turn "
+                         f"parallel.sequence_parallel off")
     if attention_dropout > 0:
-        raise ValueError(f"model.attention_dropout={attention_dropout} with parallel.cp={cp}: the ring "
-                         f"attention computes exact probabilities with no dropout; set "
+        raise ValueError(f"model.attention_dropout={attention_dropout} with parallel.cp={cp}: "
+                         f"the ring attention computes exact probabilities with no dropout; set "
                          f"model.attention_dropout=0 or parallel.cp=1")
 
 
@@ -62,8 +63,8 @@ def local_chunks(x: torch.Tensor, cp_rank: int, cp: int, dim: int = 1) -> torch.
         return x
     s = x.shape[dim]
     if s % (2 * cp):
-        raise ValueError(f"sequence length {s} is not divisible by 2*parallel.cp={2 * cp}; use batches "
-                         f"whose length is a multiple of {2 * cp}")
+        raise ValueError(f"sequence length {s} is not divisible by 2*parallel.cp={2 * cp}; use "
+                         f"batches whose length is a multiple of {2 * cp}")
     pieces = x.chunk(2 * cp, dim=dim)
     a, b = chunk_index(cp_rank, cp)
     return torch.cat([pieces[a], pieces[b]], dim=dim)

@@ -21,9 +21,11 @@ from the whole sequence's ids every rank holds (a document may cross chunk bound
 Backward (flash-attention's recurrence, with the final lse and D = rowsum(dO·O)) sends the K/V
 around the ring again, and with them an accumulator of dK/dV: each rank adds its queries'
 contribution to the K/V it holds and passes the sum on; after cp steps and one last pass every
-dK/dV is home. Blocks are computed exactly (dense scores), in fp32 for 16-bit inputs and in
-float64 for float64 ones (the parity tests). Grouped-query attention: K/V carry query-group heads,
-expanded per block and their gradients summed back over each group.
+dK/dV is home. Blocks are computed in fp32 for 16-bit inputs and in float64 for float64 ones
+(the parity tests): on a CPU without document masking by torch's flash kernel for CPU, which
+returns the block's log-sum-exp and keeps O(s/cp) per head; otherwise with dense scores (a
+GPU, and document masks: b·heads·(s/cp)² transient per block). Grouped-query attention: K/V
+carry query-group heads, expanded per block and their gradients summed back over each group.
 """
 
 from __future__ import annotations
@@ -95,12 +97,33 @@ def _scores(q, k, scale, mask):
     return s if mask is None else s.masked_fill(~mask, float("-inf"))
 
 
-def _block_forward(q, k, v, scale, mask):
+def _fused(q, mask_free: bool) -> bool:
+    """torch's flash kernel for CPU: exact, with the log-sum-exp, no mask argument needed."""
+    return mask_free and q.device.type == "cpu"
+
+
+def _block_forward(q, k, v, scale, mask, causal):
     """Exact attention of one block: its output and log-sum-exp (-inf where a row sees nothing)."""
+    if _fused(q, mask is None or (causal and mask.dim() == 2)):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q.contiguous(), k.contiguous(), v.contiguous(), 0.0, causal, scale=scale)
     s = _scores(q, k, scale, mask)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0)  # rows that see nothing: 0, not NaN
     return torch.matmul(p, v), lse
+
+
+def _block_backward(q, k, v, out, lse, dout, delta, scale, mask, causal):
+    """One block's share of dQ, dK, dV from the *final* output and log-sum-exp (flash
+    attention's backward: P = exp(S - lse), dS = P ∘ (dO·Vᵀ - rowsum(dO ∘ O)))."""
+    if _fused(q, mask is None or (causal and mask.dim() == 2)):
+        c = [t.contiguous() for t in (dout, q, k, v, out, lse)]
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            *c, 0.0, causal, scale=scale)
+    p = torch.exp(_scores(q, k, scale, mask) - lse.unsqueeze(-1))
+    dv = torch.matmul(p.transpose(-1, -2), dout)
+    ds = p * (torch.matmul(dout, v.transpose(-1, -2)) - delta.unsqueeze(-1))
+    return torch.matmul(ds, k) * scale, torch.matmul(ds.transpose(-1, -2), q) * scale, dv
 
 
 def _merge(out, lse, out_b, lse_b):
@@ -138,7 +161,7 @@ class _RingAttention(torch.autograd.Function):
             mask = _mask(causal, n if causal else rows.stop - rows.start, cols.stop,
                          None if doc_q is None else doc_q[:, rows], doc_k, q.device)
             out_b, lse_b = _block_forward(qc[:, :, rows], _expand(kv[0][:, :, cols], rep),
-                                          _expand(kv[1][:, :, cols], rep), scale, mask)
+                                          _expand(kv[1][:, :, cols], rep), scale, mask, causal)
             _merge(out[:, :, rows], lse[:, :, rows], out_b, lse_b)
             if handle is not None:
                 handle.wait()
@@ -168,13 +191,12 @@ class _RingAttention(torch.autograd.Function):
             mask = _mask(causal, n if causal else rows.stop - rows.start, cols.stop,
                          None if doc_q is None else doc_q[:, rows], doc_k, q.device)
             kb, vb = _expand(kv[0][:, :, cols], rep), _expand(kv[1][:, :, cols], rep)
-            qb, dob = qc[:, :, rows], do[:, :, rows]
-            p = torch.exp(_scores(qb, kb, scale, mask) - lse[:, :, rows].unsqueeze(-1))
-            dv = torch.matmul(p.transpose(-1, -2), dob)
-            ds = p * (torch.matmul(dob, vb.transpose(-1, -2)) - delta[:, :, rows].unsqueeze(-1))
-            dq[:, :, rows] += torch.matmul(ds, kb) * scale
-            dkv[0][:, :, cols] += _reduce_groups(torch.matmul(ds.transpose(-1, -2), qb) * scale, rep)
-            dkv[1][:, :, cols] += _reduce_groups(dv, rep)
+            dqb, dkb, dvb = _block_backward(qc[:, :, rows], kb, vb, out[:, :, rows],
+                                            lse[:, :, rows], do[:, :, rows], delta[:, :, rows],
+                                            scale, mask, causal)
+            dq[:, :, rows] += dqb
+            dkv[0][:, :, cols] += _reduce_groups(dkb, rep)
+            dkv[1][:, :, cols] += _reduce_groups(dvb, rep)
             if handle is not None:
                 handle.wait()
                 kv = nxt

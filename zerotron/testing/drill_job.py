@@ -36,7 +36,9 @@ def layouts(dp_nproc: int) -> dict[str, Layout]:
     return {"dp": Layout(f"DP {dp_nproc}", dp_nproc, ("--tp", "1")),
             "tp2xdp2": Layout("TP 2 x DP 2", 4, ("--tp", "2")),
             "tp2xpp2": Layout("TP 2 x PP 2", 4, ("--tp", "2", "--pp", "2")),
-            "tp2xpp2xdp2": Layout("TP 2 x PP 2 x DP 2", 8, ("--tp", "2", "--pp", "2"))}
+            "tp2xpp2xdp2": Layout("TP 2 x PP 2 x DP 2", 8, ("--tp", "2", "--pp", "2")),
+            # context parallelism: the dead rank's ring neighbours must name it too
+            "tp2xcp2": Layout("TP 2 x CP 2", 4, ("--tp", "2", "--cp", "2"))}
 
 
 @dataclass
