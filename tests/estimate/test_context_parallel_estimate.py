@@ -90,8 +90,8 @@ def _cp_memory_script():
 def test_the_tracker_peak_at_cp_1_2_4_is_the_model_within_five_percent(capsys, tmp_path):
     """``scripts/bench/cp_memory.py`` at seq 1024 (4 gloo ranks, no checkpointing): the allocator
     tracker's peak per rank at CP 1 x DP 4, CP 2 x DP 2 and CP 4 x DP 1 is the memory model's
-    within 5%, and the activation peak falls with cp (at CP 4 within 10% of 1/cp; CP 2 keeps the
-    ring's dense diagonal block, ``docs/memory.md``)."""
+    within 5%, and the activation peak (the step's peak less what was alive at its start) falls
+    as 1/cp within 10%."""
     import json
 
     _cp_memory_script().main(["--json", "--out", str(tmp_path)])
@@ -100,9 +100,8 @@ def test_the_tracker_peak_at_cp_1_2_4_is_the_model_within_five_percent(capsys, t
     assert [r["cp"] for r in rows] == [1, 2, 4]
     for r in rows:
         assert abs(r["ratio"] - 1) <= 0.05, out
-    peaks = [r["measured"]["activations"] for r in rows]
-    assert peaks[0] > peaks[1] > peaks[2]
-    assert abs(rows[2]["scaled_activations"] - 1) <= 0.10, out
+    for r in rows[1:]:
+        assert abs(r["scaled_activations"] - 1) <= 0.10, out
 
 
 def test_estimate_memory_takes_cp_from_the_flag_and_the_config(capsys):

@@ -10,12 +10,13 @@ group): ``Setup.zero_shards`` is the paper's Nd in §5.4's formulas.
 
 Beyond the layer's own activations, attention holds what the ring has in flight. The ring
 (``parallel/ring_attention.py``) computes each block of queries against one rank's K/V exactly,
-with dense scores in a compute dtype c (fp32 for 16-bit inputs, float64 for float64). With n =
+in a compute dtype c (fp32 for 16-bit inputs, float64 for float64): with dense scores on a GPU
+and with document masks (``dense_blocks``), by torch's flash kernel for CPU otherwise. With n =
 s/cp tokens, a/t heads and g/t query groups of head dim d on a TP rank, in bytes:
 
 * **saved for backward** beyond a fused kernel: the merged output in c, b·(a/t)·n·d·c (its
   log-sum-exp is the fused kernel's, in ``activations.norm_stats_bytes``);
-* **the largest block** is the diagonal one (n queries by n keys; the others are half of it):
+* **the largest block** (dense) is the diagonal one (n queries by n keys; the others are half of it):
   its scores S = b·(a/t)·n²·c, and three of them alive at once -- the scores beside their
   shifted copy and its exponential in forward; the probabilities beside dO·Vᵀ and its
   difference with D in backward (flash-attention's recurrence) -- plus the causal mask, n² bytes;
@@ -56,16 +57,26 @@ def compute_bytes(act_bytes: int) -> int:
     return max(act_bytes, 4)
 
 
+def dense_blocks(setup) -> bool:
+    """Whether the ring's blocks materialise their scores: on a GPU (the dry run's) and with
+    document masks; a CPU's blocks without them run torch's flash kernel for CPU."""
+    return setup.device != "cpu" or setup.model.reset_attention_mask
+
+
 def _sizes(setup, act_bytes: int) -> dict[str, float]:
-    """Bytes of the ring's tensors on one rank (module docstring); ``setup`` is local."""
+    """Bytes of the ring's tensors on one rank (module docstring); ``setup`` is local. A flash
+    block holds, instead of three score tensors, three output-sized ones: the block's output
+    beside the two weighted terms of the merge (forward), the block's dQ, dK and dV at query-head
+    width (backward)."""
     cfg, t, c = setup.model, setup.tp, compute_bytes(act_bytes)
     n, d, heads, groups = cfg.seq_length, cfg.head_dim, cfg.num_heads // t, cfg.query_groups // t
     b = setup.micro_batch
     rows = b * heads * n  # one value per query head and token
+    dense = dense_blocks(setup)
     return {"q": rows * d * c, "copy": rows * d * c if c != act_bytes else 0,
             "pair": 2 * b * groups * n * d * c, "lse": rows * c,
             "expanded": 2 * rows * d * c if groups != heads else 0,
-            "scores": rows * n * c, "mask": n * n}
+            "scores": rows * n * c if dense else rows * d * c, "mask": n * n if dense else 0}
 
 
 def ring_saved_bytes(setup, act_bytes: int) -> float:
