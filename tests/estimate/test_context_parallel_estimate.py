@@ -129,3 +129,28 @@ def test_estimate_memory_takes_cp_from_the_flag_and_the_config(capsys):
         with pytest.raises(SystemExit) as exit_:
             estimate_memory.main(["--preset", "llama3.1-8b", "--tp", "8", *argv])
         assert exit_.value.code == 2 and said in capsys.readouterr().err
+
+
+def test_step_model_splits_attention_over_cp_and_hides_the_ring_behind_it():
+    """8B at 131k: a CP 8 rank computes 1/8 of the no-CP rank's attention core and per-token
+    work on 1/8 of the tokens; the ring's exposed time is what (cp-1)/cp of that attention
+    cannot cover."""
+    from zerotron.estimate import step_model
+    from zerotron.estimate.hardware import HARDWARE
+    from zerotron.training.cli import parse_config
+    from zerotron.training.setup_run import validate_model
+
+    hw = HARDWARE["h100"]
+    runs = {}
+    for name, world in (("", 64), ("-nocp", 64)):
+        cfg = parse_config(["--config", f"configs/llama/llama3.1-8b-seq131k-64gpus{name}.yaml",
+                            "--training.global_batch_size", "8"], world_size=world)
+        cfg.validate(world)
+        runs[name] = (cfg, step_model.micro_batch_compute(cfg, validate_model(cfg), hw),
+                      step_model.predict(cfg, validate_model(cfg), world, hw))
+    (cfg, cp8, pred), (_, cp1, _) = runs[""], runs["-nocp"]
+    assert cp8["attention"] == pytest.approx(cp1["attention"] / 8, rel=1e-12)
+    assert cp8["gemm"] < cp1["gemm"] / 7  # GEMMs on s/8 tokens (the logits too)
+    ring = pred.comm_s["cp"]
+    assert 0 < ring and pred.exposed_s["cp"] == pytest.approx(
+        max(0.0, ring - pred.attention_s * 7 / 8), abs=1e-3 * ring)
