@@ -5,7 +5,8 @@
     python scripts/estimate_memory.py --config configs/zero100b/table5/zero-100b.yaml --gpus 400
     python scripts/estimate_memory.py --config configs/tiny.yaml --gpus 4
     python scripts/estimate_memory.py --layers 40 --hidden 4096 --heads 32 --tp 4 --gpus 64 --json
-    python scripts/estimate_memory.py --config configs/llama/llama3.1-8b-seq131k-64gpus.yaml --gpu h100
+    python scripts/estimate_memory.py --config configs/llama/llama3.1-8b-seq131k-64gpus.yaml \
+        --gpu h100
 
 Prints the ZeRO paper's Table 1 (model states per device for 7.5B, 128B and 1T at Nd 1…1024)
 and Table 2 (theoretical largest model per MP degree, 32 GB, 64-way DP) exactly as the paper
@@ -46,7 +47,8 @@ def _config_setup(a) -> Setup:
     from zerotron.training.config import ConfigError
     from zerotron.training.setup_run import validate_model
 
-    overrides = {"--parallel.tp": a.tp, "--parallel.cp": a.cp, "--training.micro_batch_size": a.batch, "--zero.stage": a.stage,
+    overrides = {"--parallel.tp": a.tp, "--parallel.cp": a.cp,
+                 "--training.micro_batch_size": a.batch, "--zero.stage": a.stage,
                  "--model.seq_length": a.seq, "--model.vocab_size": a.vocab,
                  "--activation_checkpointing.partition_activations": a.pa or None,
                  "--activation_checkpointing.cpu_checkpointing": a.cpu or None}
@@ -76,7 +78,8 @@ def _given(value) -> bool:
 def check_args(a) -> list[int]:
     """Every flag a request gives must shape it: sizes positive, one way of naming the model, and
     no flag that the request would silently drop. Returns the C1-C5 micro-batches."""
-    for flag in ("layers", "hidden", "heads", "seq", "vocab", "tp", "cp", "gpus", "batch", "c_gpus", "c_mp"):
+    for flag in ("layers", "hidden", "heads", "seq", "vocab", "tp", "cp",
+                 "gpus", "batch", "c_gpus", "c_mp"):
         value = getattr(a, flag)
         if value is not None and value < 1:
             raise UsageError(f"--{flag.replace('_', '-')} {value}: must be a positive integer")
@@ -139,12 +142,15 @@ def build_setup(a) -> Setup | None:
         except ValueError as e:
             raise UsageError(str(e)) from None
         if model.seq_length % (2 * cp):
-            raise UsageError(f"--cp {cp}: the sequence ({model.seq_length}) must split into 2 x cp = {2 * cp} "
-                             f"equal chunks; give a --seq that is a multiple of {2 * cp} or another --cp")
+            raise UsageError(f"--cp {cp}: the sequence ({model.seq_length}) must split into "
+                             f"2 x cp = {2 * cp} equal chunks; give a --seq that is a multiple of "
+                             f"{2 * cp} or another --cp")
         if a.gpus is None:
-            raise UsageError(f"a breakdown needs the world size: pass --gpus N (a multiple of tp x cp = {tp * cp})")
+            raise UsageError(f"a breakdown needs the world size: pass --gpus N (a multiple of "
+                             f"tp x cp = {tp * cp})")
         if a.gpus % (tp * cp):
-            raise UsageError(f"--gpus {a.gpus} is not a multiple of --tp {tp} x --cp {cp}; use a multiple")
+            raise UsageError(f"--gpus {a.gpus} is not a multiple of --tp {tp} x --cp {cp}; "
+                             f"use a multiple")
         setup = Setup(model, tp=tp, cp=cp, dp=a.gpus // (tp * cp), micro_batch=a.batch if a.batch is not None else 4,
                       stage=2 if a.stage is None else a.stage, checkpoint_activations=True,
                       partition_activations=a.pa, cpu_checkpointing=a.cpu)
@@ -189,8 +195,8 @@ def main(argv=None) -> dict:
     p.add_argument("--vocab", type=int, help="vocabulary size (default: the config's or preset's; 50257 for a "
                                              "custom GPT)")
     p.add_argument("--tp", type=int, help="MP (tensor-parallel) degree (default: the config's parallel.tp, else 1)")
-    p.add_argument("--cp", type=int, help="context-parallel degree: each GPU holds seq/cp tokens (default: the "
-                                          "config's parallel.cp, else 1)")
+    p.add_argument("--cp", type=int, help="context-parallel degree: each GPU holds seq/cp tokens "
+                                          "(default: the config's parallel.cp, else 1)")
     p.add_argument("--gpus", type=int, help="world size, required for a breakdown unless the --config fixes "
                                             "parallel.dp; DP = gpus / (tp x cp x pp)")
     p.add_argument("--batch", type=int, help="micro-batch per DP rank (default: the config's, else 4)")
@@ -232,7 +238,8 @@ def main(argv=None) -> dict:
     if setup is not None:
         b = out["breakdown"]
         cp = f" x CP {b['cp']}" if b["cp"] > 1 else ""
-        print(f"\nBreakdown per GPU: {b['model']} on {b['gpus']} GPUs, MP {b['tp']}{cp} x DP {b['dp']}, "
+        print(f"\nBreakdown per GPU: {b['model']} on {b['gpus']} GPUs, MP {b['tp']}{cp} x "
+              f"DP {b['dp']}, "
               f"micro-batch {b['micro_batch']}, seq {setup.model.seq_length}, stage {b['stage']}, "
               f"Pa {b['pa']}, Pa+cpu {b['cpu']}")
         for key in ("params_total", "params_per_rank"):
