@@ -48,7 +48,7 @@ GB = 1e9
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--config", required=True, help="YAML run config, e.g. configs/zero100b/table5/zero-100b.yaml")
-    p.add_argument("--gpus", type=int, required=True, help="world size to simulate; DP = gpus / (tp x pp)")
+    p.add_argument("--gpus", type=int, required=True, help="world size to simulate; DP = gpus / (tp x cp x pp)")
     p.add_argument("--ranks", type=int, nargs="+", help="global ranks to simulate (default: first and last)")
     p.add_argument("--steps", type=int, default=1, help="training steps per rank (default 1)")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="fake device kind (default cuda)")
@@ -257,7 +257,8 @@ def main(argv=None) -> dict:
     if a.json:
         print(json.dumps(out, indent=1))
         return out
-    print(f"{a.config} on {a.gpus} simulated GPUs (TP {cfg.parallel.tp} x PP {cfg.parallel.pp} x "
+    cp = f" x CP {cfg.parallel.cp}" if cfg.parallel.cp > 1 else ""
+    print(f"{a.config} on {a.gpus} simulated GPUs (TP {cfg.parallel.tp}{cp} x PP {cfg.parallel.pp} x "
           f"DP {cfg.parallel.dp}), stage {cfg.zero.stage}, {cfg.training.precision}; checkpoint metadata in {meta_dir}")
     for r, e in out["ranks"].items():
         print_rank(int(r), e, a)

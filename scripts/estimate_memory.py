@@ -5,6 +5,8 @@
     python scripts/estimate_memory.py --config configs/zero100b/table5/zero-100b.yaml --gpus 400
     python scripts/estimate_memory.py --config configs/tiny.yaml --gpus 4
     python scripts/estimate_memory.py --layers 40 --hidden 4096 --heads 32 --tp 4 --gpus 64 --json
+    python scripts/estimate_memory.py --config configs/llama/llama3.1-8b-seq131k-64gpus.yaml \
+        --gpu h100
 
 Prints the ZeRO paper's Table 1 (model states per device for 7.5B, 128B and 1T at Nd 1…1024)
 and Table 2 (theoretical largest model per MP degree, 32 GB, 64-way DP) exactly as the paper
@@ -14,7 +16,7 @@ of ``--gpu``'s preset: v100 32 GB, the paper's; h100 80 GB). ``--json`` writes o
 instead, for machines.
 
 A breakdown needs the world size: ``--gpus``, or with ``--config`` the config's own when it fixes
-``parallel.dp`` (world = tp x pp x dp). There is no default, because every per-rank term but the
+``parallel.dp`` (world = tp x cp x pp x dp). There is no default, because every per-rank term but the
 activations divides by it and a guessed one gives a plausible-looking wrong answer. Exit codes:
 0 printed, 2 a bad or incomplete request (the message names the flag or field and the fix).
 """
@@ -39,12 +41,14 @@ class UsageError(Exception):
 
 def _config_setup(a) -> Setup:
     """The run config's setup (``setup_from_run_config``, as the dry run and the trainer see it);
-    ``--tp``/``--batch``/``--stage``/``--seq``/``--vocab``/``--pa``/``--cpu`` override its fields."""
+    ``--tp``/``--cp``/``--batch``/``--stage``/``--seq``/``--vocab``/``--pa``/``--cpu`` override its
+    fields."""
     from zerotron.training.cli import parse_config
     from zerotron.training.config import ConfigError
     from zerotron.training.setup_run import validate_model
 
-    overrides = {"--parallel.tp": a.tp, "--training.micro_batch_size": a.batch, "--zero.stage": a.stage,
+    overrides = {"--parallel.tp": a.tp, "--parallel.cp": a.cp,
+                 "--training.micro_batch_size": a.batch, "--zero.stage": a.stage,
                  "--model.seq_length": a.seq, "--model.vocab_size": a.vocab,
                  "--activation_checkpointing.partition_activations": a.pa or None,
                  "--activation_checkpointing.cpu_checkpointing": a.cpu or None}
@@ -53,11 +57,12 @@ def _config_setup(a) -> Setup:
         cfg = parse_config(argv)
         p = cfg.parallel
         gpus = a.gpus
+        mp = p.tp * p.pp * getattr(p, "cp", 1)
         if gpus is None and p.dp not in (None, -1):
-            gpus = p.tp * p.pp * p.dp
+            gpus = mp * p.dp
         if gpus is None:
             raise UsageError(f"--config {a.config} does not fix the world size (parallel.dp is unset: DP is what "
-                             f"the launcher's processes leave after tp x pp = {p.tp * p.pp}); pass --gpus N, the "
+                             f"the launcher's processes leave after tp x cp x pp = {mp}); pass --gpus N, the "
                              f"number of processes the run starts (torchrun --nnodes x --nproc-per-node)")
         cfg.validate(gpus)
         return setup_from_run_config(cfg, validate_model(cfg), gpus)
@@ -73,7 +78,8 @@ def _given(value) -> bool:
 def check_args(a) -> list[int]:
     """Every flag a request gives must shape it: sizes positive, one way of naming the model, and
     no flag that the request would silently drop. Returns the C1-C5 micro-batches."""
-    for flag in ("layers", "hidden", "heads", "seq", "vocab", "tp", "gpus", "batch", "c_gpus", "c_mp"):
+    for flag in ("layers", "hidden", "heads", "seq", "vocab", "tp", "cp",
+                 "gpus", "batch", "c_gpus", "c_mp"):
         value = getattr(a, flag)
         if value is not None and value < 1:
             raise UsageError(f"--{flag.replace('_', '-')} {value}: must be a positive integer")
@@ -90,7 +96,7 @@ def check_args(a) -> list[int]:
         raise UsageError(f"{' and '.join(named)} each name the model; give one of them")
     if custom and len(custom) < 3:
         raise UsageError(f"a custom GPT needs --layers, --hidden and --heads; {', '.join(custom)} given")
-    fields = ("config_name", "gpus", "tp", "batch", "stage", "seq", "vocab", "pa", "cpu")
+    fields = ("config_name", "gpus", "tp", "cp", "batch", "stage", "seq", "vocab", "pa", "cpu")
     shaping = [f"--{f.replace('_', '-')}" for f in fields if _given(getattr(a, f))]
     if shaping and not named:
         verb = "shapes" if len(shaping) == 1 else "shape"
@@ -119,6 +125,7 @@ def build_setup(a) -> Setup | None:
         setup = _config_setup(a)
     else:
         tp = a.tp if a.tp is not None else 1
+        cp = a.cp if a.cp is not None else 1
         try:
             if a.preset:
                 model = get_preset(a.preset)
@@ -134,11 +141,17 @@ def build_setup(a) -> Setup | None:
             model.validate(tp)
         except ValueError as e:
             raise UsageError(str(e)) from None
+        if model.seq_length % (2 * cp):
+            raise UsageError(f"--cp {cp}: the sequence ({model.seq_length}) must split into "
+                             f"2 x cp = {2 * cp} equal chunks; give a --seq that is a multiple of "
+                             f"{2 * cp} or another --cp")
         if a.gpus is None:
-            raise UsageError(f"a breakdown needs the world size: pass --gpus N (a multiple of the MP degree {tp})")
-        if a.gpus % tp:
-            raise UsageError(f"--gpus {a.gpus} is not a multiple of the MP degree --tp {tp}; use a multiple")
-        setup = Setup(model, tp=tp, dp=a.gpus // tp, micro_batch=a.batch if a.batch is not None else 4,
+            raise UsageError(f"a breakdown needs the world size: pass --gpus N (a multiple of "
+                             f"tp x cp = {tp * cp})")
+        if a.gpus % (tp * cp):
+            raise UsageError(f"--gpus {a.gpus} is not a multiple of --tp {tp} x --cp {cp}; "
+                             f"use a multiple")
+        setup = Setup(model, tp=tp, cp=cp, dp=a.gpus // (tp * cp), micro_batch=a.batch if a.batch is not None else 4,
                       stage=2 if a.stage is None else a.stage, checkpoint_activations=True,
                       partition_activations=a.pa, cpu_checkpointing=a.cpu)
     setup = setup.with_config(a.config_name) if a.config_name else setup
@@ -182,8 +195,10 @@ def main(argv=None) -> dict:
     p.add_argument("--vocab", type=int, help="vocabulary size (default: the config's or preset's; 50257 for a "
                                              "custom GPT)")
     p.add_argument("--tp", type=int, help="MP (tensor-parallel) degree (default: the config's parallel.tp, else 1)")
+    p.add_argument("--cp", type=int, help="context-parallel degree: each GPU holds seq/cp tokens "
+                                          "(default: the config's parallel.cp, else 1)")
     p.add_argument("--gpus", type=int, help="world size, required for a breakdown unless the --config fixes "
-                                            "parallel.dp; DP = gpus / (tp x pp)")
+                                            "parallel.dp; DP = gpus / (tp x cp x pp)")
     p.add_argument("--batch", type=int, help="micro-batch per DP rank (default: the config's, else 4)")
     p.add_argument("--stage", type=int, choices=[0, 1, 2, 3], help="ZeRO stage (default: the config's, else 2)")
     p.add_argument("--pa", action="store_true", help="Pa: partition activation checkpoints over MP")
@@ -205,7 +220,8 @@ def main(argv=None) -> dict:
         p.exit(2, f"{p.prog}: error: {e}\n")
     if setup is not None:
         out["breakdown"] = {"model": setup.model.name or f"{setup.model.num_layers}x{setup.model.hidden_size}",
-                            "gpus": setup.tp * setup.dp, "tp": setup.tp, "dp": setup.dp,
+                            "gpus": setup.tp * setup.cp * setup.dp, "tp": setup.tp, "cp": setup.cp,
+                            "dp": setup.dp,
                             "micro_batch": setup.micro_batch, "stage": setup.stage,
                             "pa": setup.partition_activations, "cpu": setup.cpu_checkpointing,
                             **estimate(setup), "fits": estimate(setup)["total"] <= a.device_gb * GB,
@@ -221,8 +237,11 @@ def main(argv=None) -> dict:
     print(fmt_table(table2_text()))
     if setup is not None:
         b = out["breakdown"]
-        print(f"\nBreakdown per GPU: {b['model']} on {b['gpus']} GPUs, MP {b['tp']} x DP {b['dp']}, micro-batch "
-              f"{b['micro_batch']}, stage {b['stage']}, Pa {b['pa']}, Pa+cpu {b['cpu']}")
+        cp = f" x CP {b['cp']}" if b["cp"] > 1 else ""
+        print(f"\nBreakdown per GPU: {b['model']} on {b['gpus']} GPUs, MP {b['tp']}{cp} x "
+              f"DP {b['dp']}, "
+              f"micro-batch {b['micro_batch']}, seq {setup.model.seq_length}, stage {b['stage']}, "
+              f"Pa {b['pa']}, Pa+cpu {b['cpu']}")
         for key in ("params_total", "params_per_rank"):
             print(f"  {key:22s} {count(b[key]):>10s}")
         for key in ("model_states", "checkpoints_device", "checkpoints_host", "working", "fixed_buffers", "total"):

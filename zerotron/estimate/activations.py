@@ -69,7 +69,7 @@ def korthikanti_table2(s: int, b: int, h: int, a: int, t: int) -> dict[str, floa
 
 def llama_extra_bytes(cfg, b: int, tp: int = 1, sequence_parallel: bool = False,
                       recompute: str = "none", act_bytes: int = 2, cpu: bool = False,
-                      storages: bool = True) -> float:
+                      storages: bool = True, ring: bool = False) -> float:
     """What a Llama-family layer (``model/block.py``) keeps beyond ``layer_activation_bytes`` of
     the same shape; 0 for GPT-2's block, whose figures stay the paper's. Per layer, as autograd
     saves it (held to ``testing/activation_bytes.py`` by
@@ -91,6 +91,8 @@ def llama_extra_bytes(cfg, b: int, tp: int = 1, sequence_parallel: bool = False,
     * document masking on a CPU: SDPA turns the boolean mask into one b·s² additive mask in the
       activation dtype (a GPU's flex block mask is O((s/128)²): left out).
 
+    Under context parallelism (``ring``) the ring saves K and V as they come, kv wide, on any
+    device, and builds each block's mask as it goes (``estimate/context_parallel.py``).
     Selective recompute re-runs the core, mask included; full recompute keeps only the checkpoint.
     Per-token statistics are left out as for GPT-2 (``norm_stats_bytes``)."""
     if recompute not in RECOMPUTE:
@@ -98,7 +100,7 @@ def llama_extra_bytes(cfg, b: int, tp: int = 1, sequence_parallel: bool = False,
     if recompute == "full":
         return 0.0
     e, t, s, h, kv = act_bytes, tp, cfg.seq_length, cfg.hidden_size, cfg.kv_size
-    repeated = not cpu and kv != h  # the GPU kernel's K/V, one per query head
+    repeated = not cpu and not ring and kv != h  # the GPU kernel's K/V, one per query head
     split = 2 * e * ((h if repeated else kv) / h - 1)  # K and V
     split += 2 * e * cfg.ffn_size / h if cfg.gated else 0  # SwiGLU's two more f-wide tensors
     copied_q = cfg.position_embedding_type == "rope" or kv != h
@@ -108,7 +110,7 @@ def llama_extra_bytes(cfg, b: int, tp: int = 1, sequence_parallel: bool = False,
     extra = s * b * h * (split / t + (replicated / t if sequence_parallel else replicated))
     if cfg.position_embedding_type == "rope":  # cos and sin, made again in every layer
         extra += 2 * s * cfg.head_dim * e * (b if cfg.reset_position_ids else 1)
-    if recompute == "none" and cpu and cfg.reset_attention_mask:
+    if recompute == "none" and cpu and not ring and cfg.reset_attention_mask:
         extra += b * s * s * e
     return extra
 

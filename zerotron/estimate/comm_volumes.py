@@ -6,7 +6,8 @@ all-reduce of Ψ bytes counts 2Ψ, a reduce-scatter or all-gather Ψ, a send wha
 2 per layer in forward and 2 in backward, 2 more with recompute ([Z] §8, [M] §3); Pa's one
 all-gather per layer before recompute ([Z] §8); ZeRO-DP's Ψ reduce-scatter plus Ψ all-gather at
 stages 1-2, 2Ψ all-reduce at stage 0, plus the forward and backward gathers at stage 3 ([Z]
-§7.2). ``tests/estimate/test_step_model.py`` holds these against a dry run of the same config.
+§7.2), over DP x CP with context parallelism; ring attention's K/V and dK/dV transfers
+(``ring_comm``). ``tests/estimate/test_step_model.py`` holds these against a dry run of the same config.
 """
 
 from __future__ import annotations
@@ -20,11 +21,16 @@ from zerotron.model.config import GPTConfig
 DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
 
 
-def group_ranks(tp: int, pp: int, dp: int) -> dict[str, list[int]]:
-    """Rank 0's groups: TP innermost, then DP, then PP (rank = t + tp·(d + dp·p))."""
-    return {"tp": list(range(tp)), "dp": [tp * d for d in range(dp)],
-            "pp": [tp * dp * p for p in range(pp)], "embedding": [0, tp * dp * (pp - 1)],
-            "world": list(range(tp * dp * pp))}
+def group_ranks(tp: int, pp: int, dp: int, cp: int = 1) -> dict[str, list[int]]:
+    """Rank 0's groups: TP innermost, then CP, then DP, then PP
+    (rank = t + tp·(c + cp·(d + dp·p)))."""
+    out = {"tp": list(range(tp)), "dp": [tp * cp * d for d in range(dp)],
+           "pp": [tp * cp * dp * p for p in range(pp)], "embedding": [0, tp * cp * dp * (pp - 1)],
+           "world": list(range(tp * cp * dp * pp))}
+    if cp > 1:  # the ring, and the data-parallel-with-CP group that reduces and partitions
+        out["cp"] = [tp * c for c in range(cp)]
+        out["dp_cp"] = [tp * c for c in range(cp * dp)]
+    return out
 
 
 def rank_params(mcfg: GPTConfig, tp: int, pp: int) -> int:
@@ -54,11 +60,11 @@ def _add(out: dict, key: str, calls: float, nbytes: float) -> None:
 def analytic_comm(cfg, mcfg: GPTConfig) -> dict[str, dict[str, float]]:
     """Per step, for a rank of the last pipeline stage, keyed ``"op/group"``."""
     par, z, ac = cfg.parallel, cfg.zero, cfg.activation_checkpointing
-    tp, pp, dp = par.tp, par.pp, par.dp
+    tp, pp, dp, cp = par.tp, par.pp, par.dp, getattr(par, "cp", 1)
     elem = DTYPE_BYTES[cfg.training.precision]
     grad = DTYPE_BYTES[z.grad_accum(cfg.training.precision)]
     micro = cfg.num_microbatches
-    tokens = cfg.training.micro_batch_size * mcfg.seq_length
+    tokens = cfg.training.micro_batch_size * mcfg.seq_length // cp  # a CP rank's s/cp
     layers = math.ceil(mcfg.num_layers / pp)
     act = tokens * mcfg.hidden_size * elem  # one [s, b, h] activation
     recompute = ac.checkpoint_activations
@@ -79,17 +85,46 @@ def analytic_comm(cfg, mcfg: GPTConfig) -> dict[str, dict[str, float]]:
         table = mcfg.padded_vocab_size(tp) // tp * mcfg.hidden_size
         shard = dp if z.stage >= 2 else 1  # Pos+g reduces the tied gradient's shard (zero.plan)
         _add(out, "all_reduce/embedding", 1, 2 * table // shard * grad)
-    if dp > 1:
+    if cp > 1:
+        for key, calls, nbytes in ring_comm(cfg, mcfg):
+            _add(out, key, calls, nbytes)
+    shards, zero_group = dp * cp, "dp_cp" if cp > 1 else "dp"  # ZeRO over DP x CP
+    if shards > 1:
         params = rank_params(mcfg, tp, pp)
         bucket = z.reduce_bucket_size or params
         buckets = max(1, math.ceil(params / bucket)) + (1 if pp > 1 else 0)  # tied weight: its own
         if z.stage == 0:
-            _add(out, "all_reduce/dp", buckets, 2 * params * grad)
+            _add(out, f"all_reduce/{zero_group}", buckets, 2 * params * grad)
         else:
             # Pos+g under a pipeline reduces each micro-batch's gradients as its backward ends
             times = micro if z.stage >= 2 and pp > 1 else 1
-            _add(out, "reduce_scatter/dp", buckets * times, times * params * grad)
+            _add(out, f"reduce_scatter/{zero_group}", buckets * times, times * params * grad)
             # stage 3 gathers again in forward, (recompute,) backward
             gathers = 1 if z.stage < 3 else micro * (3 if recompute else 2)
-            _add(out, "all_gather/dp", buckets * gathers, gathers * params * elem)
+            _add(out, f"all_gather/{zero_group}", buckets * gathers, gathers * params * elem)
     return out
+
+
+def ring_comm(cfg, mcfg: GPTConfig) -> list[tuple[str, float, float]]:
+    """Ring attention's transfers per step on one CP rank, as ``(key, calls, bytes)``.
+
+    Every attention of a micro-batch passes this rank's K/V pair -- 2·b·(s/cp)·kv/t elements,
+    kv = query groups × head dim (GQA sends the groups, not the heads) -- cp − 1 times around
+    the ring in forward, once more per recompute of the core (full recompute's forward,
+    selective's in backward), and cp − 1 times again in backward, where each rank also sends
+    the dK/dV it accumulated for the pair it holds onward with it: cp − 1 hops, plus one home,
+    of a pair of the gradient's size. Each transfer is one send and one receive, in the ring's
+    compute dtype (fp32 for 16-bit runs: ``parallel/ring_attention.py``).
+    """
+    par, ac = cfg.parallel, cfg.activation_checkpointing
+    cp, tp = par.cp, par.tp
+    elem = max(4, DTYPE_BYTES[cfg.training.precision])  # the ring moves its fp32 compute copies
+    layers = math.ceil(mcfg.num_layers / par.pp)
+    pair = 2 * cfg.training.micro_batch_size * (mcfg.seq_length // cp) * mcfg.kv_size // tp
+    # the attention core runs again in full recompute's forward and in selective's backward
+    forwards = 1 + ac.checkpoint_activations + (ac.recompute_granularity == "selective")
+    kv_hops = (forwards + 1) * (cp - 1)  # forward(s), then backward's K/V
+    grad_hops = cp  # dK/dV: cp - 1 with the K/V, one more home
+    calls = cfg.num_microbatches * layers * (kv_hops + grad_hops)
+    nbytes = cfg.num_microbatches * layers * pair * elem * (kv_hops + grad_hops)
+    return [("send/cp", calls, nbytes), ("recv/cp", calls, nbytes)]

@@ -4,10 +4,14 @@ Every term is derived from first principles (the ZeRO paper, arXiv 1910.02054) a
 against what zerotron's own runs hold (``ZeroOptimizer.memory_report()`` and the activation
 checkpointing handle's ``memory_report()``; see ``scripts/run_ablations.py``,
 ``tests/estimate/test_memory_model.py`` and, for the measured peak, ``scripts/bench/memory_grid.py``).
-Bytes per rank, with Ψ the parameters a rank's model replica holds (its TP slice), Nd the DP
-degree, t the MP (TP) degree, b the per-rank micro-batch, s the sequence, h the hidden size, L
-the layers:
+Bytes per rank, with Ψ the parameters a rank's model replica holds (its TP slice), Nd the ZeRO
+partition degree (DP, times CP with context parallelism), t the MP (TP) degree, b the per-rank
+micro-batch, s the sequence (s/cp on a CP rank), h the hidden size, L the layers:
 
+* **context parallelism** (``estimate/context_parallel.py``): every activation term below is
+  taken at the s/cp tokens a CP rank holds, the model states are split over DP x CP, and
+  ring attention's buffers (K/V in flight, dK/dV, the partial outputs' merge) join the working
+  memory of the layer whose attention runs.
 * **model states** (§3.1, §5): 16-bit parameters and gradients plus K = 12 bytes of fp32 Adam
   state (master, momentum, variance) per parameter -- 16Ψ plain DP, 4Ψ + 12Ψ/Nd for Pos,
   2Ψ + 14Ψ/Nd for Pos+g, 16Ψ/Nd for Pos+g+p.
@@ -58,6 +62,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from zerotron.estimate.context_parallel import local_setup
 from zerotron.estimate.stage3_memory import (block_param_numels, forward_head_gathered_bytes,
                                              gathered_param_bytes, largest_gathered_group,
                                              persistent_bucket_bytes, root_param_numels)
@@ -92,6 +97,7 @@ class Setup:
     model: GPTConfig
     tp: int = 1
     dp: int = 1
+    cp: int = 1  # parallel.cp: each rank holds s/cp tokens; ZeRO shards over dp x cp
     micro_batch: int = 1
     stage: int = 2
     checkpoint_activations: bool = True
@@ -128,6 +134,11 @@ class Setup:
                                    **C_CONFIGS[name], **overrides)
 
     @property
+    def zero_shards(self) -> int:
+        """Nd of §5.4: ZeRO partitions over DP x CP (the parameters are replicated over CP)."""
+        return self.dp * self.cp
+
+    @property
     def margin(self) -> float:
         if self.fragmentation is not None:
             return self.fragmentation
@@ -142,10 +153,12 @@ def setup_from_run_config(cfg, model: GPTConfig, gpus: int, backend: str = "nccl
         raise ValueError("the memory model covers pp = 1 without ZeRO-Offload/Infinity (the paper's setups); "
                          f"this run has parallel.pp={cfg.parallel.pp}, zero.offload_optimizer_device="
                          f"{z.optimizer_offload}, zero.offload_param_device={z.offload_param_device}")
-    mp = cfg.parallel.tp * cfg.parallel.pp
+    cp = getattr(cfg.parallel, "cp", 1)
+    mp = cfg.parallel.tp * cfg.parallel.pp * cp
     if gpus % mp:
-        raise ValueError(f"gpus={gpus} is not divisible by tp x pp = {mp}; use a multiple of it")
-    return Setup(model, tp=cfg.parallel.tp, dp=gpus // mp, micro_batch=t.micro_batch_size, stage=z.stage,
+        raise ValueError(f"gpus={gpus} is not divisible by tp x cp x pp = {mp}; "
+                         f"use a multiple of it")
+    return Setup(model, tp=cfg.parallel.tp, dp=gpus // mp, cp=cp, micro_batch=t.micro_batch_size, stage=z.stage,
                  checkpoint_activations=ac.checkpoint_activations, checkpoint_every=ac.checkpoint_every,
                  partition_activations=ac.partition_activations, cpu_checkpointing=ac.cpu_checkpointing,
                  contiguous_memory=ac.contiguous_memory_optimization, precision=t.precision,
@@ -211,23 +224,27 @@ def checkpoint_bytes(b: int, s: int, h: int, layers: int, tp: int = 1, every: in
 
 
 def estimate(setup: Setup) -> dict:
-    """Per-rank bytes of every term (see the module docstring) and their sum with the margin."""
-    cfg, t, nd, b = setup.model, setup.tp, setup.dp, setup.micro_batch
+    """Per-rank bytes of every term (see the module docstring) and their sum with the margin.
+
+    With context parallelism the activation terms are those of sequence s/cp (``local``) and
+    the model states are partitioned over DP x CP (``estimate.context_parallel``)."""
+    local = local_setup(setup)  # what one CP rank's activations see: s/cp tokens
+    cfg, t, nd, b = setup.model, setup.tp, setup.zero_shards, setup.micro_batch
     pb = BYTES[setup.precision]
     gb = setup.grad_bytes if setup.grad_bytes is not None else max(pb, 4)  # fp32 accumulation for 16-bit
-    s, h, l = cfg.seq_length, cfg.hidden_size, cfg.num_layers
+    s, h, l = local.model.seq_length, cfg.hidden_size, cfg.num_layers
     psi = params_per_rank(cfg, t)
     states = model_state_bytes(psi, nd, setup.stage, pb, gb)
     sp, sel = setup.sequence_parallel and t > 1, setup.recompute_granularity == "selective"
     pa = setup.partition_activations and t > 1 and not sp  # with SP the checkpoint is already 1/t
-    layer = block_layer_bytes(setup, pb)  # Table 2, and the Llama block's own tensors
+    layer = block_layer_bytes(local, pb)  # Table 2, and the Llama block's own tensors
     largest_group = psi if setup.stage < 3 else largest_gathered_group(setup)
     if setup.checkpoint_activations:
         ckpt = checkpoint_bytes(b, s, h, l, t, setup.checkpoint_every, pa or sp, setup.cpu_checkpointing, pb)
     else:  # every layer's activations stay alive until its backward
         ckpt = {"device": int(layer * l), "host": 0}
     gathered = gathered_param_bytes(setup, pb)
-    working = step_working_bytes(setup, psi=psi, largest_group=largest_group, kept=ckpt["device"], layer=layer,
+    working = step_working_bytes(local, psi=psi, largest_group=largest_group, kept=ckpt["device"], layer=layer,
                                  gathered=gathered, root=forward_head_gathered_bytes(setup, pb),
                                  head_gathered=gathered_param_bytes(setup, pb, head=True),
                                  param_bytes=pb, grad_bytes=gb)

@@ -2,8 +2,8 @@
 peak and the gradient buffer of the persistent group, sized as ``zero/`` lays them out.
 
 A unit is sized by the group it all-gathers (``zero/plan.py``): its parameters above
-``stage3_param_persistence_threshold``, cut into chunks of the bucket size, each padded to the DP
-degree (``zero/partition.py``). The smaller parameters of every unit form one *persistent* group,
+``stage3_param_persistence_threshold``, cut into chunks of the bucket size, each padded to the ZeRO
+partition degree (DP x CP) (``zero/partition.py``). The smaller parameters of every unit form one *persistent* group,
 gathered for the whole run, whose gradients arrive from the first block's backward to the last:
 the reducer gives it buffers of its own (``zero/grad_buckets.py``). Gathered at the peak: the root
 unit (embeddings, final LayerNorm: gathered through the whole forward and backward), the running
@@ -56,7 +56,7 @@ def padded_group_numel(numel: int, chunk: int, dp: int) -> int:
 
 def unit_sizes(setup) -> dict[str, int]:
     """Gathered elements of a block and of the root, and the persistent group's (padded)."""
-    cfg, t, nd, cut = setup.model, setup.tp, setup.dp, setup.persistence_threshold
+    cfg, t, nd, cut = setup.model, setup.tp, setup.zero_shards, setup.persistence_threshold
     block, root = block_param_numels(cfg, t), root_param_numels(cfg, t)
     small = cfg.num_layers * sum(n for n in block if n <= cut) + sum(n for n in root if n <= cut)
     return {"block": padded_group_numel(sum(n for n in block if n > cut), setup.bucket_size, nd),

@@ -7,7 +7,10 @@ pipeline bubble and host copies, each its own term.
   the attention core by its kernel, element-wise and normalisation kernels by their HBM bytes;
   backward's GEMMs are twice the forward's, its element-wise bytes twice too; full recompute runs
   the forward once more ([Z] §6.1), selective recompute the attention core (Korthikanti et al.
-  2022 §5); the last stage adds the logit GEMM and the cross-entropy.
+  2022 §5); the last stage adds the logit GEMM and the cross-entropy. A context-parallel rank
+  runs everything on its s/cp tokens and 1/cp of the attention scores.
+* **ring attention** (``parallel.cp``): the K/V and dK/dV transfers (``comm_volumes.ring_comm``)
+  run behind (cp − 1)/cp of the attention they feed (``ring_overlap``); the rest is exposed.
 * **communication** (``estimate.step_time.predict_step``): each collective on its links, as
   measured by a dry run or counted from the config (``estimate.comm_volumes``), hidden behind
   backward where zerotron overlaps it (``default_overlap``) -- except the last gradient bucket,
@@ -38,7 +41,8 @@ from dataclasses import asdict, dataclass, field
 from zerotron.estimate import kernels
 from zerotron.estimate.comm_volumes import DTYPE_BYTES, analytic_comm, group_ranks, rank_params
 from zerotron.estimate.hardware import Hardware
-from zerotron.estimate.step_time import BACKWARD_SHARE, default_overlap, predict_step
+from zerotron.estimate.step_time import (BACKWARD_SHARE, collective_time, default_overlap,
+                                         group_span, predict_step)
 from zerotron.model.config import GPTConfig
 from zerotron.model.flops import flops_per_iteration
 
@@ -76,11 +80,11 @@ class StepBreakdown:
 
 def micro_batch_compute(cfg, mcfg: GPTConfig, hw: Hardware) -> dict[str, float]:
     """Seconds of one micro-batch's forward + backward (+ recompute) on the last stage's rank."""
-    tp, pp = cfg.parallel.tp, cfg.parallel.pp
+    tp, pp, cp = cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.cp
     peak, eff = hw.peak(cfg.training.precision), hw.gemm_efficiency
     hbm, elem = hw.hbm_gbps * 1e9, DTYPE_BYTES[cfg.training.precision]
     b, s = cfg.training.micro_batch_size, mcfg.seq_length
-    tokens, layers = b * s, math.ceil(mcfg.num_layers / pp)
+    tokens, layers = b * s // cp, math.ceil(mcfg.num_layers / pp)  # a CP rank's s/cp tokens
     ac = cfg.activation_checkpointing
     forwards = 2 if ac.checkpoint_activations else 1
     core_again = 1 if ac.recompute_granularity == "selective" else 0  # attention core, once more
@@ -90,7 +94,9 @@ def micro_batch_compute(cfg, mcfg: GPTConfig, hw: Hardware) -> dict[str, float]:
 
     fwd = kernels.layer_gemms(mcfg, tokens, tp)
     gemm = sum(roof(g) for g in fwd) * forwards + sum(roof(x) for g in fwd for x in g.backward())
-    attn = kernels.attention_core_seconds(mcfg, b, s, tp, hw.attention, peak, eff, hbm, elem)
+    # a CP rank's queries against every key of the sequence: 1/cp of the s x s scores, balanced
+    # by the two-chunk layout
+    attn = kernels.attention_core_seconds(mcfg, b, s, tp, hw.attention, peak, eff, hbm, elem) / cp
     attention = attn * (forwards + core_again + 2)  # backward: 2 GEMMs per GEMM, twice the streams
     sp = cfg.parallel.sequence_parallel
     moved = kernels.layer_elementwise_elements(mcfg, tokens, tp, sp) * elem
@@ -107,7 +113,7 @@ def micro_batch_compute(cfg, mcfg: GPTConfig, hw: Hardware) -> dict[str, float]:
 def optimizer_seconds(cfg, mcfg: GPTConfig, hw: Hardware) -> float:
     """Adam over this rank's partition: on the device by HBM, offloaded by host memory + PCIe."""
     par, z = cfg.parallel, cfg.zero
-    params = rank_params(mcfg, par.tp, par.pp) / (par.dp if z.stage >= 1 else 1)
+    params = rank_params(mcfg, par.tp, par.pp) / (par.dp * par.cp if z.stage >= 1 else 1)
     if z.optimizer_offload == "none":
         return params * ADAM_BYTES_PER_PARAM / (hw.hbm_gbps * 1e9)
     grad = DTYPE_BYTES[z.grad_accum(cfg.training.precision)]
@@ -125,6 +131,28 @@ def host_copy_seconds(cfg, mcfg: GPTConfig, hw: Hardware) -> float:
     per_layer = tokens * mcfg.hidden_size * DTYPE_BYTES[cfg.training.precision] / share
     layers = math.ceil(mcfg.num_layers / par.pp)
     return 2 * cfg.num_microbatches * layers * per_layer / (hw.pcie_gbps * 1e9)
+
+
+def ring_overlap(comm: dict, ranks: dict[str, list[int]], hw: Hardware,
+                 attention_s: float) -> dict[str, float]:
+    """The share of ring attention's transfers hidden behind the attention they feed.
+
+    The ring posts the next K/V (or dK/dV) pair's transfer before computing on the current one
+    (``parallel.p2p.batch``), so each of a pass's cp − 1 transfers runs beside one of its cp
+    attention steps: at most (cp − 1)/cp of the step's attention time (``attention_s``, every
+    pass) hides them; the rest of the transfer time is exposed."""
+    ops = {k: v for k, v in comm.items() if k.endswith("/cp")}
+    if not ops:
+        return {}
+    if "cp" not in ranks:
+        raise ValueError(f"ring_overlap: comm has the CP ring's {sorted(ops)} but ranks has no "
+                         f"'cp' group ({sorted(ranks)}); pass the CP group's global ranks")
+    cp = len(ranks["cp"])
+    span = group_span(ranks["cp"], hw.link().gpus_per_node)
+    worst = max(ops.values(), key=lambda c: c["bytes"])  # sends and receives run together
+    ring_s = sum(collective_time("send", worst["calls"], worst["bytes"], span, hw.link()))
+    hidden = min(1.0, attention_s * (cp - 1) / cp / ring_s) if ring_s > 0 else 1.0
+    return {"send/cp": hidden, "recv/cp": hidden}
 
 
 def bubble_fraction(pp: int, microbatches: int, virtual_stages: int = 1) -> float:
@@ -164,7 +192,7 @@ def predict(cfg, mcfg: GPTConfig, world_size: int, hw: Hardware, comm: dict | No
     that overlaps what zerotron does not, e.g. Megatron-core's ``--overlap-param-gather``)."""
     par = cfg.parallel
     if comm is None:
-        comm, ranks = analytic_comm(cfg, mcfg), group_ranks(par.tp, par.pp, par.dp)
+        comm, ranks = analytic_comm(cfg, mcfg), group_ranks(par.tp, par.pp, par.dp, par.cp)
     micro = micro_batch_compute(cfg, mcfg, hw)
     per_micro = sum(micro.values())
     m = cfg.num_microbatches
@@ -172,16 +200,22 @@ def predict(cfg, mcfg: GPTConfig, world_size: int, hw: Hardware, comm: dict | No
     bubble = compute * bubble_fraction(par.pp, m, par.virtual_stages) / (
         1 - bubble_fraction(par.pp, m, par.virtual_stages))
     recompute = cfg.activation_checkpointing.checkpoint_activations
+    given = overlap or {}
     overlap = default_overlap(cfg.zero.overlap_comm, cfg.zero.stage, microbatches=m,
-                              pipeline=par.pp > 1) | (overlap or {})
+                              pipeline=par.pp > 1)
+    if par.cp > 1:  # ZeRO's collectives run over DP x CP, hidden as the DP group's would be
+        overlap |= {k.replace("/dp", "/dp_cp"): f for k, f in overlap.items() if k.endswith("/dp")}
+        overlap |= ring_overlap(comm, ranks, hw, m * micro["attention"])
+    overlap |= given
     params = rank_params(mcfg, par.tp, par.pp)
     bucket = cfg.zero.reduce_bucket_size or params
-    for key in ("reduce_scatter/dp", "all_reduce/dp"):  # the last bucket has no backward after it
+    last_bucket = ("reduce_scatter/dp", "all_reduce/dp", "reduce_scatter/dp_cp", "all_reduce/dp_cp")
+    for key in last_bucket:  # the last bucket has no backward after it
         if key in overlap:
             overlap[key] *= max(0.0, 1 - bucket / params)
     if cfg.zero.stage == 3:  # one unit a layer (and the embedding): the first of each pass waits
         units = math.ceil(mcfg.num_layers / par.pp) + 1
-        for key in ("all_gather/dp", "all_gather/dp_inner"):
+        for key in ("all_gather/dp", "all_gather/dp_inner", "all_gather/dp_cp"):
             overlap[key] = overlap.get(key, 0.0) * (1 - 1 / units)
     if hw.grad_reduce == "per_rank_reduce" and cfg.zero.stage == 2:
         passes = m if par.pp > 1 else 1  # Pos+g under a pipeline reduces every micro-batch

@@ -62,7 +62,7 @@ RING_STEPS = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "broadcast"
               "all_to_all": 1}
 CHAIN_OPS = ("broadcast", "reduce")  # pipelined along a chain: every link carries the whole tensor
 P2P_OPS = ("send", "recv")
-P2P_GROUPS = ("pp",)
+P2P_GROUPS = ("pp", "cp")  # pipeline sends, the context-parallel ring
 V100_PEAK_TFLOPS = PEAK_TFLOPS["V100"]["float16"]
 DEFAULT_EFFICIENCY = 0.5
 BACKWARD_SHARE = 2 / 3

@@ -8,6 +8,8 @@ docstring there derives each term, ``scripts/bench/memory_grid.py`` measures the
 from __future__ import annotations
 
 from zerotron.estimate.activations import layer_activation_bytes, llama_extra_bytes
+from zerotron.estimate.context_parallel import (attention_side_bytes, ring_saved_bytes,
+                                                ring_working_bytes)
 from zerotron.parallel.rng import STREAMS
 
 
@@ -38,8 +40,9 @@ def block_layer_bytes(setup, act_bytes: int) -> float:
     table2 = layer_working_bytes(setup.micro_batch, cfg.seq_length, cfg.hidden_size,
                                  cfg.num_heads, t, setup.fused_attention, sp, sel, act_bytes,
                                  dropout_mask_bytes(setup, act_bytes), cfg.ffn_size)
+    table2 += 0 if sel else ring_saved_bytes(setup, act_bytes)  # a CP ring's output in fp32
     return table2 + llama_extra_bytes(cfg, setup.micro_batch, t, sp, "selective" if sel else "none",
-                                      act_bytes, cpu=setup.device == "cpu")
+                                      act_bytes, cpu=setup.device == "cpu", ring=setup.cp > 1)
 
 
 def recompute_working_bytes(b: int, s: int, h: int, heads: int, tp: int = 1, fused_attention: bool = True,
@@ -165,7 +168,7 @@ def reduce_copy_bytes(setup, c: int, grad_bytes: int) -> int:
     slice), so on a CPU run every bucket in flight is held twice; NCCL reduces in place."""
     if setup.backend not in ("gloo", "nccl"):
         raise ValueError(f"backend={setup.backend!r}: the memory model knows gloo and nccl")
-    if setup.backend != "gloo" or setup.stage == 0 or setup.dp == 1:  # one rank: copied, not reduced
+    if setup.backend != "gloo" or setup.stage == 0 or setup.zero_shards == 1:  # one rank: copied, not reduced
         return 0
     return (2 if setup.overlap_comm else 1) * c * grad_bytes
 
@@ -185,11 +188,13 @@ def step_working_bytes(setup, *, psi: int, largest_group: int, kept: float, laye
     Stage 3 releases each block after its forward and gathers blocks again only once backward
     starts (with or without checkpointing), so its forward head meets the root unit alone (``root``)
     and its backward head the root with the prefetch window ahead of it (``head_gathered``; no
-    block runs yet), the other backward moments a running block too (``gathered``)."""
+    block runs yet), the other backward moments a running block too (``gathered``). With
+    context parallelism ``setup`` is one CP rank's (``context_parallel.local_setup``: s/cp
+    tokens) and a layer's backward holds the ring's buffers too."""
     cfg, t, b, pb = setup.model, setup.tp, setup.micro_batch, param_bytes
     s, h, vocab = cfg.seq_length, cfg.hidden_size, cfg.padded_vocab_size(setup.tp)
     sp, sel = setup.sequence_parallel and t > 1, setup.recompute_granularity == "selective"
-    c = bucket_elements(setup.stage, setup.bucket_size, setup.dp, largest_group)
+    c = bucket_elements(setup.stage, setup.bucket_size, setup.zero_shards, largest_group)
     copy = reduce_copy_bytes(setup, c, grad_bytes)
     one_tied = pb * (vocab // t) * h
     # untied: the lookup's gradient alone at the end, no sum with the head's
@@ -206,14 +211,20 @@ def step_working_bytes(setup, *, psi: int, largest_group: int, kept: float, laye
         segment = (recompute_working_bytes(b, s, h, cfg.num_heads, t, setup.fused_attention, sp, sel, pb,
                                            dropout_mask_bytes(setup, pb), keep, cfg.ffn_size)
                    + llama_extra_bytes(cfg, b, t, sp, "selective" if sel else "none", pb,
-                                       cpu=setup.device == "cpu")
+                                       cpu=setup.device == "cpu", ring=setup.cp > 1)
                    + (setup.checkpoint_every - 1) * (layer + (kept_gather_bytes(b, s, h, t, pb) if keep else 0)))
+        segment += 0 if sel else ring_saved_bytes(setup, pb)  # a CP ring's output, fp32
+        if ring_working_bytes(setup, pb):  # its backward, once the MLP's tensors are freed
+            segment = max(segment, attention_side_bytes(setup, pb) + ring_working_bytes(setup, pb))
         mid = copy if setup.stage == 3 or c < psi else 0
         blocks = max(segment + mid + waiting, tied - kept, one_tied + copy - kept)
     else:  # the first bucket goes out once its C elements' layers are done, their activations freed
         done = kept * min(1.0, c / psi)
-        blocks = max(waiting + max(0.0, copy - done), tied - kept)
+        ring = ring_working_bytes(setup, pb)  # the last layer's backward ring, beside all kept
+        blocks = max(waiting + max(ring, copy - done), tied - kept)
+    ring_fwd = ring_working_bytes(setup, pb, backward=False)  # the last layer's forward ring
     if setup.stage == 3:
         at_head = gathered if head_gathered is None else head_gathered
-        return max(head_fwd + root, head_bwd + at_head, blocks + gathered) - gathered
-    return max(head_fwd, head_bwd, blocks)
+        return max(head_fwd + root, head_bwd + at_head, blocks + gathered,
+                   ring_fwd + gathered) - gathered
+    return max(head_fwd, head_bwd, blocks, ring_fwd)
