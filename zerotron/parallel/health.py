@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import sys
 import threading
 import time
@@ -128,7 +127,7 @@ class Health:
         self._threads: list[threading.Thread] = []
         if self._store is not None and world_size > 1 and not host_sync.simulated():  # no peers to watch
             self._publish()  # at once: a rank that dies in its first second is still "seen alive once"
-            self._wakeup, self._terminating = SignalWakeup(), False  # main thread only may take it
+            self._wakeup = SignalWakeup.shared()  # here: only the main thread may take it
             loops = [("heartbeat", self._beat)] + ([("watchdog", self._watch)] if timeout_s else [])
             for name, loop in loops:
                 t = threading.Thread(target=loop, name=f"zerotron-{name}", daemon=True)
@@ -262,8 +261,7 @@ class Health:
         NCCL semantics no error reaches the waiting thread (a CUDA sync, where no signal handler
         runs either): exit 3 once a culprit is named, or at the timeout whatever the verdict."""
         while not self._stop.is_set():
-            got = self._wakeup.wait(min(0.5, self.heartbeat_s))
-            terminating = self._terminating = self._terminating or signal.SIGTERM in got
+            terminating = self._wakeup.wait(min(0.5, self.heartbeat_s))  # SIGTERM, ever
             hold_s = 3 * self.heartbeat_s if terminating else self.timeout_s - self.lead_s
             with self._lock:  # on SIGTERM: any op older than a heartbeat's staleness
                 due = time.monotonic() - hold_s
