@@ -174,6 +174,14 @@ def setup_from_run_config(cfg, model: GPTConfig, gpus: int, backend: str = "nccl
                  microbatches=cfg.num_microbatches)
 
 
+def fullest_stage_setup(cfg, model: GPTConfig, gpus: int, backend: str = "nccl", device: str = "cuda") -> Setup:
+    """``setup_from_run_config`` at the pipeline stage the model says holds the most (the first
+    holds the most activations, the last the head); the only one without a pipeline. A figure
+    for a whole run (the banner's, the fit check's) is its fullest rank's."""
+    setups = [setup_from_run_config(cfg, model, gpus, backend, device, r) for r in range(cfg.parallel.pp)]
+    return max(setups, key=lambda s: estimate(s)["before_margin"])
+
+
 def largest_param(cfg: GPTConfig, tp: int = 1) -> int:
     """Elements of the largest parameter one TP rank holds: its word-embedding slice or a split GEMM
     (what a bucket size of 0 -- DeepSpeed's one parameter at a time -- comes to)."""
@@ -287,7 +295,8 @@ def max_layers(setup: Setup, device_bytes: float, accounted_only: bool = False, 
 
     Every term grows monotonically with L, so a bisection over L is exact.
     """
-    def ok(layers: int) -> bool:
+    def ok(layers: int) -> bool:  # a pipeline needs a layer per virtual stage: fewer fit as that many
+        layers = max(layers, setup.pp * setup.virtual_stages)
         return fits(dataclasses.replace(setup, model=dataclasses.replace(setup.model, num_layers=layers)),
                     device_bytes, accounted_only, basis)
 
