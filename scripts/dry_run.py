@@ -125,11 +125,13 @@ def hardware(a, precision: str) -> Hardware:
                              attention=a.attention, grad_reduce=a.grad_reduce)
 
 
-def model_figures(cfg, mcfg, gpus: int) -> dict | None:
-    """The memory model's bytes for this setup (``scripts/estimate_memory.py``'s breakdown), or None
-    for a setup it does not cover (pipelines, offload): then there is nothing to compare."""
+def model_figures(cfg, mcfg, gpus: int, rank: int = 0) -> dict | None:
+    """The memory model's bytes for this setup (``scripts/estimate_memory.py``'s breakdown) at the
+    pipeline stage of ``rank``, or None for a setup it does not cover (offload): then there is
+    nothing to compare."""
+    stage = rank // (cfg.parallel.tp * (gpus // (cfg.parallel.tp * cfg.parallel.pp)))  # TP innermost, PP outer
     try:
-        setup = memory_model.setup_from_run_config(cfg, mcfg, gpus)
+        setup = memory_model.setup_from_run_config(cfg, mcfg, gpus, pipeline_rank=stage)
     except ValueError as e:
         print(f"[dry-run] no memory-model comparison: {e}", file=sys.stderr)
         return None
@@ -244,7 +246,7 @@ def main(argv=None) -> dict:
         raise SystemExit(2) from None
     for line in no_effect(cfg):
         print(f"[config] {line}", file=sys.stderr)
-    model = model_figures(cfg, mcfg, a.gpus)
+    model = model_figures(cfg, mcfg, a.gpus)  # the first stage's; each rank is compared with its own
     out = {"world": a.gpus, "config": a.config, "model": model, "ranks": {}}
     meta_dir = metadata_dir(a)
     for r in ranks:
@@ -252,7 +254,8 @@ def main(argv=None) -> dict:
               flush=True)
         start = time.perf_counter()
         rep = simulate_rank(cfg, mcfg, a.gpus, r, steps=a.steps, device_kind=a.device, metadata_dir=meta_dir)
-        out["ranks"][str(r)] = rank_entry(a, rep, model, predict(a, cfg, mcfg, rep))
+        own = model if cfg.parallel.pp == 1 else model_figures(cfg, mcfg, a.gpus, r)
+        out["ranks"][str(r)] = rank_entry(a, rep, own, predict(a, cfg, mcfg, rep))
         print(f"[dry-run] rank {r} done in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
     if a.json:
         print(json.dumps(out, indent=1))

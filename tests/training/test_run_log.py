@@ -47,7 +47,7 @@ def _run(cache: str, tmp: str, name: str, *flags) -> dict:
         finally:
             trainer.grid.close()
     try:
-        setup = memory_model.setup_from_run_config(cfg, trainer.mcfg, 2, backend="gloo", device="cpu")
+        setup = memory_model.fullest_stage_setup(cfg, trainer.mcfg, 2, backend="gloo", device="cpu")
         predicted = memory_model.estimate(setup)["before_margin"]
     except ValueError:
         predicted = None
@@ -87,7 +87,8 @@ def test_banner_states_layout_parameters_and_the_memory_models_prediction(runs):
     # the two pipeline stages hold different parameters: the banner gives both ends
     lo, hi = sorted(r[1]["params"] for r in ranks)
     assert lo != hi and f"{count(lo)}-{count(hi)} (by pipeline stage) per rank" in pp["text"], pp["text"]
-    assert "predicted memory per rank: not modelled (the memory model covers pp = 1" in pp["text"]
+    # a pipeline's banner predicts its fullest stage (estimate/pipeline_memory.py)
+    assert f"predicted memory per rank: {pp['predicted'] / 2**20:,.1f} MiB" in pp["text"], pp["text"]
     assert "precision fp32 (gradients accumulate in fp32)" in dp["text"]
     # no flat buffer at stage 1 without MD: autograd sums the two micro-batches in bf16 .grad
     assert ("precision bf16 (gradients accumulate in bf16 over micro-batches, reduced in fp32: "

@@ -2,7 +2,7 @@
 
 The trainer on the built-in corpus, shortened as tests/training/test_trainer.py shortens
 configs/tiny.yaml (seq 32, global batch 8), in float64 (the tier of tests/parity.py): TP 2 x DP 2
-with ZeRO-3 (GQA's query groups and the untied vocab-parallel head split over TP, every
+with ZeRO-1, 2 and 3 (GQA's query groups and the untied vocab-parallel head split over TP, every
 parameter partitioned) and PP 2 x DP 2 with ZeRO-1 (the untied head on the last stage, no tied
 copy to sync) give the single process's 20 losses to ``FP64_TP_PP`` (document masking off: pipelines
 refuse it). Reference: that single
@@ -57,9 +57,9 @@ def single_process(tmp_path_factory, zerotron_cache):
     return spawn(run_llama, 1, run_dir, zerotron_cache, 20, UNMASKED, timeout=240)[0]
 
 
-@pytest.mark.parametrize("flags", [["--tp", "2", "--zero-stage", "3"],
-                                   ["--pp", "2", "--zero-stage", "1"]],
-                         ids=["tp2-dp2-zero3", "pp2-dp2-zero1"])
+@pytest.mark.parametrize("flags", [["--tp", "2", "--zero-stage", "1"], ["--tp", "2", "--zero-stage", "2"],
+                                   ["--tp", "2", "--zero-stage", "3"], ["--pp", "2", "--zero-stage", "1"]],
+                         ids=["tp2-dp2-zero1", "tp2-dp2-zero2", "tp2-dp2-zero3", "pp2-dp2-zero1"])
 def test_layouts_give_the_single_process_losses(flags, single_process, zerotron_cache, tmp_path):
     assert single_process[-1] < single_process[0] - 0.5  # it learns
     runs = spawn(run_llama, 4, tmp_path, zerotron_cache, 20, flags + UNMASKED, timeout=240)

@@ -63,6 +63,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from zerotron.estimate.context_parallel import local_setup
+from zerotron.estimate.pipeline_memory import (checkpoints_alive, kept_input_bytes, layers_in_flight,
+                                               stage_params)
 from zerotron.estimate.stage3_memory import (block_param_numels, forward_head_gathered_bytes,
                                              gathered_param_bytes, largest_gathered_group,
                                              persistent_bucket_bytes, root_param_numels)
@@ -125,6 +127,13 @@ class Setup:
     persistence_threshold: int = int(1e5)
     backend: str = "nccl"  # the DP collectives' library: gloo (a CPU run) copies what it reduce-scatters
     device: str = "cuda"  # where activations live: "cpu" (the host is the device) also holds RNG snapshots
+    # the pipeline (``estimate/pipeline_memory.py``): stages, which one this setup is (0 holds the
+    # embedding, pp - 1 the head), model chunks per rank, schedule and micro-batches per step
+    pp: int = 1
+    pipeline_rank: int = 0
+    virtual_stages: int = 1
+    pipeline_schedule: str = "1f1b"
+    microbatches: int = 1
 
     def with_config(self, name: str, **overrides) -> "Setup":
         """This setup under ZeRO configuration ``name`` (C1..C5, Table 3), CB + MD on."""
@@ -145,16 +154,20 @@ class Setup:
         return 0.10 if self.contiguous_memory else 0.30
 
 
-def setup_from_run_config(cfg, model: GPTConfig, gpus: int, backend: str = "nccl", device: str = "cuda") -> Setup:
+def setup_from_run_config(cfg, model: GPTConfig, gpus: int, backend: str = "nccl", device: str = "cuda",
+                          pipeline_rank: int = 0) -> Setup:
     """The ``Setup`` of a validated ``RunConfig`` (``training.config``) on ``gpus`` GPUs: its model,
-    MP and DP degrees, micro-batch, ZeRO stage, buckets, gradient dtype and checkpointing."""
-    z, ac, t = cfg.zero, cfg.activation_checkpointing, cfg.training
-    if cfg.parallel.pp > 1 or z.optimizer_offload != "none" or z.offload_param_device != "none":
-        raise ValueError("the memory model covers pp = 1 without ZeRO-Offload/Infinity (the paper's setups); "
-                         f"this run has parallel.pp={cfg.parallel.pp}, zero.offload_optimizer_device="
-                         f"{z.optimizer_offload}, zero.offload_param_device={z.offload_param_device}")
-    cp = getattr(cfg.parallel, "cp", 1)
-    mp = cfg.parallel.tp * cfg.parallel.pp * cp
+    MP and DP degrees, micro-batch, ZeRO stage, buckets, gradient dtype and checkpointing, and
+    with a pipeline the stage ``pipeline_rank`` (the trainer's and the dry run's own)."""
+    z, ac, t, par = cfg.zero, cfg.activation_checkpointing, cfg.training, cfg.parallel
+    if z.optimizer_offload != "none" or z.offload_param_device != "none":
+        raise ValueError("the memory model covers runs without ZeRO-Offload/Infinity (the paper's setups); "
+                         f"this run has zero.offload_optimizer_device={z.optimizer_offload}, "
+                         f"zero.offload_param_device={z.offload_param_device}")
+    if not 0 <= pipeline_rank < par.pp:
+        raise ValueError(f"pipeline_rank={pipeline_rank}: a stage of parallel.pp={par.pp} is in [0, {par.pp - 1}]")
+    cp = getattr(par, "cp", 1)
+    mp = par.tp * par.pp * cp
     if gpus % mp:
         raise ValueError(f"gpus={gpus} is not divisible by tp x cp x pp = {mp}; "
                          f"use a multiple of it")
@@ -169,7 +182,17 @@ def setup_from_run_config(cfg, model: GPTConfig, gpus: int, backend: str = "nccl
                  prefetch_bucket_size=z.stage3_prefetch_bucket_size, max_reuse_distance=z.stage3_max_reuse_distance,
                  max_live_parameters=z.stage3_max_live_parameters,
                  persistence_threshold=z.stage3_param_persistence_threshold,
-                 backend=backend, device=device)
+                 backend=backend, device=device, pp=par.pp, pipeline_rank=pipeline_rank,
+                 virtual_stages=par.virtual_stages, pipeline_schedule=par.pipeline_schedule,
+                 microbatches=cfg.num_microbatches)
+
+
+def fullest_stage_setup(cfg, model: GPTConfig, gpus: int, backend: str = "nccl", device: str = "cuda") -> Setup:
+    """``setup_from_run_config`` at the pipeline stage the model says holds the most (the first
+    holds the most activations, the last the head); the only one without a pipeline. A figure
+    for a whole run (the banner's, the fit check's) is its fullest rank's."""
+    setups = [setup_from_run_config(cfg, model, gpus, backend, device, r) for r in range(cfg.parallel.pp)]
+    return max(setups, key=lambda s: estimate(s)["before_margin"])
 
 
 def largest_param(cfg: GPTConfig, tp: int = 1) -> int:
@@ -232,17 +255,19 @@ def estimate(setup: Setup) -> dict:
     cfg, t, nd, b = setup.model, setup.tp, setup.zero_shards, setup.micro_batch
     pb = BYTES[setup.precision]
     gb = setup.grad_bytes if setup.grad_bytes is not None else max(pb, 4)  # fp32 accumulation for 16-bit
-    s, h, l = local.model.seq_length, cfg.hidden_size, cfg.num_layers
-    psi = params_per_rank(cfg, t)
+    s, h = local.model.seq_length, cfg.hidden_size  # s/cp: one CP rank's tokens
+    psi = params_per_rank(cfg, t) if setup.pp == 1 else stage_params(setup)
     states = model_state_bytes(psi, nd, setup.stage, pb, gb)
     sp, sel = setup.sequence_parallel and t > 1, setup.recompute_granularity == "selective"
     pa = setup.partition_activations and t > 1 and not sp  # with SP the checkpoint is already 1/t
     layer = block_layer_bytes(local, pb)  # Table 2, and the Llama block's own tensors
     largest_group = psi if setup.stage < 3 else largest_gathered_group(setup)
+    alive = checkpoints_alive(setup)  # every chunk-forward in flight's, with a pipeline
     if setup.checkpoint_activations:
-        ckpt = checkpoint_bytes(b, s, h, l, t, setup.checkpoint_every, pa or sp, setup.cpu_checkpointing, pb)
+        ckpt = checkpoint_bytes(b, s, h, alive, t, 1, pa or sp, setup.cpu_checkpointing, pb)
+        ckpt["device"] += kept_input_bytes(local, pb)
     else:  # every layer's activations stay alive until its backward
-        ckpt = {"device": int(layer * l), "host": 0}
+        ckpt = {"device": int(layer * layers_in_flight(setup)), "host": 0}
     gathered = gathered_param_bytes(setup, pb)
     working = step_working_bytes(local, psi=psi, largest_group=largest_group, kept=ckpt["device"], layer=layer,
                                  gathered=gathered, root=forward_head_gathered_bytes(setup, pb),
@@ -253,7 +278,7 @@ def estimate(setup: Setup) -> dict:
     if setup.stage == 1 and not setup.contiguous_gradients:  # 16-bit .grad until the last micro-batch
         states += pb * psi - gb * psi + gb * -(-psi // nd)
     pa_gather = -(-b * s * h // t) * t * pb if pa and setup.checkpoint_activations else 0
-    snapshots = -(-l // setup.checkpoint_every) if setup.checkpoint_activations else (l if sel else 0)
+    snapshots = alive if setup.checkpoint_activations else (layers_in_flight(setup) if sel else 0)
     rng = rng_snapshot_bytes(setup, snapshots)
     host_on_device = ckpt["host"] if setup.device == "cpu" else 0  # a CPU run's host checkpoints are in its memory
     used = states + ckpt["device"] + host_on_device + working + fixed + pa_gather + gathered + rng
@@ -287,7 +312,8 @@ def max_layers(setup: Setup, device_bytes: float, accounted_only: bool = False, 
 
     Every term grows monotonically with L, so a bisection over L is exact.
     """
-    def ok(layers: int) -> bool:
+    def ok(layers: int) -> bool:  # a pipeline needs a layer per virtual stage: fewer fit as that many
+        layers = max(layers, setup.pp * setup.virtual_stages)
         return fits(dataclasses.replace(setup, model=dataclasses.replace(setup.model, num_layers=layers)),
                     device_bytes, accounted_only, basis)
 

@@ -80,6 +80,20 @@ def _kept_gathers_per_sbh(tp: int, act_bytes: int) -> float:
     return 2 * act_bytes * (1 - 1 / tp)
 
 
+def layer_backward_bytes(setup, act_bytes: int) -> float:
+    """A layer's backward beyond what it saved, where no head is larger (a pipeline stage without
+    the head): the gradient arriving from above, e per s·b·h (1/t of it with sequence
+    parallelism), and the MLP's backward at its fullest, in f/t-wide tensors of e bytes: GeLU's
+    fc2 input gradient beside the saved GeLU output, 1; SwiGLU's silu and up gradients made from
+    fc2's input gradient once fc2's input (their product) is freed, 2 -- where the dry run's
+    tracker puts a middle stage's peak (``tests/estimate/test_pipeline_memory.py``). A recomputed
+    layer's backward adds it to the layer's whole saved set, as the recompute re-made it."""
+    cfg, t = setup.model, setup.tp
+    sp = setup.sequence_parallel and t > 1
+    mlp = (2 if cfg.gated else 1) * cfg.ffn_size / t
+    return setup.micro_batch * cfg.seq_length * act_bytes * (cfg.hidden_size / (t if sp else 1) + mlp)
+
+
 def head_input_bytes(b: int, s: int, h: int, tp: int = 1, sequence_parallel: bool = False,
                      act_bytes: int = 2) -> float:
     """What the head keeps of the hidden state until its backward: the last block's output (the
@@ -196,15 +210,17 @@ def step_working_bytes(setup, *, psi: int, largest_group: int, kept: float, laye
     sp, sel = setup.sequence_parallel and t > 1, setup.recompute_granularity == "selective"
     c = bucket_elements(setup.stage, setup.bucket_size, setup.zero_shards, largest_group)
     copy = reduce_copy_bytes(setup, c, grad_bytes)
-    one_tied = pb * (vocab // t) * h
-    # untied: the lookup's gradient alone at the end, no sum with the head's
-    tied = tied_gradient_bytes(vocab, h, t, pb) if cfg.tied else one_tied
+    pp, rank = setup.pp, setup.pipeline_rank
+    head_here, table_here = rank == pp - 1, rank in (0, pp - 1)  # a pipeline's last / either end
+    one_tied = pb * (vocab // t) * h if table_here else 0
+    # untied, or a pipeline's two copies: the rank's one table gradient at the end, no sum
+    tied = tied_gradient_bytes(vocab, h, t, pb) if cfg.tied and pp == 1 else one_tied
     head_in = head_input_bytes(b, s, h, t, sp, param_bytes)
     if cfg.normalization == "RMSNorm":  # the final norm's input at fp32 width and its output
         head_in += b * s * h * max(pb, 4) / (t if sp else 1)
     padded = vocab > cfg.vocab_size  # the TP rank holding the padding columns: the model is the worst rank's
-    head_fwd = head_working_bytes(b, s, vocab, t, param_bytes, padded) + head_in
-    head_bwd = head_backward_bytes(b, s, vocab, t) + head_in
+    head_fwd = head_working_bytes(b, s, vocab, t, param_bytes, padded) + head_in if head_here else 0
+    head_bwd = head_backward_bytes(b, s, vocab, t) + head_in if head_here else 0
     waiting = one_tied if setup.stage == 3 else 0
     if setup.checkpoint_activations:
         keep = sp and setup.sequence_parallel_gather == "keep"
@@ -216,12 +232,14 @@ def step_working_bytes(setup, *, psi: int, largest_group: int, kept: float, laye
         segment += 0 if sel else ring_saved_bytes(setup, pb)  # a CP ring's output, fp32
         if ring_working_bytes(setup, pb):  # its backward, once the MLP's tensors are freed
             segment = max(segment, attention_side_bytes(setup, pb) + ring_working_bytes(setup, pb))
+        if pp > 1:  # no head outgrows it: a recomputed layer's saved tensors and its own backward
+            segment = max(segment, layer + layer_backward_bytes(setup, pb))
         mid = copy if setup.stage == 3 or c < psi else 0
         blocks = max(segment + mid + waiting, tied - kept, one_tied + copy - kept)
     else:  # the first bucket goes out once its C elements' layers are done, their activations freed
         done = kept * min(1.0, c / psi)
         ring = ring_working_bytes(setup, pb)  # the last layer's backward ring, beside all kept
-        blocks = max(waiting + max(ring, copy - done), tied - kept)
+        blocks = max(waiting + max(ring, copy - done), tied - kept, layer_backward_bytes(setup, pb))
     ring_fwd = ring_working_bytes(setup, pb, backward=False)  # the last layer's forward ring
     if setup.stage == 3:
         at_head = gathered if head_gathered is None else head_gathered

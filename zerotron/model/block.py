@@ -39,7 +39,7 @@ from torch import nn
 from zerotron.model.config import GPTConfig
 from zerotron.model.documents import document_attention
 from zerotron.model.layernorm import make_norm
-from zerotron.model.rope import rotary_tables, rotate
+from zerotron.model.rope import FrequencyCache, rotary_tables, rotate
 from zerotron.parallel import host_sync
 from zerotron.parallel.grid import Grid
 from zerotron.parallel.ring_attention import RingContext, ring_attention
@@ -93,6 +93,7 @@ class ParallelAttention(nn.Module):
                                         dtype=dtype, device=device, sequence_parallel=sp)
         self.proj = RowParallelLinear(h, h, grid, bias=cfg.add_bias_linear, input_is_parallel=True,
                                       dtype=dtype, device=device, sequence_parallel=sp)
+        self.inv_freq = FrequencyCache(cfg)  # RoPE's frequencies, made once per device
         if cfg.qk_layernorm:
             d, eps = cfg.head_dim, cfg.layernorm_eps
             self.q_norm = make_norm(cfg.normalization, d, eps, dtype, device)
@@ -147,7 +148,7 @@ class ParallelAttention(nn.Module):
                 positions = self.ring.positions(s, q.device).unsqueeze(0)
             positions = (torch.arange(s, device=q.device) if positions is None
                          else positions.unsqueeze(1))  # [b, 1, s]: one table per sample
-            cos, sin = rotary_tables(cfg, positions, q.dtype)
+            cos, sin = rotary_tables(cfg, positions, q.dtype, self.inv_freq(q.device))
             q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         y = self.core(q, k, v) if self.core_runner is None else self.core_runner(self.core, q, k, v)
         heads, d = self.heads_per_rank, self.head_dim

@@ -162,3 +162,35 @@ def device_queries(capability: tuple[int, int] = (7, 0)):
         yield
     finally:
         torch.cuda.get_device_capability = saved
+
+
+_KERNELS: list = []  # the torch.library handle registering one_kernel_ops' CUDA kernels, kept alive
+
+
+def one_kernel_ops() -> list[str]:
+    """Give the fake ``cuda`` device the kernels a CUDA build has and a CPU-only one lacks where the
+    operator also has a decomposition (``CompositeImplicitAutograd``): without them a cuda tensor
+    takes the decomposition above the dispatch modes, so a ``MemoryTracker`` counts every
+    temporary of it at once -- ``silu_backward`` (SwiGLU's backward) held five f-wide tensors
+    where a GPU's one fused kernel makes one. With a kernel registered, the operator reaches the
+    fake tensors as one call and returns one output, as on a GPU. The kernel itself never runs
+    (fake tensors dispatch to meta functions); reached with real data, it refuses. Returns the
+    operators registered (once per process)."""
+    import torch
+
+    if _KERNELS or not active():
+        return []
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
+    names = [n.removeprefix("aten::") for n in torch._C._dispatch_get_all_op_names()
+             if n.startswith("aten::") and has(n, "CPU") and has(n, "CompositeImplicitAutograd")
+             and not has(n, "CUDA")]
+    lib = torch.library.Library("aten", "IMPL")
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("a fake cuda kernel was reached with real data; the dry run computes on "
+                           "fake tensors only")
+
+    for name in names:
+        lib.impl(name, refuse, "CUDA")
+    _KERNELS.append(lib)
+    return names

@@ -32,7 +32,7 @@ def predicted_bytes(cfg, mcfg, world_size: int, device_type: str, backend: str) 
     from zerotron.estimate import memory_model
 
     try:
-        setup = memory_model.setup_from_run_config(cfg, mcfg, world_size, backend=backend,
+        setup = memory_model.fullest_stage_setup(cfg, mcfg, world_size, backend=backend,
                                                    device=device_type)
         return memory_model.estimate(setup)["before_margin"]
     except (ValueError, ArithmeticError, TypeError):  # a setup outside the model: not checked

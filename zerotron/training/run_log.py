@@ -77,9 +77,9 @@ class RunLog:
         from zerotron.estimate import memory_model
 
         try:  # the memory model of this config at this world size
-            return memory_model.estimate(memory_model.setup_from_run_config(self.cfg, self.mcfg, self.grid.world_size,
-                                                                            backend=self.t.env.backend,
-                                                                            device=self.t.env.device.type))
+            setup = memory_model.fullest_stage_setup(self.cfg, self.mcfg, self.grid.world_size,
+                                                     backend=self.t.env.backend, device=self.t.env.device.type)
+            return memory_model.estimate(setup)
         except ValueError as e:
             return str(e)
 
