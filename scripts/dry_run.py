@@ -126,7 +126,8 @@ def model_figures(cfg, mcfg, gpus: int, rank: int = 0) -> dict | None:
     """The memory model's bytes for this setup (``scripts/estimate_memory.py``'s breakdown) at the
     pipeline stage of ``rank``, or None for a setup it does not cover (offload): then there is
     nothing to compare."""
-    stage = rank // (cfg.parallel.tp * (gpus // (cfg.parallel.tp * cfg.parallel.pp)))  # TP innermost, PP outer
+    tp, pp = cfg.parallel.tp, cfg.parallel.pp
+    stage = rank // (tp * (gpus // (tp * pp)))  # rank = tp_rank + tp * (dp_rank + dp * pp_rank)
     try:
         setup = memory_model.setup_from_run_config(cfg, mcfg, gpus, pipeline_rank=stage)
     except ValueError as e:
@@ -243,7 +244,7 @@ def main(argv=None) -> dict:
         raise SystemExit(2) from None
     for line in no_effect(cfg):
         print(f"[config] {line}", file=sys.stderr)
-    model = model_figures(cfg, mcfg, a.gpus)  # the first stage's; each rank is compared with its own
+    model = model_figures(cfg, mcfg, a.gpus)  # the first stage's; each rank meets its own
     out = {"world": a.gpus, "config": a.config, "model": model, "ranks": {}}
     meta_dir = metadata_dir(a)
     for r in ranks:
