@@ -129,7 +129,7 @@ def model_figures(cfg, mcfg, gpus: int, rank: int = 0) -> dict | None:
     """The memory model's bytes for this setup (``scripts/estimate_memory.py``'s breakdown) at the
     pipeline stage of ``rank``, or None for a setup it does not cover (offload): then there is
     nothing to compare."""
-    stage = rank // (cfg.parallel.tp * (gpus // (cfg.parallel.tp * cfg.parallel.pp)))  # TP innermost, PP outer
+    stage = rank // (gpus // cfg.parallel.pp)  # PP is the outermost: TP x CP x DP ranks a stage
     try:
         setup = memory_model.setup_from_run_config(cfg, mcfg, gpus, pipeline_rank=stage)
     except ValueError as e:
@@ -246,7 +246,7 @@ def main(argv=None) -> dict:
         raise SystemExit(2) from None
     for line in no_effect(cfg):
         print(f"[config] {line}", file=sys.stderr)
-    model = model_figures(cfg, mcfg, a.gpus)  # the first stage's; each rank is compared with its own
+    model = model_figures(cfg, mcfg, a.gpus)  # the first stage's; each rank meets its own
     out = {"world": a.gpus, "config": a.config, "model": model, "ranks": {}}
     meta_dir = metadata_dir(a)
     for r in ranks:

@@ -29,7 +29,8 @@ import json
 
 from zerotron.model import GPTConfig, get_preset
 from zerotron.estimate.hardware import HARDWARE
-from zerotron.estimate.memory_model import C_CONFIGS, Setup, estimate, fullest_stage_setup, max_model
+from zerotron.estimate.memory_model import (C_CONFIGS, Setup, estimate,
+                                             fullest_stage_setup, max_model)
 from zerotron.estimate.paper_tables import c_config_max_models, table1, table1_text, table2, table2_text
 
 GB = 1e9
@@ -65,7 +66,7 @@ def _config_setup(a) -> Setup:
                              f"the launcher's processes leave after tp x cp x pp = {mp}); pass --gpus N, the "
                              f"number of processes the run starts (torchrun --nnodes x --nproc-per-node)")
         cfg.validate(gpus)
-        return fullest_stage_setup(cfg, validate_model(cfg), gpus)  # with a pipeline: its fullest stage
+        return fullest_stage_setup(cfg, validate_model(cfg), gpus)  # a pipeline's fullest stage
     except (ConfigError, ValueError) as e:
         raise UsageError(str(e) if str(e).startswith("--config") else f"--config {a.config}: {e}") from None
 

@@ -88,7 +88,8 @@ def test_banner_states_layout_parameters_and_the_memory_models_prediction(runs):
     lo, hi = sorted(r[1]["params"] for r in ranks)
     assert lo != hi and f"{count(lo)}-{count(hi)} (by pipeline stage) per rank" in pp["text"], pp["text"]
     # a pipeline's banner predicts its fullest stage (estimate/pipeline_memory.py)
-    assert f"predicted memory per rank: {pp['predicted'] / 2**20:,.1f} MiB" in pp["text"], pp["text"]
+    predicted = f"predicted memory per rank: {pp['predicted'] / 2**20:,.1f} MiB"
+    assert predicted in pp["text"], pp["text"]
     assert "precision fp32 (gradients accumulate in fp32)" in dp["text"]
     # no flat buffer at stage 1 without MD: autograd sums the two micro-batches in bf16 .grad
     assert ("precision bf16 (gradients accumulate in bf16 over micro-batches, reduced in fp32: "

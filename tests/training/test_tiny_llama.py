@@ -57,8 +57,10 @@ def single_process(tmp_path_factory, zerotron_cache):
     return spawn(run_llama, 1, run_dir, zerotron_cache, 20, UNMASKED, timeout=240)[0]
 
 
-@pytest.mark.parametrize("flags", [["--tp", "2", "--zero-stage", "1"], ["--tp", "2", "--zero-stage", "2"],
-                                   ["--tp", "2", "--zero-stage", "3"], ["--pp", "2", "--zero-stage", "1"]],
+@pytest.mark.parametrize("flags", [["--tp", "2", "--zero-stage", "1"],
+                                   ["--tp", "2", "--zero-stage", "2"],
+                                   ["--tp", "2", "--zero-stage", "3"],
+                                   ["--pp", "2", "--zero-stage", "1"]],
                          ids=["tp2-dp2-zero1", "tp2-dp2-zero2", "tp2-dp2-zero3", "pp2-dp2-zero1"])
 def test_layouts_give_the_single_process_losses(flags, single_process, zerotron_cache, tmp_path):
     assert single_process[-1] < single_process[0] - 0.5  # it learns

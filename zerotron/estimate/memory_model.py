@@ -63,8 +63,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from zerotron.estimate.context_parallel import local_setup
-from zerotron.estimate.pipeline_memory import (checkpoints_alive, kept_input_bytes, layers_in_flight,
-                                               stage_params)
+from zerotron.estimate.pipeline_memory import (checkpoints_alive, kept_input_bytes,
+                                               layers_in_flight, stage_params)
 from zerotron.estimate.stage3_memory import (block_param_numels, forward_head_gathered_bytes,
                                              gathered_param_bytes, largest_gathered_group,
                                              persistent_bucket_bytes, root_param_numels)
@@ -154,18 +154,20 @@ class Setup:
         return 0.10 if self.contiguous_memory else 0.30
 
 
-def setup_from_run_config(cfg, model: GPTConfig, gpus: int, backend: str = "nccl", device: str = "cuda",
-                          pipeline_rank: int = 0) -> Setup:
+def setup_from_run_config(cfg, model: GPTConfig, gpus: int, backend: str = "nccl",
+                          device: str = "cuda", pipeline_rank: int = 0) -> Setup:
     """The ``Setup`` of a validated ``RunConfig`` (``training.config``) on ``gpus`` GPUs: its model,
     MP and DP degrees, micro-batch, ZeRO stage, buckets, gradient dtype and checkpointing, and
     with a pipeline the stage ``pipeline_rank`` (the trainer's and the dry run's own)."""
     z, ac, t, par = cfg.zero, cfg.activation_checkpointing, cfg.training, cfg.parallel
     if z.optimizer_offload != "none" or z.offload_param_device != "none":
-        raise ValueError("the memory model covers runs without ZeRO-Offload/Infinity (the paper's setups); "
+        raise ValueError("the memory model covers runs without ZeRO-Offload/Infinity (the paper's "
+                         "setups); "
                          f"this run has zero.offload_optimizer_device={z.optimizer_offload}, "
                          f"zero.offload_param_device={z.offload_param_device}")
     if not 0 <= pipeline_rank < par.pp:
-        raise ValueError(f"pipeline_rank={pipeline_rank}: a stage of parallel.pp={par.pp} is in [0, {par.pp - 1}]")
+        raise ValueError(f"pipeline_rank={pipeline_rank}: a stage of parallel.pp={par.pp} is in "
+                         f"[0, {par.pp - 1}]")
     cp = getattr(par, "cp", 1)
     mp = par.tp * par.pp * cp
     if gpus % mp:
@@ -187,11 +189,13 @@ def setup_from_run_config(cfg, model: GPTConfig, gpus: int, backend: str = "nccl
                  microbatches=cfg.num_microbatches)
 
 
-def fullest_stage_setup(cfg, model: GPTConfig, gpus: int, backend: str = "nccl", device: str = "cuda") -> Setup:
+def fullest_stage_setup(cfg, model: GPTConfig, gpus: int, backend: str = "nccl",
+                        device: str = "cuda") -> Setup:
     """``setup_from_run_config`` at the pipeline stage the model says holds the most (the first
     holds the most activations, the last the head); the only one without a pipeline. A figure
     for a whole run (the banner's, the fit check's) is its fullest rank's."""
-    setups = [setup_from_run_config(cfg, model, gpus, backend, device, r) for r in range(cfg.parallel.pp)]
+    setups = [setup_from_run_config(cfg, model, gpus, backend, device, r)
+              for r in range(cfg.parallel.pp)]
     return max(setups, key=lambda s: estimate(s)["before_margin"])
 
 
@@ -312,7 +316,7 @@ def max_layers(setup: Setup, device_bytes: float, accounted_only: bool = False, 
 
     Every term grows monotonically with L, so a bisection over L is exact.
     """
-    def ok(layers: int) -> bool:  # a pipeline needs a layer per virtual stage: fewer fit as that many
+    def ok(layers: int) -> bool:  # a pipeline needs a layer per virtual stage: fewer count as that
         layers = max(layers, setup.pp * setup.virtual_stages)
         return fits(dataclasses.replace(setup, model=dataclasses.replace(setup.model, num_layers=layers)),
                     device_bytes, accounted_only, basis)

@@ -22,8 +22,8 @@ def chunk_layers(setup) -> list[int]:
     """The layer count of each of this rank's model chunks (one chunk without interleaving)."""
     if setup.pp == 1:
         return [setup.model.num_layers]
-    rank = split_chunks(setup.model.num_layers, setup.pp, None, setup.virtual_stages)[setup.pipeline_rank]
-    return [len(chunk) for chunk in rank]
+    chunks = split_chunks(setup.model.num_layers, setup.pp, None, setup.virtual_stages)
+    return [len(chunk) for chunk in chunks[setup.pipeline_rank]]
 
 
 def stage_layers(setup) -> int:
@@ -47,7 +47,8 @@ def end_param_numels(setup) -> list[int]:
     h, table = cfg.hidden_size, cfg.padded_vocab_size(t) * cfg.hidden_size // t
     out = []
     if holds_embedding(setup):
-        out += [table] + ([cfg.max_positions * h] if cfg.position_embedding_type == "learned" else [])
+        learned = cfg.position_embedding_type == "learned"
+        out += [table] + ([cfg.max_positions * h] if learned else [])
     if holds_head(setup):
         out += norm_numels(cfg, h) + ([table] if (not cfg.tied or setup.pp > 1) else [])
     return out
@@ -55,7 +56,8 @@ def end_param_numels(setup) -> list[int]:
 
 def stage_params(setup) -> int:
     """Ψ of this rank: its blocks and its end pieces (``end_param_numels``)."""
-    return stage_layers(setup) * sum(block_param_numels(setup.model, setup.tp)) + sum(end_param_numels(setup))
+    block = sum(block_param_numels(setup.model, setup.tp))
+    return stage_layers(setup) * block + sum(end_param_numels(setup))
 
 
 def chunk_forwards_in_flight(setup) -> int:
@@ -96,8 +98,8 @@ def kept_input_bytes(setup, act_bytes: int) -> float:
     ids, not an activation."""
     if setup.pp == 1 or not setup.checkpoint_activations:
         return 0.0
-    copied = setup.contiguous_memory or setup.cpu_checkpointing or (setup.partition_activations and setup.tp > 1
-                                                                     and not setup.sequence_parallel)
+    pa = setup.partition_activations and setup.tp > 1 and not setup.sequence_parallel
+    copied = setup.contiguous_memory or setup.cpu_checkpointing or pa
     if not copied:
         return 0.0
     cfg, t = setup.model, setup.tp
@@ -106,7 +108,8 @@ def kept_input_bytes(setup, act_bytes: int) -> float:
     received = forwards - (1 if holds_embedding(setup) and setup.virtual_stages == 1 else 0)
     if holds_embedding(setup) and setup.virtual_stages > 1:  # chunk 0's forwards read token ids
         received = forwards - min(forwards, _first_chunk_forwards(setup))
-    return received * setup.micro_batch * cfg.seq_length * cfg.hidden_size * act_bytes / (t if sp else 1)
+    sbh = setup.micro_batch * cfg.seq_length * cfg.hidden_size
+    return received * sbh * act_bytes / (t if sp else 1)
 
 
 def _first_chunk_forwards(setup) -> int:

@@ -91,7 +91,8 @@ def layer_backward_bytes(setup, act_bytes: int) -> float:
     cfg, t = setup.model, setup.tp
     sp = setup.sequence_parallel and t > 1
     mlp = (2 if cfg.gated else 1) * cfg.ffn_size / t
-    return setup.micro_batch * cfg.seq_length * act_bytes * (cfg.hidden_size / (t if sp else 1) + mlp)
+    sb = setup.micro_batch * cfg.seq_length
+    return sb * act_bytes * (cfg.hidden_size / (t if sp else 1) + mlp)
 
 
 def head_input_bytes(b: int, s: int, h: int, tp: int = 1, sequence_parallel: bool = False,

@@ -55,7 +55,7 @@ def fake_mode():
     tensors alone let through. The dry run watches for host tensors made inside the step."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    fake_cuda.one_kernel_ops()  # on the fake CUDA library: the operators a CUDA build runs as one kernel
+    fake_cuda.one_kernel_ops()  # the fake CUDA library: one kernel where a CUDA build has one
     with FakeTensorMode(allow_non_fake_inputs=True), DeviceMixingCheck():
         yield
 

@@ -77,8 +77,9 @@ class RunLog:
         from zerotron.estimate import memory_model
 
         try:  # the memory model of this config at this world size
+            env = self.t.env
             setup = memory_model.fullest_stage_setup(self.cfg, self.mcfg, self.grid.world_size,
-                                                     backend=self.t.env.backend, device=self.t.env.device.type)
+                                                     backend=env.backend, device=env.device.type)
             return memory_model.estimate(setup)
         except ValueError as e:
             return str(e)
