@@ -140,6 +140,17 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _block_at(ring, step: int, n: int, documents, doc_q, device):
+    """Step ``step``'s block: this rank's query rows against the key columns of the K/V it holds
+    then (rank ``j = i - step``'s), whether it is causal, and its document mask (or None)."""
+    j = (ring.rank - step) % ring.size
+    rows, cols, causal = _rows_cols(ring.rank, j, n)
+    doc_k = None if documents is None else local_chunks(documents, j, ring.size)[:, cols]
+    mask = _mask(causal, n if causal else rows.stop - rows.start, cols.stop,
+                 None if doc_q is None else doc_q[:, rows], doc_k, device)
+    return rows, cols, causal, mask
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, ring: RingContext, documents):
@@ -155,11 +166,7 @@ class _RingAttention(torch.autograd.Function):
             handle = None
             if step + 1 < ring.size:  # the next block's K/V travel while this one computes
                 nxt, handle = ring.exchange(kv)
-            j = (ring.rank - step) % ring.size
-            rows, cols, causal = _rows_cols(ring.rank, j, n)
-            doc_k = None if documents is None else local_chunks(documents, j, ring.size)[:, cols]
-            mask = _mask(causal, n if causal else rows.stop - rows.start, cols.stop,
-                         None if doc_q is None else doc_q[:, rows], doc_k, q.device)
+            rows, cols, causal, mask = _block_at(ring, step, n, documents, doc_q, q.device)
             out_b, lse_b = _block_forward(qc[:, :, rows], _expand(kv[0][:, :, cols], rep),
                                           _expand(kv[1][:, :, cols], rep), scale, mask, causal)
             _merge(out[:, :, rows], lse[:, :, rows], out_b, lse_b)
@@ -185,11 +192,7 @@ class _RingAttention(torch.autograd.Function):
             handle = None
             if step + 1 < ring.size:
                 nxt, handle = ring.exchange(kv)
-            j = (ring.rank - step) % ring.size
-            rows, cols, causal = _rows_cols(ring.rank, j, n)
-            doc_k = None if documents is None else local_chunks(documents, j, ring.size)[:, cols]
-            mask = _mask(causal, n if causal else rows.stop - rows.start, cols.stop,
-                         None if doc_q is None else doc_q[:, rows], doc_k, q.device)
+            rows, cols, causal, mask = _block_at(ring, step, n, documents, doc_q, q.device)
             kb, vb = _expand(kv[0][:, :, cols], rep), _expand(kv[1][:, :, cols], rep)
             dqb, dkb, dvb = _block_backward(qc[:, :, rows], kb, vb, out[:, :, rows],
                                             lse[:, :, rows], do[:, :, rows], delta[:, :, rows],
