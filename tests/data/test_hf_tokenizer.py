@@ -17,6 +17,7 @@ import pytest
 from tests.data.test_token_fingerprint import _check
 from tests.hf_tokenizers import LINES, bpe_tokenizer_dir, swap_two_tokens
 from zerotron.data import IndexedTokenDataset, Tokenizer, build_default_corpus, fingerprint
+from zerotron.data.tokenizer import encoding_digest
 from zerotron.training.config import ConfigError
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
@@ -85,9 +86,11 @@ def test_the_built_in_corpus_encoded_with_an_hf_tokenizer(hf_dir, tmp_path, monk
         doc = ds.get(0).tolist()
         assert doc[-1] == tok.eod_id
         assert (doc[0] == tok.bos_id) == (tokenizer == hf_dir)
-        assert fingerprint.mismatch(train, str(tokenizer)) is None
-        assert fingerprint.mismatch(evals, str(tokenizer)) is None
-    assert fingerprint.mismatch(train, str(hf_dir))  # the other one's files name the other one
+        digest = encoding_digest(str(tokenizer))  # once per run, as setup_run computes it
+        assert fingerprint.mismatch(train, str(tokenizer), digest) is None
+        assert fingerprint.mismatch(evals, str(tokenizer), digest) is None
+    other = encoding_digest(str(hf_dir))  # the other one's files name the other one
+    assert fingerprint.mismatch(train, str(hf_dir), other)
 
 
 def test_init_from_hf_makes_the_directory_the_run_s_tokenizer(hf_dir, tmp_path):

@@ -36,6 +36,7 @@ SMALL_CHUNK = 4096  # bytes: forces many chunks, tails and partial rows in a sma
 def stand_in_grid(tp: int = 1, tp_rank: int = 0, pp: int = 1, pp_rank: int = 0):
     """The grid fields building a stage reads; no process group is ever used while building."""
     return types.SimpleNamespace(tp_size=tp, tp_rank=tp_rank, pp_size=pp, pp_rank=pp_rank, tp_group=None,
+                                 cp_size=1, cp_rank=0,
                                  is_first_stage=pp_rank == 0, is_last_stage=pp_rank == pp - 1)
 
 

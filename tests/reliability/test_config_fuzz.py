@@ -36,6 +36,7 @@ NAMED = re.compile(r"\b([a-z_]+\.[a-z_0-9]+)")
 def fake_grid(tp: int, pp: int, pp_rank: int):
     """What GPT's constructor reads from a Grid, for TP rank 0 of pipeline stage ``pp_rank``."""
     return types.SimpleNamespace(tp_size=tp, tp_rank=0, pp_size=pp, pp_rank=pp_rank, dp_size=1, dp_rank=0,
+                                 cp_size=1, cp_rank=0,
                                  is_first_stage=pp_rank == 0, is_last_stage=pp_rank == pp - 1, rank=0,
                                  tp_group=None, embedding_group=None, world_size=tp * pp)
 

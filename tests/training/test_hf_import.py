@@ -142,6 +142,8 @@ def refusals(cases: dict, root: str, cache: str) -> dict:
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
     import pretrain_gpt
 
+    from zerotron.training.cli import last_wins
+
     out = {}
     for name, flags in cases.items():
         for rank in (0, 1):
@@ -150,6 +152,7 @@ def refusals(cases: dict, root: str, cache: str) -> dict:
             argv = ["--config", str(Path(__file__).parents[2] / "configs" / "tiny.yaml"), "--tp",
                     "1", "--seq-length", "32", "--run-dir", f"{root}/{name}", "--data.cache_dir",
                     cache, "--wandb-mode", "disabled", *flags]
+            argv = last_wins(argv)  # a case's --seq-length overrides the base's (a repeat is refused)
             with contextlib.redirect_stderr(err):
                 code = pretrain_gpt.main(argv)
             out[(name, rank)] = (code, err.getvalue())
