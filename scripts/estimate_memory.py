@@ -58,7 +58,7 @@ def _config_setup(a) -> Setup:
         cfg = parse_config(argv)
         p = cfg.parallel
         gpus = a.gpus
-        mp = p.tp * p.pp * getattr(p, "cp", 1)
+        mp = p.tp * p.pp * p.cp
         if gpus is None and p.dp not in (None, -1):
             gpus = mp * p.dp
         if gpus is None:

@@ -60,7 +60,7 @@ def _add(out: dict, key: str, calls: float, nbytes: float) -> None:
 def analytic_comm(cfg, mcfg: GPTConfig) -> dict[str, dict[str, float]]:
     """Per step, for a rank of the last pipeline stage, keyed ``"op/group"``."""
     par, z, ac = cfg.parallel, cfg.zero, cfg.activation_checkpointing
-    tp, pp, dp, cp = par.tp, par.pp, par.dp, getattr(par, "cp", 1)
+    tp, pp, dp, cp = par.tp, par.pp, par.dp, par.cp
     elem = DTYPE_BYTES[cfg.training.precision]
     grad = DTYPE_BYTES[z.grad_accum(cfg.training.precision)]
     micro = cfg.num_microbatches

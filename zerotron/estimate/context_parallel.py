@@ -43,7 +43,7 @@ def local_setup(setup):
     """``setup`` as one CP rank's activations see it: the model at sequence s/cp (the tokens its
     two chunks hold); the same setup at cp 1. Parameters and the position table are not seq-sized
     by this (``max_position_embeddings`` is pinned to the global sequence)."""
-    cp = getattr(setup, "cp", 1)
+    cp = setup.cp
     if cp == 1:
         return setup
     cfg = setup.model
@@ -81,7 +81,7 @@ def _sizes(setup, act_bytes: int) -> dict[str, float]:
 
 def ring_saved_bytes(setup, act_bytes: int) -> float:
     """Per layer, what the ring saves beyond a fused kernel: its output in the compute dtype."""
-    if getattr(setup, "cp", 1) == 1:
+    if setup.cp == 1:
         return 0.0
     return _sizes(setup, act_bytes)["q"]
 
@@ -114,7 +114,7 @@ def attention_side_bytes(setup, act_bytes: int) -> float:
 def ring_working_bytes(setup, act_bytes: int, backward: bool = True) -> float:
     """What ring attention holds at one layer's attention, beyond what the layer saved; 0
     without CP."""
-    if getattr(setup, "cp", 1) == 1:
+    if setup.cp == 1:
         return 0.0
     if backward:
         return ring_backward_bytes(setup, act_bytes)

@@ -161,19 +161,18 @@ def setup_from_run_config(cfg, model: GPTConfig, gpus: int, backend: str = "nccl
     with a pipeline the stage ``pipeline_rank`` (the trainer's and the dry run's own)."""
     z, ac, t, par = cfg.zero, cfg.activation_checkpointing, cfg.training, cfg.parallel
     if z.optimizer_offload != "none" or z.offload_param_device != "none":
-        raise ValueError("the memory model covers runs without ZeRO-Offload/Infinity (the paper's "
-                         "setups); "
-                         f"this run has zero.offload_optimizer_device={z.optimizer_offload}, "
-                         f"zero.offload_param_device={z.offload_param_device}")
+        raise ValueError("the memory model covers runs without ZeRO-Offload/Infinity (the "
+                         "paper's setups); this run has zero.offload_optimizer_device="
+                         f"{z.optimizer_offload}, zero.offload_param_device="
+                         f"{z.offload_param_device}")
     if not 0 <= pipeline_rank < par.pp:
         raise ValueError(f"pipeline_rank={pipeline_rank}: a stage of parallel.pp={par.pp} is in "
                          f"[0, {par.pp - 1}]")
-    cp = getattr(par, "cp", 1)
-    mp = par.tp * par.pp * cp
+    mp = par.tp * par.pp * par.cp
     if gpus % mp:
         raise ValueError(f"gpus={gpus} is not divisible by tp x cp x pp = {mp}; "
                          f"use a multiple of it")
-    return Setup(model, tp=cfg.parallel.tp, dp=gpus // mp, cp=cp, micro_batch=t.micro_batch_size, stage=z.stage,
+    return Setup(model, tp=par.tp, dp=gpus // mp, cp=par.cp, micro_batch=t.micro_batch_size, stage=z.stage,
                  checkpoint_activations=ac.checkpoint_activations, checkpoint_every=ac.checkpoint_every,
                  partition_activations=ac.partition_activations, cpu_checkpointing=ac.cpu_checkpointing,
                  contiguous_memory=ac.contiguous_memory_optimization, precision=t.precision,
