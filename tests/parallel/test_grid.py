@@ -122,7 +122,7 @@ def check_cp_layouts(world):
         where = f"world={world} tp={tp} cp={cp} dp={dp} pp={pp} rank={rank}"
         coords, want = expected_cp_groups(rank, tp, cp, dp, pp)
         assert (g.tp_rank, g.cp_rank, g.dp_rank, g.pp_rank) == tuple(coords.values()), where
-        assert g.dp_cp_size == dp * cp and g.cp == cp, where
+        assert g.dp_cp_size == dp * cp and g.cp_size == cp, where
         for name in ("tp", "cp", "dp", "dp_cp", "pp", "mp"):
             grp = getattr(g, f"{name}_group")
             assert list(grp.ranks) == want[name], f"{name} {where}"

@@ -253,11 +253,6 @@ class Grid:
         return self.dims.cp
 
     @property
-    def cp(self) -> int:
-        """Context-parallel size (``parallel.cp``)."""
-        return self.dims.cp
-
-    @property
     def dp_cp_size(self) -> int:
         """Replicas of every parameter: dp x cp, the size ZeRO partitions over."""
         return self.dims.dp * self.dims.cp

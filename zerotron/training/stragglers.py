@@ -33,7 +33,6 @@ class StragglerWatch:
         self._spans: list = []  # GPU: (start, end) events of each step of the window
         self._waits: list = []  # GPU: the spans its stream was blocked in those steps
         self._cpu_s, self._steps = 0.0, 0
-        self.message = ""  # the last verdict, printed by rank 0
 
     @contextlib.contextmanager
     def step(self):
@@ -78,10 +77,10 @@ class StragglerWatch:
         per_rank = per_rank if isinstance(per_rank, list) else [per_rank]
         median = statistics.median(per_rank)
         slow = [r for r, b in enumerate(per_rank) if median > 0 and b > self.factor * median]
-        self.message = "; ".join(
+        verdict = "; ".join(
             f"rank {r} busy {per_rank[r]:.3g} s a step, {per_rank[r] / median:.1f}x the median "
             f"{median:.3g} s" for r in slow)
-        if self.message and self.grid.rank == 0:
-            print(f"[zerotron] straggler: {self.message} (busy: its own compute time in a step; "
+        if verdict and self.grid.rank == 0:
+            print(f"[zerotron] straggler: {verdict} (busy: its own compute time in a step; "
                   f"logging.straggler_factor={self.factor})", flush=True)
         return {"busy_s_median": median, "busy_s_max": max(per_rank), "straggler_ranks": slow}
