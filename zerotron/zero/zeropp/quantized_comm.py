@@ -66,8 +66,8 @@ def quantized_all_gather(output: torch.Tensor, shard: torch.Tensor, group: Group
 
 
 def _quantized_exchange(chunks: torch.Tensor, group: Group, block_size: int, async_op: bool = False):
-    """All-to-all of ``chunks`` [group.size, n] quantized; the received rows, dequantized fp32
-    (with ``async_op``: a handle whose ``wait()`` returns them)."""
+    """All-to-all of ``chunks`` [group.size, n] quantized: a handle whose ``wait()`` returns the
+    received rows, dequantized fp32 (done already without ``async_op``)."""
     size, n = chunks.shape
     nb = num_blocks(n, block_size)
     q = torch.empty(size, nb * block_size, dtype=torch.int8, device=chunks.device)
@@ -77,8 +77,9 @@ def _quantized_exchange(chunks: torch.Tensor, group: Group, block_size: int, asy
     q_in, s_in = torch.empty_like(q), torch.empty_like(s)
     handles = [C.all_to_all(q_in.view(-1), q.view(-1), group, async_op=async_op),
                C.all_to_all(s_in.view(-1), s.view(-1), group, async_op=async_op)]
-    return _result(lambda: torch.stack([dequantize(q_in[j], s_in[j], n) for j in range(size)]),
+    rows = _result(lambda: torch.stack([dequantize(q_in[j], s_in[j], n) for j in range(size)]),
                    handles, async_op)
+    return rows if async_op else C.Handle(result=rows)
 
 
 def quantized_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Group, block_size: int,
@@ -100,17 +101,16 @@ def quantized_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: G
         return C.Handle(result=output) if async_op else output
     if inner is None or inner.size in (1, size):
         exchange = _quantized_exchange(chunks, group, block_size, async_op)
-        received = (lambda: exchange.wait()) if async_op else (lambda: exchange)
-        return _result(lambda: output.copy_(received().sum(0).to(output.dtype)), [], async_op)
+        return _result(lambda: output.copy_(exchange.wait().sum(0).to(output.dtype)), [], async_op)
     k, m = inner.size, size // inner.size
     # level 1 (inside the block): position l receives, from every block member, the m chunks {b*k + l}
     by_position = chunks.view(m, k, n).transpose(0, 1).reshape(k, m * n)  # row l: chunks b*k+l for all b
     level1 = _quantized_exchange(by_position, inner, block_size, async_op)
 
     def finish():
-        partial = (level1.wait() if async_op else level1).sum(0)  # [m*n]: block sums of my chunks
+        partial = level1.wait().sum(0)  # [m*n]: block sums of my chunks
         # level 2 (across blocks): the rank at block b keeps chunk b*k+l; the others' partial sums arrive
-        final = _quantized_exchange(partial.view(m, n), outer, block_size).sum(0)
+        final = _quantized_exchange(partial.view(m, n), outer, block_size).wait().sum(0)
         return output.copy_(final.to(output.dtype))
 
     return _result(finish, [], async_op)
