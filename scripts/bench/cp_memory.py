@@ -75,14 +75,7 @@ def worker(a, cp: int) -> dict:
     gen = torch.Generator().manual_seed(17 + grid.dp_rank)  # the CP ranks of a sample share it
     for step in range(1, a.steps + 1):
         ids = torch.randint(0, a.vocab, (a.batch, a.seq), generator=gen)
-        mem.begin_step(step, opt)
-        base = mem.tracker.total()  # parameters, gradient buffers, optimizer states
-        with mem.phase("forward"):
-            loss = model(ids, ids)
-        with mem.phase("backward"):
-            opt.backward(loss)
-        with mem.phase("step"):
-            opt.step()
+        base = mem.train_step(step, model, opt, ids)  # parameters, gradients, optimizer states
     peak = mem.record()["mem_peak_bytes"]
     worst = torch.tensor([float(peak), float(peak - base)], dtype=torch.float64)
     C.all_reduce(worst, grid.world_group, op="max")

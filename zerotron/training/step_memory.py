@@ -43,16 +43,19 @@ class StepMemory:
     def phase(self, name: str):
         return self.tracker.phase(name) if self.active else contextlib.nullcontext()
 
-    def train_step(self, step: int, model, optimizer, ids) -> None:
+    def train_step(self, step: int, model, optimizer, ids) -> int:
         """One pp = 1 step on ``ids`` (its own labels), each phase tracked: the benchmarks' loop
-        (the trainer runs ``run_step`` instead, which knows micro-batches and pipelines)."""
+        (the trainer runs ``run_step`` instead, which knows micro-batches and pipelines). Returns
+        the bytes alive as it began (parameters, gradient buffers, optimizer states)."""
         self.begin_step(step, optimizer)
+        base = self.tracker.total()
         with self.phase("forward"):
             loss = model(ids, ids)
         with self.phase("backward"):
             optimizer.backward(loss)
         with self.phase("step"):
             optimizer.step()
+        return base
 
     def record(self) -> dict:
         """``mem_peak_bytes``, ``mem_peak_<category>`` and ``mem_<phase>_peak_bytes`` of the last tracked step."""
