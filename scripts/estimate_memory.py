@@ -44,8 +44,8 @@ def _config_setup(a) -> Setup:
     """The run config's setup (``fullest_stage_setup``, as the trainer's banner sees it);
     ``--tp``/``--cp``/``--batch``/``--stage``/``--seq``/``--vocab``/``--pa``/``--cpu`` override its
     fields."""
-    from zerotron.training.cli import parse_config
-    from zerotron.training.config import ConfigError
+    from zerotron.config.cli import parse_config
+    from zerotron.config.run_config import ConfigError
     from zerotron.training.setup_run import validate_model
 
     overrides = {"--parallel.tp": a.tp, "--parallel.cp": a.cp,

@@ -40,8 +40,8 @@ from zerotron.data.progress import Progress
 from zerotron.model import GPTConfig, flops_per_iteration
 from zerotron.testing.bench_args import check_out_dir, flag_errors
 from zerotron.testing.launch import spawn
-from zerotron.training.cli import apply_mapping, read_yaml
-from zerotron.training.config import RunConfig
+from zerotron.config.cli import apply_mapping, read_yaml
+from zerotron.config.run_config import RunConfig
 from zerotron.training.step_memory import StepMemory
 from zerotron.training.tracking import WANDB_DIRS
 from zerotron.zero.accounting import expected_model_state_bytes

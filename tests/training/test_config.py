@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from zerotron.training.cli import parse_config
-from zerotron.training.config import ConfigError, RunConfig
-from zerotron.training.schedule import learning_rate
+from zerotron.config.cli import parse_config
+from zerotron.config.run_config import ConfigError, RunConfig
+from zerotron.zero.lr_schedule import learning_rate
 
 
 def test_tiny_yaml_and_flags(tmp_path):
@@ -113,8 +113,8 @@ def test_schedule_field_defaults_are_the_sections():
     defaults is accepted under every schedule, and each checked field's default is the section's."""
     import dataclasses
 
-    from zerotron.training.config import OptimizerSection
-    from zerotron.training.schedule import (ONE_CYCLE_FIELDS, OTHER_SCHEDULES_FIELDS, SCHEDULES, check_schedule,
+    from zerotron.config.run_config import OptimizerSection
+    from zerotron.zero.lr_schedule import (ONE_CYCLE_FIELDS, OTHER_SCHEDULES_FIELDS, SCHEDULES, check_schedule,
                                             field_default)
 
     section = OptimizerSection()

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from zerotron.training.cli import SHORT_FLAGS, set_field
-from zerotron.training.config import RunConfig
+from zerotron.config.cli import SHORT_FLAGS, set_field
+from zerotron.config.run_config import RunConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 

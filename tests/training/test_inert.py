@@ -1,4 +1,4 @@
-"""Settings that do nothing in their run are accepted and said at start-up (``training.inert``):
+"""Settings that do nothing in their run are accepted and said at start-up (``config.inert``):
 each rule names a real field, a value away from the default is noted exactly when its feature is
 off, a default value is never noted, and the note reaches the user from the YAML/flags and from a
 DeepSpeed JSON alike."""
@@ -9,9 +9,9 @@ import json
 
 import pytest
 
-from zerotron.training.cli import last_wins, parse_config
-from zerotron.training.config import RunConfig
-from zerotron.training.inert import RULES, no_effect
+from zerotron.config.cli import last_wins, parse_config
+from zerotron.config.run_config import RunConfig
+from zerotron.config.inert import RULES, no_effect
 
 CASES = [  # (field, flags that set it with its feature off, flags that turn the feature on)
     ("zero.stage3_max_live_parameters", ["--zero.stage", "2", "--zero.stage3_max_live_parameters", "5"],

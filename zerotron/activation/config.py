@@ -25,7 +25,7 @@ would write them:
 
 Unlike DeepSpeed, ``cpu_checkpointing`` works without ``partition_activations`` (it then moves
 the whole checkpoint), and a flag that would have no effect is an error, not a silent no-op. A
-DeepSpeed JSON's section is read by ``zerotron.training.deepspeed`` (the one reader): its presence
+DeepSpeed JSON's section is read by ``zerotron.config.deepspeed`` (the one reader): its presence
 turns ``checkpoint_activations`` on, since DeepSpeed has no key for that.
 """
 

@@ -1,5 +1,5 @@
 """ZeRO-DP settings: one validated dataclass, its fields named after DeepSpeed's ``zero_optimization`` keys
-(a DeepSpeed JSON is read by ``zerotron.training.deepspeed``, the one reader).
+(a DeepSpeed JSON is read by ``zerotron.config.deepspeed``, the one reader).
 
 The stages are the paper's cumulative partitions (ZeRO §5): 0 = plain data parallelism,
 1 = Pos (optimizer states), 2 = Pos+g (+ gradients), 3 = Pos+g+p (+ parameters). Bucket sizes are

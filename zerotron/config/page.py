@@ -10,13 +10,13 @@ time (nothing is written into ``docs/``), and ``tests/docs/test_site.py`` holds 
 from __future__ import annotations
 
 from zerotron.model.presets import PRESETS
-from zerotron.training import config_help
+from zerotron.config import help as config_help
 
 INTRO = """# Configuration
 
 Every field of the run config, generated from the config's own declaration (the dataclasses of
-`zerotron/training/config.py` and the library sections they hold, described by
-`zerotron/training/config_help.py`), the same source `pretrain_gpt.py --help` prints. A field is
+`zerotron/config/run_config.py` and the library sections they hold, described by
+`zerotron/config/help.py`), the same source `pretrain_gpt.py --help` prints. A field is
 set in three places, later ones winning: the `--config` YAML (`section: {field: value}`), a
 DeepSpeed JSON (`--deepspeed-config`, see [DeepSpeed JSON](deepspeed.md)), and the command line
 (`--section.field VALUE` or `--section.field=VALUE`, or the short flag beside it). Lists are
@@ -31,7 +31,7 @@ config of a run is written to `<run-dir>/config.yaml`.
 
 def _short_flags() -> dict[str, str]:
     """``section.field`` -> its short flag (``--tp``), read from the parser ``--help`` prints."""
-    from zerotron.training.cli import build_parser
+    from zerotron.config.cli import build_parser
 
     flags: dict[str, str] = {}
     for action in build_parser()._actions:  # argparse keeps the declared flags here

@@ -15,8 +15,8 @@ from __future__ import annotations
 from typing import Callable
 
 from zerotron.model.presets import get_preset
-from zerotron.training.deepspeed.plan import Plan, flag, get, number, whole
-from zerotron.training.deepspeed.schema import DeepSpeedKeyError
+from zerotron.config.deepspeed.plan import Plan, flag, get, number, whole
+from zerotron.config.deepspeed.schema import DeepSpeedKeyError
 
 DTYPES = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "torch.float32": "fp32",
           "bf16": "bf16", "bfloat16": "bf16", "torch.bfloat16": "bf16",

@@ -13,8 +13,8 @@ A field a flag set wins over the triple, with a start-up line saying so.
 
 from __future__ import annotations
 
-from zerotron.training.deepspeed.plan import whole
-from zerotron.training.deepspeed.schema import DeepSpeedKeyError
+from zerotron.config.deepspeed.plan import whole
+from zerotron.config.deepspeed.schema import DeepSpeedKeyError
 
 BATCH, MICRO, GA = "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"
 

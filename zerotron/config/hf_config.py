@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from zerotron.training.config import ConfigError, RunConfig
+from zerotron.config.run_config import ConfigError, RunConfig
 
 FAMILIES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
             "Qwen2ForCausalLM": "qwen2", "GPT2LMHeadModel": "gpt2"}

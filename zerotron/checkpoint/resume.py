@@ -37,11 +37,11 @@ from typing import Any, Callable
 import torch
 
 from zerotron.parallel import collectives as C
-from zerotron.training.checkpoint_io import (LOAD_EARLIER, CheckpointError, check_checkpoint_path,
+from zerotron.checkpoint.files import (LOAD_EARLIER, CheckpointError, check_checkpoint_path,
                                              complete_checkpoints, owner, read_metadata, resolve_load_path,
                                              sha256_file, step_of)
-from zerotron.training.run_lock import RunLock, RunLockError
-from zerotron.training.resume_schedule import (DECAY_END, SCHEDULE, decay_end, is_schedule,
+from zerotron.checkpoint.run_lock import RunLock, RunLockError
+from zerotron.checkpoint.resume_schedule import (DECAY_END, SCHEDULE, decay_end, is_schedule,
                                               refusal, restretched)
 
 # not part of what a run trains: its length, how it is logged, how and where its checkpoints are

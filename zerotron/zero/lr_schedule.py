@@ -112,7 +112,7 @@ def betas_at(step: int, optimizer) -> tuple[float, float]:
 
 
 def lr_at(step: int, optimizer, train_steps: int) -> float:
-    """The rate of step ``step`` under a run's ``optimizer`` section (``training.config.OptimizerSection``)."""
+    """The rate of step ``step`` under a run's ``optimizer`` section (``config.run_config.OptimizerSection``)."""
     o = optimizer
     if o.schedule == "onecycle":
         return one_cycle(step, o)[0]

@@ -14,10 +14,10 @@ import time
 from pathlib import Path
 
 from zerotron.parallel import collectives as C
-from zerotron.training import checkpoint as ckpt
-from zerotron.training.async_save import BackgroundWriter, Committed
-from zerotron.training.checkpoint_io import complete_checkpoints
-from zerotron.training.export import write_consolidated
+from zerotron.checkpoint import distributed as ckpt
+from zerotron.checkpoint.async_save import BackgroundWriter, Committed
+from zerotron.checkpoint.files import complete_checkpoints
+from zerotron.checkpoint.export import write_consolidated
 
 
 class Saves:

@@ -21,10 +21,10 @@ from typing import Iterator
 import torch
 
 from zerotron.data.tokenizer import tokenizer_sha256
-from zerotron.training.checkpoint import _Assembler
-from zerotron.training.checkpoint_io import CheckpointError, ShardReader, read_metadata, resolve_load_path
-from zerotron.training.export_hf_tokenizer import write_hf_tokenizer_dir
-from zerotron.training.safetensors_stream import SafetensorsStreamWriter
+from zerotron.checkpoint.distributed import _Assembler
+from zerotron.checkpoint.files import CheckpointError, ShardReader, read_metadata, resolve_load_path
+from zerotron.checkpoint.export_hf_tokenizer import write_hf_tokenizer_dir
+from zerotron.checkpoint.safetensors_stream import SafetensorsStreamWriter
 from zerotron.zero.optimizer import DTYPES
 
 WORD = "embedding.word.weight"

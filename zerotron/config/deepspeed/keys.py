@@ -7,8 +7,8 @@ mapped, ``mapping.py`` / ``optim.py`` / ``batch.py`` do it; this file only says 
 
 from __future__ import annotations
 
-from zerotron.training.deepspeed.pydantic_fields import declare_pydantic_fields
-from zerotron.training.deepspeed.schema import (HONOURED as H, MAPPED as M, NO_EFFECT as N, REFUSED as R, Key,
+from zerotron.config.deepspeed.pydantic_fields import declare_pydantic_fields
+from zerotron.config.deepspeed.schema import (HONOURED as H, MAPPED as M, NO_EFFECT as N, REFUSED as R, Key,
                                                 refuse_enabled, refuse_true, refuse_unless)
 
 _IMPL = "an implementation detail of DeepSpeed's own kernels or engine"

@@ -27,10 +27,10 @@ import torch
 from zerotron.model.config import GPT2_ARCH
 from zerotron.model.gpt import WORD_EMBEDDING
 from zerotron.parallel.shard_info import shard_info
-from zerotron.training import faults
-from zerotron.training.checkpoint_agree import agree
-from zerotron.training.checkpoint_schema import TOKENIZER_DIR, TOKENIZER_FILE, seal
-from zerotron.training.checkpoint_io import (FORMAT_VERSION, OWNER, CheckpointError, ShardReader, atomic_write_bytes,
+from zerotron.parallel import faults
+from zerotron.checkpoint.agree import agree
+from zerotron.checkpoint.schema import TOKENIZER_DIR, TOKENIZER_FILE, seal
+from zerotron.checkpoint.files import (FORMAT_VERSION, OWNER, CheckpointError, ShardReader, atomic_write_bytes,
                                              atomic_write_json, prune, read_metadata, resolve_load_path, step_dir,
                                              write_shard)
 
@@ -150,7 +150,7 @@ def write_own_shard(tmp: Path, step: int, grid, tensors: dict[str, torch.Tensor]
         atomic_write_json(tmp / f"rank_{grid.rank:05d}.json", {"sha256": sha, **meta})
     except OSError as e:
         error = e
-    faults.hit("kill_after_shard", step, grid.rank)  # test hook (training/faults.py)
+    faults.hit("kill_after_shard", step, grid.rank)  # test hook (parallel/faults.py)
     return error
 
 

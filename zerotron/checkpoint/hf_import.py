@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from zerotron.training.config import ConfigError
-from zerotron.training.hf_weights import BUFFERS, Piece, expected_tensors, pieces
+from zerotron.config.run_config import ConfigError
+from zerotron.checkpoint.hf_weights import BUFFERS, Piece, expected_tensors, pieces
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -157,7 +157,7 @@ def load_hf_weights(directory: str, family: str, model, opt, grid, mcfg) -> None
     The files are closed after each range, so the pages a rank mapped are only those it read.
     """
     from zerotron.parallel.shard_info import shard_info
-    from zerotron.training.checkpoint import canonical_names
+    from zerotron.checkpoint.distributed import canonical_names
 
     reader = HFTensors(directory)
     reader.check(expected_tensors(mcfg, family))
@@ -187,8 +187,8 @@ def start_run(trainer) -> dict:
     """The trainer's ``--init-from-hf``: import unless a checkpoint is resumed (a restarted job
     continues its own); returns ``{"hf_model_type": ...}`` for metadata.json ({} for none), which
     ``convert_checkpoint.py --hf`` reads to write the same transformers class back."""
-    from zerotron.training.checkpoint_io import read_metadata
-    from zerotron.training.hf_config import read_hf_config
+    from zerotron.checkpoint.files import read_metadata
+    from zerotron.config.hf_config import read_hf_config
 
     cfg = trainer.cfg
     if trainer.resume.path is not None:
@@ -209,7 +209,7 @@ def start_run(trainer) -> dict:
 
 def check_directory(cfg, mcfg) -> None:
     """Before any process group: the tensors the model needs are all there, of their shapes."""
-    from zerotron.training.hf_config import read_hf_config
+    from zerotron.config.hf_config import read_hf_config
 
     hf = read_hf_config(cfg.checkpoint.init_from_hf, mcfg.seq_length)
     HFTensors(hf.directory).check(expected_tensors(mcfg, hf.model_type))

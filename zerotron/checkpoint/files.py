@@ -22,7 +22,7 @@ from safetensors import SafetensorError
 from safetensors.torch import safe_open, save_file
 
 from zerotron.data.atomic import publish
-from zerotron.training.checkpoint_schema import (FORMAT_VERSION, LOAD_EARLIER, STEP_DIR,  # noqa: F401
+from zerotron.checkpoint.schema import (FORMAT_VERSION, LOAD_EARLIER, STEP_DIR,  # noqa: F401
                                                  CheckpointError, check_metadata, inside)
 
 PARTIAL_STEP_DIR = re.compile(r"^step_(\d{8})\.tmp$")  # a save that has not committed (renamed) yet

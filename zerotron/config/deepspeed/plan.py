@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from zerotron.training.deepspeed.schema import DeepSpeedKeyError
+from zerotron.config.deepspeed.schema import DeepSpeedKeyError
 
 
 @dataclass

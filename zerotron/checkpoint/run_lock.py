@@ -31,7 +31,7 @@ import threading
 import time
 from pathlib import Path
 
-from zerotron.training.checkpoint_io import CheckpointError
+from zerotron.checkpoint.files import CheckpointError
 
 LOCK_NAME = "zerotron.lock"
 REFRESH_S = 15.0  # the holder touches the lock this often

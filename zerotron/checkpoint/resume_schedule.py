@@ -40,7 +40,7 @@ def restretched(meta: dict, saved: dict[str, Any], cfg) -> tuple[tuple[str, Any,
     The last trained update decides for all of them: before the decay both schedules give the
     warm-up's rates, and past its start the decay's progress ``(s - warmup) / (end - warmup)``
     differs at every step once it differs at one."""
-    from zerotron.training.schedule import lr_at
+    from zerotron.zero.lr_schedule import lr_at
 
     o, old, new = cfg.optimizer, saved.get(TRAIN_STEPS), cfg.training.train_steps
     if o.schedule_steps is not None or not isinstance(old, int) or old == new:

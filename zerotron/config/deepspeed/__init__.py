@@ -18,9 +18,9 @@ import json
 from pathlib import Path
 from typing import Callable
 
-from zerotron.training.deepspeed import batch, mapping, optim, plan
-from zerotron.training.deepspeed.keys import TOP
-from zerotron.training.deepspeed.schema import DeepSpeedKeyError, check, markdown_table
+from zerotron.config.deepspeed import batch, mapping, optim, plan
+from zerotron.config.deepspeed.keys import TOP
+from zerotron.config.deepspeed.schema import DeepSpeedKeyError, check, markdown_table
 
 __all__ = ["DeepSpeedKeyError", "PRECEDENCE", "apply_deepspeed", "from_deepspeed", "load_json", "markdown_table"]
 
@@ -119,8 +119,8 @@ def apply_deepspeed(data: dict, cfg, set_field: Callable, flagged: set[str], wor
 def from_deepspeed(data: dict, world_size: int = 1, base=None) -> tuple:
     """``(RunConfig, start-up lines)`` for a DeepSpeed config dict on ``world_size`` processes, on top
     of ``base`` (default ``RunConfig()``); not yet validated (``cfg.validate(world_size)``)."""
-    from zerotron.training.config import RunConfig
-    from zerotron.training.config_values import set_field
+    from zerotron.config.run_config import RunConfig
+    from zerotron.config.values import set_field
 
     cfg = base if base is not None else RunConfig()
     return cfg, apply_deepspeed(data, cfg, set_field, set(), world_size)

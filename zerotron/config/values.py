@@ -13,7 +13,7 @@ import decimal
 import typing
 from typing import Any
 
-from zerotron.training.config import ConfigError, RunConfig
+from zerotron.config.run_config import ConfigError, RunConfig
 
 
 def _field_types(section_obj) -> dict[str, Any]:

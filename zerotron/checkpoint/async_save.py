@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 from zerotron.parallel import host_sync
-from zerotron.training import checkpoint as ckpt
-from zerotron.training import faults
+from zerotron.checkpoint import distributed as ckpt
+from zerotron.parallel import faults
 
 ALIGN = 64  # bytes: each tensor's view into the staging buffer starts at a multiple of this
 

@@ -1,7 +1,7 @@
 """The run configuration: one tree of dataclasses, validated once, errors that name the field.
 
 A run is one YAML file of these sections (see ``configs/tiny.yaml``) plus command-line
-overrides (``zerotron.training.cli``). The parallel, ZeRO and activation-checkpointing sections
+overrides (``zerotron.config.cli``). The parallel, ZeRO and activation-checkpointing sections
 are the library's own ``ParallelDims``, ``ZeroConfig`` and ``ActivationCheckpointConfig``, so a
 key has one name, one default and one check wherever it is read. ``validate(world_size)`` runs on every rank before
 ``init_process_group``-dependent work, so a bad config stops every rank with the same message
@@ -23,8 +23,7 @@ from zerotron.activation import ActivationCheckpointConfig
 from zerotron.model.config import GPTConfig
 from zerotron.parallel import ParallelDims, runtime
 from zerotron.parallel.pipeline import SCHEDULES
-from zerotron.training.profiling import check_profile_steps
-from zerotron.training.schedule import betas_at, check_schedule, min_lr_used
+from zerotron.zero.lr_schedule import betas_at, check_schedule, min_lr_used
 from zerotron.zero.config import PRECISIONS, ZeroConfig
 from zerotron.zero.loss_scaler import check_loss_scaling
 from zerotron.zero.zeropp.groups import check_node_local
@@ -80,7 +79,7 @@ class OptimizerSection:
     loss_scale: float = 0.0  # fp16: > 0 is a static scale (DeepSpeed's fp16.loss_scale); 0: dynamic
     consecutive_hysteresis: bool = False  # fp16: every clean step restores the hysteresis budget
     adam_w_mode: bool = True  # False: Adam with L2 weight decay added to the gradient (DeepSpeed's key)
-    # the schedule family (training/schedule.py): megatron | deepspeed (DeepSpeed's lr_schedules, step for step)
+    # the schedule family (zero/lr_schedule.py): megatron | deepspeed (DeepSpeed's lr_schedules, step for step)
     schedule: str = "megatron"
     warmup_min_lr: float = 0.0  # the rate the warm-up starts from
     warmup_type: str = "linear"  # linear | log (DeepSpeed's default; deepspeed schedule only)
@@ -329,3 +328,14 @@ def _check_finite(cfg: "RunConfig") -> None:
                     hint = f" (the default is {default})" if isinstance(default, (int, float)) else ""
                     raise ConfigError(f"{section.name}.{f.name}={value!r} is not a finite number; give a "
                                       f"finite value{hint}")
+
+
+def check_profile_steps(steps, train_steps: int) -> str | None:
+    """The fix for a bad ``logging.profile_steps``; None when empty or ``[A, B]``, 1 <= A <= B."""
+    if not steps:
+        return None
+    if len(steps) != 2 or not all(isinstance(s, int) and not isinstance(s, bool) for s in steps):
+        return "give two step numbers A B (--profile-steps 3 4), or leave it empty"
+    if not 1 <= steps[0] <= steps[1] <= train_steps:
+        return f"need 1 <= A <= B <= training.train_steps={train_steps}"
+    return None

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import torch
 
-from zerotron.training.checkpoint_io import CheckpointError
-from zerotron.training.export import (_dtype, _open, _require_transformers, _shape_without_padding,
+from zerotron.checkpoint.files import CheckpointError
+from zerotron.checkpoint.export import (_dtype, _open, _require_transformers, _shape_without_padding,
                                       export_hf_gpt2, full_tensors, saved_architecture,
                                       tokenizer_model, write_tokenizer_files)
-from zerotron.training.safetensors_stream import SafetensorsStreamWriter
+from zerotron.checkpoint.safetensors_stream import SafetensorsStreamWriter
 
 CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
            "qwen2": "Qwen2ForCausalLM"}

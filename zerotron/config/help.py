@@ -183,7 +183,7 @@ HELP: dict[str, str] = {
 def config_fields(cfg=None) -> list[tuple[str, Any, Any]]:
     """``(section.field, type, default)`` of every field of the run config tree, in its order."""
     if cfg is None:
-        from zerotron.training.config import RunConfig
+        from zerotron.config.run_config import RunConfig
 
         cfg = RunConfig()
     out = []

@@ -113,7 +113,7 @@ def check_metadata(meta: Any, path: Path) -> dict:
 
             raise CheckpointError(f"{path}/metadata.json carries no checksum ({SEAL}): written "
                                   f"before checkpoints were sealed, or edited; if you trust it, "
-                                  f"add one with zerotron.training.checkpoint_schema.seal")
+                                  f"add one with zerotron.checkpoint.schema.seal")
         raise _error(path, f"its checksum does not match its contents ({SEAL}; it was edited or "
                            f"damaged after it was written)")
     if meta.get("format_version") != FORMAT_VERSION:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 
-from zerotron.training.config import ConfigError
+from zerotron.config.run_config import ConfigError
 
 PATH_FIELDS = (("checkpoint", "save"), ("checkpoint", "load"), ("logging", "run_dir"),
                ("data", "cache_dir"), ("data", "tokenizer"))

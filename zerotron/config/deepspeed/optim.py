@@ -5,16 +5,16 @@ leaves out takes DeepSpeed's default (FusedAdam: betas (0.9, 0.999), eps 1e-8, w
 WarmupLR / WarmupDecayLR: warmup_max_lr 0.001 -- whatever ``optimizer.params.lr`` says, the
 warm-up ends there --, warmup_min_lr 0, warmup_num_steps 1000, log warm-up; WarmupCosineLR, which
 has no peak of its own, peaks at the optimizer's rate), each printed at start-up. The
-schedulers map onto ``optimizer.schedule=deepspeed`` (``training/schedule.py``), which is
+schedulers map onto ``optimizer.schedule=deepspeed`` (``zero/lr_schedule.py``), which is
 DeepSpeed's arithmetic step for step, including its one-iteration offset. ``"auto"`` takes the
 run config's value (the Hugging Face Trainer's convention).
 """
 
 from __future__ import annotations
 
-from zerotron.training.deepspeed.plan import Plan, flag, number, whole
-from zerotron.training.deepspeed.schema import DeepSpeedKeyError
-from zerotron.training.schedule import ONE_CYCLE_FIELDS, OTHER_SCHEDULES_FIELDS, field_default
+from zerotron.config.deepspeed.plan import Plan, flag, number, whole
+from zerotron.config.deepspeed.schema import DeepSpeedKeyError
+from zerotron.zero.lr_schedule import ONE_CYCLE_FIELDS, OTHER_SCHEDULES_FIELDS, field_default
 
 ADAM_DEFAULTS = {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}  # FusedAdam's
 _SCHEDULERS = {  # DeepSpeed's lr_schedules: decay, the parameters each constructor takes, their defaults

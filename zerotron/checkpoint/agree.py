@@ -22,7 +22,7 @@ import torch
 
 from zerotron.parallel import collectives as C
 from zerotron.parallel import host_sync
-from zerotron.training.checkpoint_io import CheckpointError, complete_checkpoints
+from zerotron.checkpoint.files import CheckpointError, complete_checkpoints
 
 UNKNOWN = -1  # an OSError without an errno
 CAUSES = {errno.ENOSPC: "disk full", errno.EDQUOT: "disk quota exceeded", errno.EROFS: "read-only file system",

@@ -1,7 +1,7 @@
 """Build a ``RunConfig`` from a YAML file, an optional DeepSpeed JSON, and command-line overrides.
 
 Precedence: dataclass defaults < ``--config`` YAML < ``--deepspeed-config`` JSON (a whole DeepSpeed
-config, read by ``training.deepspeed``; applied after the flags, skipping what they set) < flags. Every field can be set
+config, read by ``config.deepspeed``; applied after the flags, skipping what they set) < flags. Every field can be set
 as ``--<section>.<field> VALUE``; the common ones also have Megatron-style short flags
 (``--tp``, ``--zero-stage``, ``--lr`` ...). Unknown keys are errors that name the key.
 """
@@ -15,9 +15,10 @@ from pathlib import Path
 
 import yaml
 
-from zerotron.training import config_help, deepspeed
-from zerotron.training.config import ConfigError, RunConfig
-from zerotron.training.config_values import set_field
+from zerotron.config import help as config_help
+from zerotron.config import deepspeed
+from zerotron.config.run_config import ConfigError, RunConfig
+from zerotron.config.values import set_field
 
 # short flag -> (section, field)
 SHORT_FLAGS = {
@@ -121,7 +122,7 @@ def apply_mapping(cfg: RunConfig, data: dict, source: str) -> None:
 
 
 def apply_deepspeed(cfg: RunConfig, path: str, flagged: set[str], world_size: int) -> list[str]:
-    """Apply the DeepSpeed JSON at ``path`` with the one reader (``training.deepspeed``), after the
+    """Apply the DeepSpeed JSON at ``path`` with the one reader (``config.deepspeed``), after the
     YAML and the flags (``flagged``: the ``section.field`` names they set, which it leaves alone);
     returns the start-up lines. Errors name the file and the DeepSpeed key."""
     origins: dict[str, str] = {}
@@ -228,7 +229,7 @@ def parse_config(argv: list[str] | None = None, exit_codes: str = "", world_size
         flagged.add(field)
         i += 1
     if cfg.checkpoint.init_from_hf:  # the directory's architecture replaces the preset
-        from zerotron.training.hf_config import adopt_architecture, use_hf_tokenizer
+        from zerotron.config.hf_config import adopt_architecture, use_hf_tokenizer
 
         note = use_hf_tokenizer(cfg, adopt_architecture(cfg, flagged))
         if note and int(os.environ.get("RANK", 0)) == 0:
