@@ -85,8 +85,8 @@ def section_fields(section_cls: type, section: str) -> dict[str, FieldSpec]:
 def run_fields(root_cls: type) -> tuple[FieldSpec, ...]:
     """Every field of the tree rooted at ``root_cls`` (``RunConfig``), section by section."""
     root = root_cls()
-    return tuple(spec for section in dataclasses.fields(root_cls)
-                 for spec in section_fields(type(getattr(root, section.name)), section.name).values())
+    sections = [(type(getattr(root, f.name)), f.name) for f in dataclasses.fields(root_cls)]
+    return tuple(spec for cls, name in sections for spec in section_fields(cls, name).values())
 
 
 def refusal(spec: FieldSpec, value: Any) -> str | None:

@@ -2,9 +2,10 @@
 
 Every row is one field of ``zerotron.config.fields`` (its declaration: type, choices, default,
 help) described by ``config_help.describe``, the very string ``--help`` prints for it, and every
-short flag is read from the parser ``cli.build_parser`` builds; so the page cannot list a field
-the parser lacks or miss one it has. ``scripts/docs/mkdocs_hooks.py`` adds the page to the site at build
-time (nothing is written into ``docs/``), and ``tests/docs/test_site.py`` holds it to ``--help``.
+short flag is read from the parser ``cli.build_parser`` builds; so the page cannot list a field the
+parser lacks or miss one it has. ``scripts/docs/mkdocs_hooks.py`` adds the page to the site at
+build time (nothing is written into ``docs/``), and ``tests/docs/test_site.py`` holds it to
+``--help``.
 """
 
 from __future__ import annotations

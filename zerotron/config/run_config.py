@@ -1,13 +1,14 @@
 """The run configuration: one tree of dataclasses, validated once, errors that name the field.
 
-A run is one YAML file of these sections (see ``configs/tiny.yaml``) plus command-line
-overrides (``zerotron.config.cli``). The parallel, ZeRO and activation-checkpointing sections
-are the library's own ``ParallelDims``, ``ZeroConfig`` and ``ActivationCheckpointConfig``, the
-others are declared in ``zerotron.config.sections``, so a key has one name, one default, one
-help line and one check wherever it is read; a ``Literal`` field's choices are checked from its
-type (``zerotron.config.fields``), here for values set in code as the readers do for theirs. ``validate(world_size)`` runs on every rank before
-``init_process_group``-dependent work, so a bad config stops every rank with the same message
-instead of leaving some of them waiting in a collective.
+A run is one YAML file of these sections (see ``configs/tiny.yaml``) plus command-line overrides
+(``zerotron.config.cli``). The parallel, ZeRO and activation-checkpointing sections are the
+library's own ``ParallelDims``, ``ZeroConfig`` and ``ActivationCheckpointConfig``, the others are
+declared in ``zerotron.config.sections``, so a key has one name, one default, one help line and one
+check wherever it is read; a ``Literal`` field's choices are checked from its type
+(``zerotron.config.fields``), here for values set in code as the readers do for theirs.
+``validate(world_size)`` runs on every rank before ``init_process_group``-dependent work, so a bad
+config stops every rank with the same message instead of leaving some of them waiting in a
+collective.
 """
 
 from __future__ import annotations

@@ -31,7 +31,8 @@ def _model_overrides() -> type:
     a model field is settable from YAML and flags the moment it exists, with GPTConfig's type and
     help (carried in the field's metadata, as a generated class has no source to read)."""
     hints, helps = typing.get_type_hints(GPTConfig), field_help(GPTConfig)
-    overrides = [(f.name, hints[f.name] | None, field(default=None, metadata={"help": helps.get(f.name, "")}))
+    overrides = [(f.name, hints[f.name] | None,
+                  field(default=None, metadata={"help": helps.get(f.name, "")}))
                  for f in dataclasses.fields(GPTConfig) if f.name not in _PRESET_ONLY]
     preset = field(default="tiny", metadata={"help": _PRESET_HELP})
     return dataclasses.make_dataclass("ModelOverrides", [("preset", Literal[tuple(PRESETS)], preset),

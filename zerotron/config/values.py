@@ -111,7 +111,8 @@ def set_field(cfg: RunConfig, section: str, name: str, value: Any) -> None:
     sec = getattr(cfg, section)
     specs = section_fields(type(sec), section)
     if name not in specs:
-        raise ConfigError(f"unknown config key {section}.{name}; keys of {section} are {sorted(specs)}")
+        raise ConfigError(f"unknown config key {section}.{name}; keys of {section} are "
+                          f"{sorted(specs)}")
     coerced = _coerce(f"{section}.{name}", specs[name].type, value)
     if (why := refusal(specs[name], coerced)) is not None:
         raise ConfigError(why)

@@ -67,7 +67,8 @@ class ZeroConfig:
     """elements per gradient reduction bucket (CB)"""
     allgather_bucket_size: int = int(5e8)
     """elements per parameter all-gather bucket (CB)"""
-    # stage3.py; None is one unit ahead as FSDP2 does, 0 no prefetch (nor NVMe read-ahead) as DeepSpeed
+    # stage3.py; None is one unit ahead as FSDP2 does, 0 no prefetch (nor NVMe read-ahead) as
+    # DeepSpeed does
     stage3_prefetch_bucket_size: int | None = None
     """stage 3: elements gathered or in flight ahead of the running unit (unset: one unit ahead;
     0: none)"""
@@ -97,7 +98,7 @@ class ZeroConfig:
     """ZeRO-Infinity: directory for the optimizer-state files"""
     offload_optimizer_buffer_count: int = 4
     """ZeRO-Infinity: optimizer tiles in memory at once"""
-    sub_group_size: int = int(1e9)  # 0: one parameter's partition per tile (DeepSpeed: one parameter)
+    sub_group_size: int = int(1e9)  # 0: one parameter's partition a tile (DeepSpeed: a parameter)
     """ZeRO-Infinity: elements per optimizer tile"""
     # ZeRO-Infinity parameter offload (stage 3): host memory (zero.host_params) or a file
     # (infinity.disk_params)
