@@ -21,6 +21,7 @@ from zerotron.zero.config import Precision
 from zerotron.zero.lr_schedule import Decay, LrScheduleFamily, WarmupType
 from zerotron.config.fields import field_help
 
+WandbMode = Literal["offline", "online", "disabled"]  # also scripts/run_ablations.py --wandb-mode
 _PRESET_ONLY = ("name", "paper_mp")  # labels of a preset, not shape choices
 _PRESET_HELP = "named shape to start from (tiny for CPU; the papers' shapes, listed at the end)"
 
@@ -151,7 +152,7 @@ class LoggingSection:
     """steps between evaluations; 0: none"""
     eval_steps: int = 5
     """global batches per evaluation"""
-    wandb_mode: Literal["offline", "online", "disabled"] = "offline"
+    wandb_mode: WandbMode = "offline"
     """offline: files under run_dir (wandb sync uploads); online needs an account"""
     wandb_project: str = "zerotron"
     """wandb project name"""
