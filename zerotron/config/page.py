@@ -22,8 +22,10 @@ its choices as a `Literal`, its default and the docstring under it, read by
 set in three places, later ones winning: the `--config` YAML (`section: {field: value}`), a
 DeepSpeed JSON (`--deepspeed-config`, see [DeepSpeed JSON](deepspeed.md)), and the command line
 (`--section.field VALUE` or `--section.field=VALUE`, or the short flag beside it). Lists are
-comma-separated; `null` or `none` clears an optional field (a type ending in `?`). The resolved
-config of a run is written to `<run-dir>/config.yaml`.
+comma-separated; `null` or `none` clears an optional field (a type ending in `?`). A field
+listed with `one of a|b` takes only those values: any other, from any of the three places, stops
+the run before it starts (exit 2) with `section.field=value: use one of [...]` and the field's
+help. The resolved config of a run is written to `<run-dir>/config.yaml`.
 
 ```bash
 .venv/bin/python scripts/pretrain_gpt.py --help     # the same fields, as plain text
