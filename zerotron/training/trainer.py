@@ -128,11 +128,9 @@ class Trainer:
     def _rng_states(self) -> dict[str, torch.Tensor]:
         return rng_streams.checkpoint_states(self.model.rng, self.env.device)
 
-    def _restore_rng(self, rng: dict | None) -> None:
-        if rng is None:  # another layout: per-rank streams cannot carry over; reseed from the step
-            self.model.rng.seed(self.cfg.training.seed + self.step, self.grid)
-            return
-        rng_streams.restore_checkpoint_states(self.model.rng, rng, self.env.device)
+    def _restore_rng(self, rng: dict | None) -> None:  # None: another layout; reseeded
+        rng_streams.resume_streams(self.model.rng, rng, self.cfg.training.seed + self.step,
+                                   self.grid, self.env.device)
 
     def _dp_mean(self, value: torch.Tensor) -> torch.Tensor:
         """Mean over DP x CP (a CP rank's loss is its share x cp), a 0-dim float64 device tensor."""
