@@ -35,7 +35,7 @@ from zerotron.training.parallelize import parallelize_gpt
 from zerotron.training.run_log import RunLog
 from zerotron.checkpoint.saves import Saves
 from zerotron.training.setup_run import build_grid, model_config, prepare_data
-from zerotron.training.step import run_step
+from zerotron.training.step import eval_step, run_step
 from zerotron.training.step_memory import StepMemory
 
 
@@ -226,26 +226,15 @@ class Trainer:
             self._check_finite()
         return {"loss": loss, "lr": lr, "beta1": betas[0], **info}
 
-    @torch.no_grad()
     def evaluate(self) -> dict:
-        from zerotron.parallel.pipeline import eval_step
-
+        """``logging.eval_steps`` global batches of the eval set, forward only (``step.eval_step``)."""
         self.model.eval()
-        total, count = torch.zeros((), dtype=torch.float64, device=self.env.device), 0
-        t = self.cfg.training
-        for k in range(self.cfg.logging.eval_steps):
-            data = self.eval_batches.get(k * t.global_batch_size)
-            if self.grid.pp_size > 1:
-                shape = self.model.hidden_shape(t.micro_batch_size)  # [s/t, b, h] with sequence parallelism
-                dtype = next(self.model.parameters()).dtype  # 16-bit after the optimizer cast them
-                total = total + eval_step(self.model, data, self.grid, shape, dtype=dtype, device=self.env.device)
-                count += 1
-            else:
-                for x, y in data:
-                    total = total + self.model(x, labels=y).to(torch.float64)
-                    count += 1
+        total = torch.zeros((), dtype=torch.float64, device=self.env.device)
+        steps, batch = self.cfg.logging.eval_steps, self.cfg.training.global_batch_size
+        for k in range(steps):
+            total = total + eval_step(self.model, self.eval_batches.get(k * batch), self.grid)
         self.model.train()
-        loss = host_sync.read(self._dp_mean(total / count), "eval", placeholder=0.0)  # once per evaluation
+        loss = host_sync.read(self._dp_mean(total / steps), "eval", placeholder=0.0)  # once per evaluation
         return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
 
     def save(self, wait: bool = True) -> Path:
