@@ -162,6 +162,19 @@ class MetricsLogger:
             self.message(f"[metrics] {moved} record(s) of {self.run_dir / 'metrics.jsonl'} past step {start_step} "
                          f"(steps this run trains again, or another run's) moved to {SUPERSEDED}")
 
+    def keep_config(self, config: dict[str, Any]) -> None:
+        """Write the run config as ``config.yaml`` beside ``metrics.jsonl`` (the writing rank); a
+        full or read-only run directory sets ``failed``, on which every rank stops naming it."""
+        if not self.enabled:
+            return
+        import yaml
+
+        path = self.run_dir / "config.yaml"
+        try:
+            path.write_text(yaml.safe_dump(config, sort_keys=False))
+        except OSError as e:
+            self.failed = self.failed or cannot_write(path, e, self.run_dir)
+
     def log(self, record: dict[str, Any], suffix: str = "") -> None:
         """Write ``record``; its console line ends with ``suffix`` (the run log's elapsed time and ETA)."""
         if not self.enabled:

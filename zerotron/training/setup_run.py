@@ -1,4 +1,5 @@
-"""Build what a run needs from its validated config: grid, tokenizer, data, model, optimizer.
+"""A run's checks before any process group (``before_any_group``, ``preflight``), and the pieces
+``build_run.py`` assembles after it: the grid, the token files and tokenizer, the model's config.
 
 Kept apart from the loop so tests and benchmarks can build the same pieces. Everything that can
 fail on bad input (config, tokenizer, token files) fails here, on every rank, before the first
@@ -206,6 +207,19 @@ def validate_model(cfg: RunConfig, vocab_size: int | None = None):
     except (TypeError, ValueError) as e:
         raise ConfigError(str(e)) from None
     return mcfg
+
+
+def before_any_group(cfg: RunConfig) -> None:
+    """What a run checks on every rank before ``init_process_group``, in order: the config
+    (``RunConfig.validate``), then ``preflight``; rank 0 then says the settings that have no
+    effect in this run (``config/inert.py``). Raises ``ConfigError`` (exit 2)."""
+    from zerotron.config.inert import no_effect
+
+    cfg.validate(int(os.environ.get("WORLD_SIZE", 1)))
+    preflight(cfg)  # model shape, pipeline split, ZeRO settings, the user's token files
+    if int(os.environ.get("RANK", 0)) == 0:
+        for line in no_effect(cfg):
+            print(f"[config] {line}", flush=True)
 
 
 def preflight(cfg: RunConfig) -> None:

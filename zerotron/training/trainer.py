@@ -1,8 +1,9 @@
 """The pretraining loop: micro-batches accumulated to the global batch, schedule, eval, logging,
 checkpoints and a graceful stop on SIGTERM (checkpoint, then exit) for preemptible clusters.
 
-Before any work the run takes its run and checkpoint directories' locks and decides which
-checkpoint it continues from (``resume.py``), so a refused or finished run stops in seconds.
+It loops over a ``Run`` that ``build_run.py`` put together (grid, locks, resume plan, data,
+model, optimizer, loaders, the loaded checkpoint); what it builds itself are the loop's meters
+(throughput, memory peaks, stragglers, profiler), its logs and its saves.
 
 The step (``training.step.run_step``) reads nothing on the host, nor does the trainer: the loss
 stays on the device, a non-finite one is remembered there (``_watch_loss``) and read at the log
@@ -12,7 +13,6 @@ step: the SIGTERM agreement (``_stop_agreed``) and fp16's overflow decision (``h
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import signal
 from pathlib import Path
@@ -22,21 +22,15 @@ import torch
 from zerotron.parallel import collectives as C
 from zerotron.parallel import faults, host_sync
 from zerotron.parallel import rng as rng_streams
-from zerotron.parallel.runtime import DistEnv
-from zerotron.checkpoint import distributed as ckpt, hf_import, resume
-from zerotron.training.batches import BatchLoader
-from zerotron.config.run_config import RunConfig
 from zerotron.training.metrics import CommWindow, MetricsLogger, PeakWindow, Throughput, host_values
 from zerotron.training.phase_times import PhaseTimes
 from zerotron.training.profiling import StepProfiler
 from zerotron.zero.lr_schedule import betas_at, lr_at
 from zerotron.training.stragglers import StragglerWatch
-from zerotron.training.parallelize import parallelize_gpt
 from zerotron.training.run_log import RunLog
 from zerotron.checkpoint.saves import Saves
-from zerotron.training.setup_run import build_grid, model_config, prepare_data
+from zerotron.training.build_run import Run
 from zerotron.training.step import eval_step, run_step
-from zerotron.training.step_memory import StepMemory
 
 
 class TrainingStopped(RuntimeError):
@@ -44,66 +38,27 @@ class TrainingStopped(RuntimeError):
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig, env: DistEnv):
-        self.cfg, self.env = cfg, env
-        self.grid = grid = build_grid(cfg)
-        self.run_id = resume.run_id(cfg)
-        self.locks = []
-        try:  # the run and checkpoint directories ours, the checkpoint to continue known
-            self.locks = resume.take_locks(cfg, self.run_id, grid, env.device, self.log)
-            self.resume = resume.plan_resume(cfg, grid, env.device, self.log)
-            self._build(cfg, env, grid)
-        except BaseException:
-            self.release_lock()
-            grid.close()
-            raise
+    """The loop over a built ``Run`` (``build_run.py``): steps, evaluation, logging, saves, stops."""
 
-    def _build(self, cfg: RunConfig, env: DistEnv, grid) -> None:
-        from zerotron.data import GPTDataset, prepare_dataset_index
-
-        self.data = prepare_data(cfg, grid, env.device)
-        if self.resume.path is not None:
-            resume.check_tokenizer(self.resume.path, self.data.tokenizer_path, cfg)
-        self.mcfg = model_config(cfg, self.data.vocab_size, self.data.tokenizer_path)
+    def __init__(self, run: Run):
+        cfg, env, grid = run.cfg, run.env, run.grid
+        self.run, self.cfg, self.env, self.grid, self.mcfg = run, cfg, env, grid, run.mcfg
+        self.model, self.opt, self.activations, self.memory = run.model, run.opt, run.activations, run.memory
+        self.data, self.resume, self.run_id, self.hf_label = run.data, run.resume, run.run_id, run.hf_label
+        self.train_ds, self.eval_ds, self.batches, self.eval_batches = (run.train_ds, run.eval_ds,
+                                                                        run.batches, run.eval_batches)
+        self.step, self.consumed = run.step, run.consumed
         t, lg, dev = cfg.training, cfg.logging, env.device
-        self.memory, self.peaks = StepMemory(lg.log_interval, dev.type), PeakWindow(dev)
+        self.peaks = PeakWindow(dev)
         self.profiler = StepProfiler(lg.profile_steps, lg.run_dir, grid.rank, dev)
         self.stragglers = StragglerWatch(grid, dev, lg.straggler_factor)
         self.phases = PhaseTimes(self.memory, env.device) if lg.wall_clock_breakdown else None
-        with self.memory.construction():
-            plan = parallelize_gpt(cfg, self.mcfg, grid, device=env.device)
-        self.model, self.opt, self.activations = plan.model, plan.optimizer, plan.activations
-        self.memory.register(self.opt)
-        # from the checkpoint's count on: train_steps x G falls short after a resume that shrank G
-        num_samples = self.resume.consumed + max(1, t.train_steps - self.resume.step) * t.global_batch_size
-        ds_args = dict(seq_length=self.mcfg.seq_length, seed=t.seed, cache_dir=cfg.data.cache_dir)
-        if grid.rank == 0:  # the sample index is built once and cached; the others wait, then read it
-            prepare_dataset_index(self.data.train_prefixes, self.data.train_weights, num_samples=num_samples, **ds_args)
-        C.barrier(grid.world_group)
-        self.train_ds = GPTDataset(self.data.train_prefixes, self.data.train_weights, num_samples=num_samples, **ds_args)
-        self.eval_ds = None
-        if self.data.eval_prefixes and cfg.logging.eval_interval > 0:
-            n_eval = cfg.logging.eval_steps * t.global_batch_size
-            if grid.rank == 0:
-                prepare_dataset_index(self.data.eval_prefixes, None, num_samples=n_eval, **ds_args)
-            C.barrier(grid.world_group)
-            self.eval_ds = GPTDataset(self.data.eval_prefixes, None, num_samples=n_eval, **ds_args)
-        self.batches, self.eval_batches = (
-            BatchLoader(ds, t.micro_batch_size, t.global_batch_size, cfg.num_microbatches, grid.dp_rank,
-                        grid.dp_size, env.device, depth=cfg.data.prefetch, vocab_size=self.data.vocab_size)
-            if ds is not None else None for ds in (self.train_ds, self.eval_ds))
-        self.step, self.consumed, self.hf_label = 0, 0, hf_import.start_run(self)  # --init-from-hf
-        if self.resume.path is not None:
-            state = ckpt.load_checkpoint(str(self.resume.path), self.model, self.opt, grid,
-                                         model_config=self.model_config_dict(), log=self.log,
-                                         verified=self.resume.verified)
-            self.step, self.consumed = state["step"], state["consumed_samples"]
-            self._restore_rng(state["rng"])
         self.throughput = Throughput.of_run(cfg, self.mcfg, grid.world_size, env.device)
         self.run_log = RunLog(self)  # prints the banner (training/run_log.py)
         self.logger = MetricsLogger(lg.run_dir, self.run_log.tracked_config(), grid.rank == 0,
                                     lg.wandb_mode, lg.wandb_project, t.train_steps, self.step,
                                     lg.tensorboard)
+        self.logger.keep_config(cfg.to_dict())  # config.yaml beside metrics.jsonl (rank 0)
         self.saves = Saves(self)  # synchronous, or in the background (checkpoint.async_save)
         self._stop_requested = self.stopped = self._writes_done = False
         # first step whose loss was non-finite (-1: none yet) and that loss, kept on the device
@@ -114,25 +69,16 @@ class Trainer:
 
     def release_lock(self) -> None:
         """Give the run and checkpoint directories back (rank 0; safe after a failed collective)."""
-        for lock in self.locks:
-            if lock is not None:
-                lock.release()
+        self.run.release_lock()
 
     def log(self, text: str) -> None:
-        if self.grid.rank == 0:
-            print(text, flush=True)
+        self.run.log(text)
 
     def model_config_dict(self) -> dict:  # with the family (gpt2 | llama), for metadata.json
-        return {**dataclasses.asdict(self.mcfg), "architecture": self.mcfg.architecture, **self.hf_label}
+        return self.run.model_config_dict()
 
     def _rng_states(self) -> dict[str, torch.Tensor]:
         return rng_streams.checkpoint_states(self.model.rng, self.env.device)
-
-    def _restore_rng(self, rng: dict | None) -> None:
-        if rng is None:  # another layout: per-rank streams cannot carry over; reseed from the step
-            self.model.rng.seed(self.cfg.training.seed + self.step, self.grid)
-            return
-        rng_streams.restore_checkpoint_states(self.model.rng, rng, self.env.device)
 
     def _dp_mean(self, value: torch.Tensor) -> torch.Tensor:
         """Mean over DP x CP (a CP rank's loss is its share x cp), a 0-dim float64 device tensor."""
@@ -292,9 +238,7 @@ class Trainer:
             self.saves.abandon()  # any other error: the writer finishes its file, nothing commits
             self.logger.close()
             self.release_lock()
-            for loader in (self.batches, self.eval_batches):
-                if loader is not None:
-                    loader.close()
+            self.run.close_loaders()
 
     def _loop(self) -> dict:
         t, lg, c = self.cfg.training, self.cfg.logging, self.cfg.checkpoint
