@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from zerotron.config.fields import section_fields
+
 # (field, True when the field acts in this run, why it does not otherwise)
 Rule = tuple[str, Callable[[Any], bool], Callable[[Any], str]]
 
@@ -76,10 +78,6 @@ def _rules() -> list[Rule]:
 RULES = _rules()
 
 
-def _default(section, name: str) -> Any:
-    return getattr(type(section)(), name)  # a fresh section holds every default, factories included
-
-
 def no_effect(cfg) -> list[str]:
     """One line per field set away from its default that does nothing in ``cfg`` (validated)."""
     lines = []
@@ -87,6 +85,7 @@ def no_effect(cfg) -> list[str]:
         section_name, name = target.split(".")
         section = getattr(cfg, section_name)
         value = getattr(section, name)
-        if value != _default(section, name) and not acts(cfg):
+        declared = section_fields(type(section), section_name)[name].default  # the field's own
+        if value != declared and not acts(cfg):
             lines.append(f"no effect here: {target}={value!r} ({why(cfg)})")
     return lines

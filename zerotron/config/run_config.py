@@ -1,11 +1,14 @@
 """The run configuration: one tree of dataclasses, validated once, errors that name the field.
 
-A run is one YAML file of these sections (see ``configs/tiny.yaml``) plus command-line
-overrides (``zerotron.config.cli``). The parallel, ZeRO and activation-checkpointing sections
-are the library's own ``ParallelDims``, ``ZeroConfig`` and ``ActivationCheckpointConfig``, so a
-key has one name, one default and one check wherever it is read. ``validate(world_size)`` runs on every rank before
-``init_process_group``-dependent work, so a bad config stops every rank with the same message
-instead of leaving some of them waiting in a collective.
+A run is one YAML file of these sections (see ``configs/tiny.yaml``) plus command-line overrides
+(``zerotron.config.cli``). The parallel, ZeRO and activation-checkpointing sections are the
+library's own ``ParallelDims``, ``ZeroConfig`` and ``ActivationCheckpointConfig``, the others are
+declared in ``zerotron.config.sections``, so a key has one name, one default, one help line and one
+check wherever it is read; a ``Literal`` field's choices are checked from its type
+(``zerotron.config.fields``), here for values set in code as the readers do for theirs.
+``validate(world_size)`` runs on every rank before ``init_process_group``-dependent work, so a bad
+config stops every rank with the same message instead of leaving some of them waiting in a
+collective.
 """
 
 from __future__ import annotations
@@ -20,11 +23,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from zerotron.activation import ActivationCheckpointConfig
-from zerotron.model.config import GPTConfig
+from zerotron.config.fields import first_refusal
+from zerotron.config.sections import (CheckpointSection, DataSection, LoggingSection,  # noqa: F401
+                                      ModelOverrides, OptimizerSection, TrainingSection)
 from zerotron.parallel import ParallelDims, runtime
-from zerotron.parallel.pipeline import SCHEDULES
 from zerotron.zero.lr_schedule import betas_at, check_schedule, min_lr_used
-from zerotron.zero.config import PRECISIONS, ZeroConfig
+from zerotron.zero.config import ZeroConfig
 from zerotron.zero.loss_scaler import check_loss_scaling
 from zerotron.zero.zeropp.groups import check_node_local
 
@@ -34,106 +38,6 @@ RUN_DIR = "{run_dir}"  # in checkpoint.save: stands for logging.run_dir, so each
 
 class ConfigError(ValueError):
     """A config value is invalid; the message names ``section.field``, the value and the fix."""
-
-
-def _model_overrides() -> type:
-    """The ``model`` section: a preset name, and every ``GPTConfig`` field as an optional override
-    (None: the preset's value; ``vocab_size`` None: the tokenizer's). Generated from GPTConfig, so
-    a model field is settable from YAML and flags the moment it exists, with GPTConfig's type."""
-    hints = typing.get_type_hints(GPTConfig)
-    overrides = [(f.name, hints[f.name] | None, None) for f in dataclasses.fields(GPTConfig)
-                 if f.name not in _PRESET_ONLY]
-    return dataclasses.make_dataclass("ModelOverrides", [("preset", str, "tiny"), *overrides])
-
-
-_PRESET_ONLY = ("name", "paper_mp")  # labels of a preset, not shape choices
-ModelOverrides = _model_overrides()
-
-
-@dataclass
-class DataSection:
-    data_path: list[str] = field(default_factory=list)  # token-file prefixes; empty = built-in corpus
-    data_weights: list[float] = field(default_factory=list)
-    eval_path: list[str] = field(default_factory=list)
-    tokenizer: str | None = None  # sentencepiece .model or HF tokenizer dir; None: the corpus's
-    cache_dir: str = ".cache/zerotron"
-    default_corpus_vocab: int = 1024
-    prefetch: int = 2  # steps of micro-batches read ahead by a background thread; 0: none
-
-
-@dataclass
-class OptimizerSection:
-    lr: float = 1e-3
-    min_lr: float = 1e-4
-    warmup_steps: int = 20
-    decay: str = "cosine"  # cosine | linear | constant
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    clip_grad: float = 1.0
-    initial_loss_scale: float = 2.0**16
-    loss_scale_window: int = 1000
-    hysteresis: int = 2
-    min_loss_scale: float = 1.0
-    loss_scale: float = 0.0  # fp16: > 0 is a static scale (DeepSpeed's fp16.loss_scale); 0: dynamic
-    consecutive_hysteresis: bool = False  # fp16: every clean step restores the hysteresis budget
-    adam_w_mode: bool = True  # False: Adam with L2 weight decay added to the gradient (DeepSpeed's key)
-    # the schedule family (zero/lr_schedule.py): megatron | deepspeed (DeepSpeed's lr_schedules, step for step)
-    schedule: str = "megatron"
-    warmup_min_lr: float = 0.0  # the rate the warm-up starts from
-    warmup_type: str = "linear"  # linear | log (DeepSpeed's default; deepspeed schedule only)
-    schedule_steps: int | None = None  # where the decay ends; None: training.train_steps
-    # schedule onecycle (DeepSpeed's OneCycle): lr is the cycle's top, warmup_min_lr its bottom, warmup_steps its rise
-    cycle_down_steps: int | None = None  # the fall; None: warmup_steps
-    decay_lr_rate: float = 0.0  # after the cycle: warmup_min_lr / (1 + rate * steps / decay_step_size)
-    decay_step_size: int = 0  # 0: no decay after the cycle
-    cycle_momentum: bool = False  # beta1 cycles inversely, from beta1 down to cycle_min_beta1
-    cycle_min_beta1: float = 0.8
-    decay_beta1_rate: float = 0.0  # after the cycle: beta1 * (1 + rate * steps / decay_step_size)
-
-
-@dataclass
-class TrainingSection:
-    train_steps: int = 300
-    micro_batch_size: int = 8
-    global_batch_size: int = 16
-    # fp32 | fp16 | bf16 | fp64; fp64 is the parity tests' precision: model, master weights, moments
-    # and every reduction in float64, so two layouts differ by ~1e-16 round-off and nothing else
-    precision: str = "fp32"
-    seed: int = 1234
-    compile: bool = False  # torch.compile each transformer block's forward (parallelize.compile_blocks)
-    skip_memory_check: bool = False  # start although the memory model says a rank cannot fit
-
-
-@dataclass
-class LoggingSection:
-    run_dir: str = "runs/tiny"
-    log_interval: int = 10
-    eval_interval: int = 100
-    eval_steps: int = 5
-    wandb_mode: str = "offline"  # offline | online | disabled
-    wandb_project: str = "zerotron"
-    peak_tflops: float | None = None  # per-device peak for MFU; None: from the device table
-    wall_clock_breakdown: bool = False  # forward / backward / step seconds in each record (device-synchronized)
-    tensorboard: bool = False  # also write <run_dir>/tensorboard (needs the tensorboard package)
-    profile_steps: list[int] = field(default_factory=list)  # [A, B]: trace steps A..B
-    straggler_factor: float = 1.2  # name a rank busier than this x the median; 0: off
-
-
-@dataclass
-class CheckpointSection:
-    save: str | None = None  # directory ("{run_dir}" = logging.run_dir); None: no checkpoints
-    save_interval: int = 0  # steps; 0: only at the end (when save is set)
-    load: str | None = "auto"  # auto: this run's newest checkpoint in save, if any; a path; None: from scratch
-    keep_last: int = 2  # of this run's checkpoints (another run's are never pruned)
-    fallback: bool = False  # newest checkpoint corrupt: load the newest intact earlier one
-    override_schedule: bool = False  # resume although lr schedule / global batch / seed differ
-    consolidated_16bit: bool = False  # each checkpoint also holds consolidated.safetensors (DeepSpeed's gather_16bit)
-    async_save: bool = False  # loop waits only for a host copy; a thread writes (Megatron --async-save)
-    # a transformers model directory (Llama, Mistral, Qwen2, GPT-2): its architecture and weights
-    # start the run (optimizer fresh, step 0); a checkpoint to resume wins over it
-    init_from_hf: str | None = None
 
 
 @dataclass
@@ -174,10 +78,8 @@ class RunConfig:
 
     def _check(self, world_size: int, gpus_per_node: int | None) -> "RunConfig":
         _check_finite(self)
-        _choice("training.precision", self.training.precision, PRECISIONS)
-        _choice("optimizer.decay", self.optimizer.decay, ("cosine", "linear", "constant"))
-        _choice("logging.wandb_mode", self.logging.wandb_mode, ("offline", "online", "disabled"))
-        _choice("parallel.pipeline_schedule", self.parallel.pipeline_schedule, SCHEDULES)
+        if (why := first_refusal(self)) is not None:  # every Literal-typed field, set in code too
+            raise ConfigError(why)
         try:
             self.parallel = self.parallel.resolve(world_size)
             self.zero.validate(dp_size=self.parallel.dp, precision=self.training.precision)
@@ -299,11 +201,6 @@ class RunConfig:
     def num_microbatches(self) -> int:
         t = self.training
         return t.global_batch_size // (t.micro_batch_size * self.parallel.dp)
-
-
-def _choice(name: str, value: Any, allowed: tuple) -> None:
-    if value not in allowed:
-        raise ConfigError(f"{name}={value!r} is not one of {list(allowed)}")
 
 
 def _positive(name: str, value: Any, allow_zero: bool = False, fix: str = "") -> None:

@@ -13,12 +13,8 @@ import decimal
 import typing
 from typing import Any
 
+from zerotron.config.fields import literal_choices, refusal, section_fields
 from zerotron.config.run_config import ConfigError, RunConfig
-
-
-def _field_types(section_obj) -> dict[str, Any]:
-    hints = typing.get_type_hints(type(section_obj))
-    return {f.name: hints[f.name] for f in dataclasses.fields(section_obj)}
 
 
 def _coerce(name: str, tp: Any, value: Any) -> Any:
@@ -29,6 +25,8 @@ def _coerce(name: str, tp: Any, value: Any) -> Any:
         return None
     base = args[0] if optional and args else tp
     origin = typing.get_origin(base)
+    if choices := literal_choices(base):  # read as its members' type; set_field checks membership
+        return _coerce(name, type(choices[0]), value)
     try:
         if origin is list:
             (inner,) = typing.get_args(base)
@@ -105,11 +103,17 @@ def _whole(name: str, value: Any) -> int:
 
 
 def set_field(cfg: RunConfig, section: str, name: str, value: Any) -> None:
+    """Set ``section.name`` from a reader's raw value: coerced to the declared type, and refused
+    naming the field when the type cannot hold it or it is outside the field's ``Literal``."""
     if not hasattr(cfg, section) or not dataclasses.is_dataclass(getattr(cfg, section)):
         sections = [f.name for f in dataclasses.fields(cfg)]
         raise ConfigError(f"unknown config section {section!r}; sections are {sections}")
     sec = getattr(cfg, section)
-    types = _field_types(sec)
-    if name not in types:
-        raise ConfigError(f"unknown config key {section}.{name}; keys of {section} are {sorted(types)}")
-    setattr(sec, name, _coerce(f"{section}.{name}", types[name], value))
+    specs = section_fields(type(sec), section)
+    if name not in specs:
+        raise ConfigError(f"unknown config key {section}.{name}; keys of {section} are "
+                          f"{sorted(specs)}")
+    coerced = _coerce(f"{section}.{name}", specs[name].type, value)
+    if (why := refusal(specs[name], coerced)) is not None:
+        raise ConfigError(why)
+    setattr(sec, name, coerced)

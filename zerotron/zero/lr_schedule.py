@@ -33,10 +33,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Literal, get_args
 
-DECAYS = ("cosine", "linear", "constant")
-SCHEDULES = ("megatron", "deepspeed", "onecycle")
-WARMUP_TYPES = ("linear", "log")
+Decay = Literal["cosine", "linear", "constant"]  # the types of the optimizer section's fields
+LrScheduleFamily = Literal["megatron", "deepspeed", "onecycle"]
+WarmupType = Literal["linear", "log"]
+DECAYS, SCHEDULES, WARMUP_TYPES = get_args(Decay), get_args(LrScheduleFamily), get_args(WarmupType)
 
 
 def learning_rate(step: int, *, lr: float, min_lr: float, warmup_steps: int, total_steps: int, decay: str,

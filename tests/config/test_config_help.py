@@ -1,7 +1,7 @@
 """``pretrain_gpt.py --help`` documents the whole config tree: every ``--section.field`` with its
 type, its default and a line of help, the short flags with the field they set, and the exit codes.
 
-The fields are found by walking the dataclasses here, not through ``config_help``, so a field
+The fields are found by walking the dataclasses here, not through ``config.fields``, so a field
 added to any section (``RunConfig`` or the library's ``ParallelDims``, ``ZeroConfig``,
 ``ActivationCheckpointConfig``, ``GPTConfig``) without help fails this test; each default --help
 prints is parsed back through the CLI and must give the field's real default.
@@ -65,7 +65,12 @@ def test_help_names_every_config_field_with_type_default_and_help(help_text):
         line = documented[f"--{key}"]
         head, _, text = line.partition(": ")
         kind = head.split(",")[0]
-        assert kind.rstrip("?") in str(tp) or kind.startswith("list["), (key, line)
+        literal = [a for a in (tp, *typing.get_args(tp)) if typing.get_origin(a) is typing.Literal]
+        choices = typing.get_args(literal[0]) if literal else ()
+        declared = type(choices[0]) if choices else tp  # a Literal is printed as its members' type
+        assert kind.rstrip("?") in str(declared) or kind.startswith("list["), (key, line)
+        if choices and key != "model.preset":  # the choices are printed from the declaration
+            assert f", one of {'|'.join(map(str, choices))}:" in line, (key, line)
         assert kind.endswith("?") == (type(None) in typing.get_args(tp)), (key, line)
         assert ", default " in head and text and text != "(undocumented)", (key, line)
     assert not set(documented) - {f"--{k}" for k, _, _ in fields}, "--help documents a field that does not exist"
