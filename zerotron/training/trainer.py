@@ -23,7 +23,8 @@ from zerotron.parallel import collectives as C
 from zerotron.parallel import faults, host_sync
 from zerotron.parallel import rng as rng_streams
 from zerotron.parallel.runtime import DistEnv
-from zerotron.checkpoint import distributed as ckpt, hf_import, resume
+from zerotron.checkpoint import hf_import
+from zerotron.checkpoint.checkpointer import Checkpointer
 from zerotron.training.batches import BatchLoader
 from zerotron.config.run_config import RunConfig
 from zerotron.training.metrics import CommWindow, MetricsLogger, PeakWindow, Throughput, host_values
@@ -33,7 +34,6 @@ from zerotron.zero.lr_schedule import betas_at, lr_at
 from zerotron.training.stragglers import StragglerWatch
 from zerotron.training.parallelize import parallelize_gpt
 from zerotron.training.run_log import RunLog
-from zerotron.checkpoint.saves import Saves
 from zerotron.training.setup_run import build_grid, model_config, prepare_data
 from zerotron.training.step import run_step
 from zerotron.training.step_memory import StepMemory
@@ -47,11 +47,9 @@ class Trainer:
     def __init__(self, cfg: RunConfig, env: DistEnv):
         self.cfg, self.env = cfg, env
         self.grid = grid = build_grid(cfg)
-        self.run_id = resume.run_id(cfg)
-        self.locks = []
+        self.checkpointer = None
         try:  # the run and checkpoint directories ours, the checkpoint to continue known
-            self.locks = resume.take_locks(cfg, self.run_id, grid, env.device, self.log)
-            self.resume = resume.plan_resume(cfg, grid, env.device, self.log)
+            self.checkpointer = Checkpointer.for_run(cfg, grid, env.device, self.log)
             self._build(cfg, env, grid)
         except BaseException:
             self.release_lock()
@@ -62,8 +60,7 @@ class Trainer:
         from zerotron.data import GPTDataset, prepare_dataset_index
 
         self.data = prepare_data(cfg, grid, env.device)
-        if self.resume.path is not None:
-            resume.check_tokenizer(self.resume.path, self.data.tokenizer_path, cfg)
+        self.checkpointer.use_tokenizer(self.data.tokenizer_path, cfg)
         self.mcfg = model_config(cfg, self.data.vocab_size, self.data.tokenizer_path)
         t, lg, dev = cfg.training, cfg.logging, env.device
         self.memory, self.peaks = StepMemory(lg.log_interval, dev.type), PeakWindow(dev)
@@ -75,7 +72,8 @@ class Trainer:
         self.model, self.opt, self.activations = plan.model, plan.optimizer, plan.activations
         self.memory.register(self.opt)
         # from the checkpoint's count on: train_steps x G falls short after a resume that shrank G
-        num_samples = self.resume.consumed + max(1, t.train_steps - self.resume.step) * t.global_batch_size
+        resumed = self.checkpointer.plan
+        num_samples = resumed.consumed + max(1, t.train_steps - resumed.step) * t.global_batch_size
         ds_args = dict(seq_length=self.mcfg.seq_length, seed=t.seed, cache_dir=cfg.data.cache_dir)
         if grid.rank == 0:  # the sample index is built once and cached; the others wait, then read it
             prepare_dataset_index(self.data.train_prefixes, self.data.train_weights, num_samples=num_samples, **ds_args)
@@ -93,10 +91,8 @@ class Trainer:
                         grid.dp_size, env.device, depth=cfg.data.prefetch, vocab_size=self.data.vocab_size)
             if ds is not None else None for ds in (self.train_ds, self.eval_ds))
         self.step, self.consumed, self.hf_label = 0, 0, hf_import.start_run(self)  # --init-from-hf
-        if self.resume.path is not None:
-            state = ckpt.load_checkpoint(str(self.resume.path), self.model, self.opt, grid,
-                                         model_config=self.model_config_dict(), log=self.log,
-                                         verified=self.resume.verified)
+        self.checkpointer.track(self.model, self.opt, self.model_config_dict())
+        if (state := self.checkpointer.load()) is not None:
             self.step, self.consumed = state["step"], state["consumed_samples"]
             self._restore_rng(state["rng"])
         self.throughput = Throughput.of_run(cfg, self.mcfg, grid.world_size, env.device)
@@ -104,7 +100,7 @@ class Trainer:
         self.logger = MetricsLogger(lg.run_dir, self.run_log.tracked_config(), grid.rank == 0,
                                     lg.wandb_mode, lg.wandb_project, t.train_steps, self.step,
                                     lg.tensorboard)
-        self.saves = Saves(self)  # synchronous, or in the background (checkpoint.async_save)
+        self.checkpointer.report_to(self.logger.log, self.run_log.saved)
         self._stop_requested = self.stopped = self._writes_done = False
         # first step whose loss was non-finite (-1: none yet) and that loss, kept on the device
         self._bad_step = torch.full((), -1.0, dtype=torch.float64, device=env.device)
@@ -114,9 +110,8 @@ class Trainer:
 
     def release_lock(self) -> None:
         """Give the run and checkpoint directories back (rank 0; safe after a failed collective)."""
-        for lock in self.locks:
-            if lock is not None:
-                lock.release()
+        if self.checkpointer is not None:
+            self.checkpointer.release()
 
     def log(self, text: str) -> None:
         if self.grid.rank == 0:
@@ -252,14 +247,15 @@ class Trainer:
         """Write a checkpoint of this step (``wait=False`` with async_save: start writing it in the
         background, ``checkpoint/saves.py``); a run whose loss went non-finite raises instead."""
         self._check_finite()
-        return self.saves.save(wait)
+        return self.checkpointer.save(self.step, consumed_samples=self.consumed,
+                                      rng_states=self._rng_states(), wait=wait)
 
     def _stop_agreed(self) -> bool:
         """Whether any rank got SIGTERM: the one host read of a bf16/fp32 step (``"stop"``). Its
         flag also carries rank 0's failure to write the run directory (every rank names that) and,
         with a background save in flight, whether every rank's writer is done (``_writes_done``):
         a commit every rank then makes at the same step (async_save.py)."""
-        writing = self.saves.writing()  # None on every rank alike: no background save in flight
+        writing = self.checkpointer.writing()  # None on every rank alike: no background save in flight
         stop = 2.0 if self.logger.failed else float(self._stop_requested)
         flag = torch.tensor([stop] + ([] if writing is None else [float(writing)]), device=self.env.device)
         C.all_reduce(flag, self.grid.world_group, op="max")
@@ -297,10 +293,10 @@ class Trainer:
             self.run_log.summary(last, self.stopped)
             return last
         except TrainingStopped:  # raised on every rank at the same point: a save in flight commits
-            self.saves.finish()
+            self.checkpointer.finish(self.step)
             raise
         finally:
-            self.saves.abandon()  # any other error: the writer finishes its file, nothing commits
+            self.checkpointer.abandon()  # any other error: the writer finishes its file, nothing commits
             self.logger.close()
             self.release_lock()
             for loader in (self.batches, self.eval_batches):
@@ -331,7 +327,7 @@ class Trainer:
             path = None
             if self._writes_done:  # every rank's background write is done: commit it now
                 with self.throughput.paused(), self.comm.excluded():
-                    self.saves.finish()
+                    self.checkpointer.finish(self.step)
             if c.save and ((c.save_interval and self.step % c.save_interval == 0) or stop
                            or self.step == t.train_steps):
                 with self.throughput.paused(), self.comm.excluded():
@@ -345,5 +341,5 @@ class Trainer:
                 break
         if c.save and t.train_steps == 0:  # --init-from-hf DIR --train-steps 0: the imported model
             self.save()
-        self.saves.finish()  # a run whose last step saves nothing still commits the one in flight
+        self.checkpointer.finish(self.step)  # a run whose last step saves nothing still commits the one in flight
         return last
