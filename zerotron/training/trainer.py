@@ -245,7 +245,7 @@ class Trainer:
 
     def save(self, wait: bool = True) -> Path:
         """Write a checkpoint of this step (``wait=False`` with async_save: start writing it in the
-        background, ``checkpoint/saves.py``); a run whose loss went non-finite raises instead."""
+        background, ``checkpoint/checkpointer.py``); a run whose loss went non-finite raises instead."""
         self._check_finite()
         return self.checkpointer.save(self.step, consumed_samples=self.consumed,
                                       rng_states=self._rng_states(), wait=wait)
