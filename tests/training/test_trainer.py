@@ -216,7 +216,7 @@ def killed_deleting_the_replaced_checkpoint(run_dir, cache, flags):
     """``run_steps``, killed (``kill -9``) part-way through deleting the step_00000010 it saves again."""
     import shutil
 
-    from zerotron.checkpoint import distributed as checkpoint
+    from zerotron.checkpoint import write as checkpoint
 
     def rmtree(path, *args, **kwargs):
         path = Path(path)

@@ -190,12 +190,12 @@ def start_run(trainer) -> dict:
     from zerotron.checkpoint.files import read_metadata
     from zerotron.config.hf_config import read_hf_config
 
-    cfg = trainer.cfg
-    if trainer.resume.path is not None:
+    cfg, resumed = trainer.cfg, trainer.checkpointer.plan.path
+    if resumed is not None:
         if cfg.checkpoint.init_from_hf:
             trainer.log(f"[hf] checkpoint.init_from_hf={cfg.checkpoint.init_from_hf} is not read: "
-                        f"the run continues {trainer.resume.path}")
-        saved = read_metadata(trainer.resume.path).get("model", {}).get("hf_model_type")
+                        f"the run continues {resumed}")
+        saved = read_metadata(resumed).get("model", {}).get("hf_model_type")
         return {"hf_model_type": saved} if saved else {}
     if not cfg.checkpoint.init_from_hf:
         return {}

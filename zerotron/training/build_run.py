@@ -1,12 +1,13 @@
 """Every set-up step of a run, in the order it runs, after the process group and before the loop.
 
-``build_run(cfg, env)`` is the one place a run is put together: the grid, the run and checkpoint
-directories' locks, which checkpoint it continues (so a refused or finished run stops in
-seconds, before any data or model is built), the token files and tokenizer, the model through
-``parallelize_gpt`` (stage, TP, recompute, ZeRO's optimizer), the datasets and their loaders,
-and the load of the checkpoint or of a Hugging Face model. It returns a ``Run``, what the loop
-needs; ``Trainer`` only loops over it. The checkpoint steps (locks, resume plan, load) are one
-small function each, the only calls into ``zerotron/checkpoint`` here.
+``build_run(cfg, env)`` is the one place a run is put together: the grid; the run's one
+``Checkpointer`` (``checkpoint/checkpointer.py``), which takes the run and checkpoint directories'
+locks and plans which checkpoint the run continues, so a refused or finished run stops in
+seconds, before any data or model is built; the token files and tokenizer; the model through
+``parallelize_gpt`` (stage, TP, recompute, ZeRO's optimizer); the datasets and their loaders;
+and the load of the checkpoint (through the Checkpointer) or of a Hugging Face model. It returns
+a ``Run``, what the loop needs; ``Trainer`` only loops over it and saves through the Run's
+Checkpointer.
 
 Nothing here reads the command line or checks the config: ``setup_run.before_any_group`` did
 that on every rank before ``init_process_group``.
@@ -17,7 +18,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from zerotron.checkpoint import distributed as ckpt, hf_import, resume
+from zerotron.checkpoint import hf_import
+from zerotron.checkpoint.checkpointer import Checkpointer
 from zerotron.config.run_config import RunConfig
 from zerotron.data import GPTDataset, prepare_dataset_index
 from zerotron.parallel import Grid
@@ -32,16 +34,15 @@ from zerotron.training.step_memory import StepMemory
 
 @dataclass
 class Run:
-    """What the loop needs, built: the config and process grid, the directories' locks, the
-    resume plan, data, model and optimizer, loaders, and where the run starts (``step``,
-    ``consumed`` samples). ``hf_label``: the Hugging Face class for ``metadata.json``."""
+    """What the loop needs, built: the config and process grid, the Checkpointer (locks held,
+    resume planned, model and optimizer tracked), data, model and optimizer, loaders, and where
+    the run starts (``step``, ``consumed`` samples). ``hf_label``: the Hugging Face class for
+    ``metadata.json``."""
 
     cfg: RunConfig
     env: DistEnv
     grid: Grid
-    run_id: str
-    locks: list = field(default_factory=list)
-    resume: resume.ResumePlan | None = None
+    checkpointer: Checkpointer | None = None
     data: DataBundle | None = None
     mcfg: object = None  # the GPTConfig: preset, overrides, the tokenizer's vocabulary
     memory: StepMemory | None = None  # measured the construction; measures a step per log interval
@@ -65,9 +66,8 @@ class Run:
 
     def release_lock(self) -> None:
         """Give the run and checkpoint directories back (rank 0; safe after a failed collective)."""
-        for lock in self.locks:
-            if lock is not None:
-                lock.release()
+        if self.checkpointer is not None:
+            self.checkpointer.release()
 
     def close_loaders(self) -> None:
         for loader in (self.batches, self.eval_batches):
@@ -78,10 +78,9 @@ class Run:
 def build_run(cfg: RunConfig, env: DistEnv) -> Run:
     """Set the run up, step by step (the module docstring). Collective: every rank calls it.
     On any failure the locks are given back and the grid closed before the error goes on."""
-    run = Run(cfg, env, build_grid(cfg), resume.run_id(cfg))
-    try:
-        run.locks = take_locks(run)
-        run.resume = plan_resume(run)
+    run = Run(cfg, env, build_grid(cfg))
+    try:  # the directories ours and the checkpoint to continue known, before data or model
+        run.checkpointer = Checkpointer.for_run(cfg, run.grid, env.device, run.log)
         build_data(run)
         build_model(run)
         build_loaders(run)
@@ -93,40 +92,12 @@ def build_run(cfg: RunConfig, env: DistEnv) -> Run:
     return run
 
 
-# checkpoint steps: one function each ---------------------------------------------------------
-def take_locks(run: Run) -> list:
-    """The run directory's lock, then the checkpoint directory's: one live run owns each."""
-    return resume.take_locks(run.cfg, run.run_id, run.grid, run.env.device, run.log)
-
-
-def plan_resume(run: Run) -> resume.ResumePlan:
-    """Which checkpoint this run continues, verified; ``AlreadyComplete`` if nothing is left."""
-    return resume.plan_resume(run.cfg, run.grid, run.env.device, run.log)
-
-
-def load(run: Run) -> None:
-    """The resumed checkpoint (its step, data position and random streams), or
-    ``checkpoint.init_from_hf``'s weights on a fresh run."""
-    run.hf_label = hf_import.start_run(run)
-    if run.resume.path is None:
-        return
-    state = ckpt.load_checkpoint(str(run.resume.path), run.model, run.opt, run.grid,
-                                 model_config=run.model_config_dict(), log=run.log,
-                                 verified=run.resume.verified)
-    run.step, run.consumed = state["step"], state["consumed_samples"]
-    if state["rng"] is None:  # another layout: per-rank streams cannot carry over; reseed from the step
-        run.model.rng.seed(run.cfg.training.seed + run.step, run.grid)
-    else:
-        rng_streams.restore_checkpoint_states(run.model.rng, state["rng"], run.env.device)
-
-
 # the data and the model -----------------------------------------------------------------------
 def build_data(run: Run) -> None:
     """Token files and tokenizer (the built-in corpus built by rank 0), checked against the
     resumed checkpoint's tokenizer; then the model's configuration, vocabulary included."""
     run.data = prepare_data(run.cfg, run.grid, run.env.device)
-    if run.resume.path is not None:
-        resume.check_tokenizer(run.resume.path, run.data.tokenizer_path, run.cfg)
+    run.checkpointer.use_tokenizer(run.data.tokenizer_path, run.cfg)  # kept in each checkpoint
     run.mcfg = model_config(run.cfg, run.data.vocab_size, run.data.tokenizer_path)
 
 
@@ -142,7 +113,7 @@ def build_model(run: Run) -> None:
 def build_loaders(run: Run) -> None:
     """The train and eval datasets (sample indices built once by rank 0 and cached) and their
     read-ahead loaders."""
-    cfg, t, grid, resumed = run.cfg, run.cfg.training, run.grid, run.resume
+    cfg, t, grid, resumed = run.cfg, run.cfg.training, run.grid, run.checkpointer.plan
     # from the checkpoint's count on: train_steps x G falls short after a resume that shrank G
     num_samples = resumed.consumed + max(1, t.train_steps - resumed.step) * t.global_batch_size
     run.train_ds = _dataset(run, run.data.train_prefixes, run.data.train_weights, num_samples)
@@ -153,6 +124,22 @@ def build_loaders(run: Run) -> None:
         BatchLoader(ds, t.micro_batch_size, t.global_batch_size, cfg.num_microbatches, grid.dp_rank,
                     grid.dp_size, run.env.device, depth=cfg.data.prefetch, vocab_size=run.data.vocab_size)
         if ds is not None else None for ds in (run.train_ds, run.eval_ds))
+
+
+def load(run: Run) -> None:
+    """The resumed checkpoint (its step, data position and random streams), or
+    ``checkpoint.init_from_hf``'s weights on a fresh run; then the Checkpointer tracks the model
+    and optimizer its saves hold."""
+    run.hf_label = hf_import.start_run(run)
+    run.checkpointer.track(run.model, run.opt, run.model_config_dict())
+    state = run.checkpointer.load()
+    if state is None:
+        return
+    run.step, run.consumed = state["step"], state["consumed_samples"]
+    if state["rng"] is None:  # another layout: per-rank streams cannot carry over; reseed from the step
+        run.model.rng.seed(run.cfg.training.seed + run.step, run.grid)
+    else:
+        rng_streams.restore_checkpoint_states(run.model.rng, state["rng"], run.env.device)
 
 
 def _dataset(run: Run, prefixes: list[str], weights, num_samples: int) -> GPTDataset:

@@ -33,20 +33,18 @@ def prepare_data(cfg: RunConfig, grid: Grid, device) -> DataBundle:
     """Token files and tokenizer: the built-in corpus (rank 0 builds, the others wait for its
     outcome, so a build that fails stops every rank with rank 0's reason) or the user's."""
     from zerotron.data import build_default_corpus
-    from zerotron.checkpoint.resume import share
+    from zerotron.parallel.agreement import rank0_decides
 
     d = cfg.data
     if not d.data_path:
-        failure = ""
-        if grid.rank == 0:
+        def build() -> None:  # rank 0 builds; the others wait for its outcome, then read it
             try:
                 build_default_corpus(d.cache_dir, vocab_size=d.default_corpus_vocab, tokenizer=d.tokenizer)
             except (OSError, ValueError) as e:
-                failure = (f"the built-in corpus could not be built in data.cache_dir={d.cache_dir} with "
-                           f"data.default_corpus_vocab={d.default_corpus_vocab} (the default is 1024): {e}")
-        failure = share(failure, grid, device)  # also the barrier: the others read what rank 0 built
-        if failure:
-            raise ConfigError(failure)
+                raise ConfigError(f"the built-in corpus could not be built in data.cache_dir={d.cache_dir} with "
+                                  f"data.default_corpus_vocab={d.default_corpus_vocab} (the default is 1024): "
+                                  f"{e}") from None
+        rank0_decides(build, grid, device, failures=(ConfigError,))
         train, tok_path, evals = build_default_corpus(d.cache_dir, vocab_size=d.default_corpus_vocab,
                                                       tokenizer=d.tokenizer)
         bundle = DataBundle([train], None, [evals], tok_path, 0)

@@ -1,9 +1,10 @@
 """The pretraining loop: micro-batches accumulated to the global batch, schedule, eval, logging,
 checkpoints and a graceful stop on SIGTERM (checkpoint, then exit) for preemptible clusters.
 
-It loops over a ``Run`` that ``build_run.py`` put together (grid, locks, resume plan, data,
-model, optimizer, loaders, the loaded checkpoint); what it builds itself are the loop's meters
-(throughput, memory peaks, stragglers, profiler), its logs and its saves.
+It loops over a ``Run`` that ``build_run.py`` put together (grid, the Checkpointer with its
+locks and resume plan, data, model, optimizer, loaders, the loaded checkpoint); what it builds
+itself are the loop's meters (throughput, memory peaks, stragglers, profiler) and its logs. It
+saves through the Run's ``Checkpointer`` (``checkpoint/checkpointer.py``).
 
 The step (``training.step.run_step``) reads nothing on the host, nor does the trainer: the loss
 stays on the device, a non-finite one is remembered there (``_watch_loss``) and read at the log
@@ -28,7 +29,6 @@ from zerotron.training.profiling import StepProfiler
 from zerotron.zero.lr_schedule import betas_at, lr_at
 from zerotron.training.stragglers import StragglerWatch
 from zerotron.training.run_log import RunLog
-from zerotron.checkpoint.saves import Saves
 from zerotron.training.build_run import Run
 from zerotron.training.step import eval_step, run_step
 
@@ -44,7 +44,7 @@ class Trainer:
         cfg, env, grid = run.cfg, run.env, run.grid
         self.run, self.cfg, self.env, self.grid, self.mcfg = run, cfg, env, grid, run.mcfg
         self.model, self.opt, self.activations, self.memory = run.model, run.opt, run.activations, run.memory
-        self.data, self.resume, self.run_id, self.hf_label = run.data, run.resume, run.run_id, run.hf_label
+        self.data, self.checkpointer, self.hf_label = run.data, run.checkpointer, run.hf_label
         self.train_ds, self.eval_ds, self.batches, self.eval_batches = (run.train_ds, run.eval_ds,
                                                                         run.batches, run.eval_batches)
         self.step, self.consumed = run.step, run.consumed
@@ -59,7 +59,7 @@ class Trainer:
                                     lg.wandb_mode, lg.wandb_project, t.train_steps, self.step,
                                     lg.tensorboard)
         self.logger.keep_config(cfg.to_dict())  # config.yaml beside metrics.jsonl (rank 0)
-        self.saves = Saves(self)  # synchronous, or in the background (checkpoint.async_save)
+        self.checkpointer.report_to(self.logger.log, self.run_log.saved)  # each save's record
         self._stop_requested = self.stopped = self._writes_done = False
         # first step whose loss was non-finite (-1: none yet) and that loss, kept on the device
         self._bad_step = torch.full((), -1.0, dtype=torch.float64, device=env.device)
@@ -185,16 +185,17 @@ class Trainer:
 
     def save(self, wait: bool = True) -> Path:
         """Write a checkpoint of this step (``wait=False`` with async_save: start writing it in the
-        background, ``checkpoint/saves.py``); a run whose loss went non-finite raises instead."""
+        background, ``checkpoint/checkpointer.py``); a run whose loss went non-finite raises instead."""
         self._check_finite()
-        return self.saves.save(wait)
+        return self.checkpointer.save(self.step, consumed_samples=self.consumed,
+                                      rng_states=self._rng_states(), wait=wait)
 
     def _stop_agreed(self) -> bool:
         """Whether any rank got SIGTERM: the one host read of a bf16/fp32 step (``"stop"``). Its
         flag also carries rank 0's failure to write the run directory (every rank names that) and,
         with a background save in flight, whether every rank's writer is done (``_writes_done``):
         a commit every rank then makes at the same step (async_save.py)."""
-        writing = self.saves.writing()  # None on every rank alike: no background save in flight
+        writing = self.checkpointer.writing()  # None on every rank alike: no background save in flight
         stop = 2.0 if self.logger.failed else float(self._stop_requested)
         flag = torch.tensor([stop] + ([] if writing is None else [float(writing)]), device=self.env.device)
         C.all_reduce(flag, self.grid.world_group, op="max")
@@ -232,10 +233,10 @@ class Trainer:
             self.run_log.summary(last, self.stopped)
             return last
         except TrainingStopped:  # raised on every rank at the same point: a save in flight commits
-            self.saves.finish()
+            self.checkpointer.finish(self.step)
             raise
         finally:
-            self.saves.abandon()  # any other error: the writer finishes its file, nothing commits
+            self.checkpointer.abandon()  # any other error: the writer finishes its file, nothing commits
             self.logger.close()
             self.release_lock()
             self.run.close_loaders()
@@ -264,7 +265,7 @@ class Trainer:
             path = None
             if self._writes_done:  # every rank's background write is done: commit it now
                 with self.throughput.paused(), self.comm.excluded():
-                    self.saves.finish()
+                    self.checkpointer.finish(self.step)
             if c.save and ((c.save_interval and self.step % c.save_interval == 0) or stop
                            or self.step == t.train_steps):
                 with self.throughput.paused(), self.comm.excluded():
@@ -278,5 +279,5 @@ class Trainer:
                 break
         if c.save and t.train_steps == 0:  # --init-from-hf DIR --train-steps 0: the imported model
             self.save()
-        self.saves.finish()  # a run whose last step saves nothing still commits the one in flight
+        self.checkpointer.finish(self.step)  # a run whose last step saves nothing still commits the one in flight
         return last
