@@ -62,7 +62,8 @@ class Run:
             print(text, flush=True)
 
     def model_config_dict(self) -> dict:  # with the family (gpt2 | llama), for metadata.json
-        return {**dataclasses.asdict(self.mcfg), "architecture": self.mcfg.architecture, **self.hf_label}
+        mcfg = self.mcfg
+        return {**dataclasses.asdict(mcfg), "architecture": mcfg.architecture, **self.hf_label}
 
     def release_lock(self) -> None:
         """Give the run and checkpoint directories back (rank 0; safe after a failed collective)."""
@@ -121,22 +122,23 @@ def build_loaders(run: Run) -> None:
         n_eval = cfg.logging.eval_steps * t.global_batch_size
         run.eval_ds = _dataset(run, run.data.eval_prefixes, None, n_eval)
     run.batches, run.eval_batches = (
-        BatchLoader(ds, t.micro_batch_size, t.global_batch_size, cfg.num_microbatches, grid.dp_rank,
-                    grid.dp_size, run.env.device, depth=cfg.data.prefetch, vocab_size=run.data.vocab_size)
+        BatchLoader(ds, t.micro_batch_size, t.global_batch_size, cfg.num_microbatches,
+                    grid.dp_rank, grid.dp_size, run.env.device, depth=cfg.data.prefetch,
+                    vocab_size=run.data.vocab_size)
         if ds is not None else None for ds in (run.train_ds, run.eval_ds))
 
 
 def load(run: Run) -> None:
-    """The resumed checkpoint (its step, data position and random streams), or
-    ``checkpoint.init_from_hf``'s weights on a fresh run; then the Checkpointer tracks the model
-    and optimizer its saves hold."""
+    """``checkpoint.init_from_hf``'s weights on a fresh run; the Checkpointer then tracks the
+    model and optimizer (what its saves hold, what its load fills) and loads the checkpoint the
+    run continues: its weights and optimizer state, step, data position and random streams."""
     run.hf_label = hf_import.start_run(run)
     run.checkpointer.track(run.model, run.opt, run.model_config_dict())
     state = run.checkpointer.load()
     if state is None:
         return
     run.step, run.consumed = state["step"], state["consumed_samples"]
-    if state["rng"] is None:  # another layout: per-rank streams cannot carry over; reseed from the step
+    if state["rng"] is None:  # another layout: per-rank streams cannot carry over; reseed
         run.model.rng.seed(run.cfg.training.seed + run.step, run.grid)
     else:
         rng_streams.restore_checkpoint_states(run.model.rng, state["rng"], run.env.device)
@@ -144,7 +146,8 @@ def load(run: Run) -> None:
 
 def _dataset(run: Run, prefixes: list[str], weights, num_samples: int) -> GPTDataset:
     """Rank 0 builds the sample index (cached); the others wait for it, then read it."""
-    args = dict(seq_length=run.mcfg.seq_length, seed=run.cfg.training.seed, cache_dir=run.cfg.data.cache_dir)
+    args = dict(seq_length=run.mcfg.seq_length, seed=run.cfg.training.seed,
+                cache_dir=run.cfg.data.cache_dir)
     if run.grid.rank == 0:
         prepare_dataset_index(prefixes, weights, num_samples=num_samples, **args)
     C.barrier(run.grid.world_group)

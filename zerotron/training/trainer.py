@@ -38,15 +38,15 @@ class TrainingStopped(RuntimeError):
 
 
 class Trainer:
-    """The loop over a built ``Run`` (``build_run.py``): steps, evaluation, logging, saves, stops."""
+    """The loop over a built ``Run`` (``build_run.py``): steps, evaluation, logs, saves, stops."""
 
     def __init__(self, run: Run):
         cfg, env, grid = run.cfg, run.env, run.grid
         self.run, self.cfg, self.env, self.grid, self.mcfg = run, cfg, env, grid, run.mcfg
-        self.model, self.opt, self.activations, self.memory = run.model, run.opt, run.activations, run.memory
-        self.data, self.checkpointer, self.hf_label = run.data, run.checkpointer, run.hf_label
-        self.train_ds, self.eval_ds, self.batches, self.eval_batches = (run.train_ds, run.eval_ds,
-                                                                        run.batches, run.eval_batches)
+        self.model, self.opt, self.activations = run.model, run.opt, run.activations
+        self.memory = run.memory  # StepMemory: measured the construction; now one step a log
+        self.data, self.checkpointer, self.eval_ds = run.data, run.checkpointer, run.eval_ds
+        self.batches, self.eval_batches = run.batches, run.eval_batches
         self.step, self.consumed = run.step, run.consumed
         t, lg, dev = cfg.training, cfg.logging, env.device
         self.peaks = PeakWindow(dev)
@@ -67,15 +67,8 @@ class Trainer:
         self._bad_norm = torch.zeros((), dtype=torch.float64, device=env.device)
         signal.signal(signal.SIGTERM, lambda signum, frame: setattr(self, "_stop_requested", True))
 
-    def release_lock(self) -> None:
-        """Give the run and checkpoint directories back (rank 0; safe after a failed collective)."""
-        self.run.release_lock()
-
     def log(self, text: str) -> None:
         self.run.log(text)
-
-    def model_config_dict(self) -> dict:  # with the family (gpt2 | llama), for metadata.json
-        return self.run.model_config_dict()
 
     def _rng_states(self) -> dict[str, torch.Tensor]:
         return rng_streams.checkpoint_states(self.model.rng, self.env.device)
@@ -238,7 +231,7 @@ class Trainer:
         finally:
             self.checkpointer.abandon()  # any other error: the writer finishes its file, nothing commits
             self.logger.close()
-            self.release_lock()
+            self.run.release_lock()  # the Checkpointer's locks
             self.run.close_loaders()
 
     def _loop(self) -> dict:
