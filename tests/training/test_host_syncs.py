@@ -52,10 +52,11 @@ def _counts(cache: str, run_dir: str, flags: list[str]) -> dict:
     from zerotron.parallel import host_sync
     from zerotron.parallel.runtime import init_distributed
     from zerotron.training.step import run_step
+    from zerotron.training.build_run import build_run
     from zerotron.training.trainer import Trainer
 
     cfg = _config(cache, run_dir, *flags)
-    trainer = Trainer(cfg, init_distributed())
+    trainer = Trainer(build_run(cfg, init_distributed()))
     try:
         g = torch.Generator().manual_seed(0)
         shape = (cfg.training.micro_batch_size, trainer.mcfg.seq_length)
@@ -82,11 +83,12 @@ def _nan_run(cache: str, run_dir: str, save: str) -> str:
     import os
 
     from zerotron.parallel.runtime import init_distributed
+    from zerotron.training.build_run import build_run
     from zerotron.training.trainer import Trainer, TrainingStopped
 
     cfg = _config(cache, run_dir, "--precision", "bf16", "--save", save, "--save-interval", "3")
     os.environ["ZEROTRON_FAULT"] = "nan@step=2"
-    trainer = Trainer(cfg, init_distributed())
+    trainer = Trainer(build_run(cfg, init_distributed()))
     try:
         trainer.train()
         return "no TrainingStopped"

@@ -149,7 +149,7 @@ class RunLog:
         return f"data: {source} | tokenizer {data.tokenizer_path} | {evals}"
 
     def _checkpoint_line(self) -> str:
-        c, r = self.cfg.checkpoint, self.t.resume
+        c, r = self.cfg.checkpoint, self.t.checkpointer.plan
         start = f"resuming at step {self.start_step} from {r.path}" if r.path is not None else "starting from step 0"
         if not c.save:
             return f"checkpoints: none (checkpoint.save is not set) | {start}"
