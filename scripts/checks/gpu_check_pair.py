@@ -32,7 +32,7 @@ def _losses(mcfg, tp: int, dp: int, steps: int, micro: int, micro_batch: int,
     import torch.distributed as dist
 
     from zerotron.parallel import Grid
-    from zerotron.training.config import RunConfig
+    from zerotron.config.run_config import RunConfig
     from zerotron.training.parallelize import parallelize_gpt
     from zerotron.training.step import run_step
 
