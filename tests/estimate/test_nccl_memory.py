@@ -28,13 +28,20 @@ LAYOUTS = [  # tp, cp, dp, pp, hpz, qgz
 ]
 
 
-def communicators_built(monkeypatch, rank: int, tp: int, cp: int, dp: int, pp: int, hpz: int, qgz: int):
-    """Sizes of the distinct groups holding ``rank`` that a real ``Grid`` (and ZeRO++'s split) creates."""
+def communicators_built(monkeypatch, rank: int, tp: int, cp: int, dp: int, pp: int, hpz: int,
+                        qgz: int):
+    """Sizes of the distinct groups holding ``rank`` that a real ``Grid`` (and ZeRO++'s split)
+    creates."""
     made = []
     real = dist.new_group
-    monkeypatch.setattr(dist, "new_group", lambda ranks, *a, **k: made.append(tuple(ranks)) or real(ranks, *a, **k))
+
+    def recording(ranks, *a, **k):  # the real call, its ranks noted
+        made.append(tuple(ranks))
+        return real(ranks, *a, **k)
+
+    monkeypatch.setattr(dist, "new_group", recording)
     world = tp * cp * dp * pp
-    with simulation.fake_world(rank, world, device_type="cpu"), host_sync.simulate():  # as the dry run
+    with simulation.fake_world(rank, world, device_type="cpu"), host_sync.simulate():  # a dry run's
         grid = Grid(ParallelDims(tp=tp, cp=cp, pp=pp))
         try:
             node_groups(grid, hpz)  # what zero.strategy_choice.build creates for hpZ, then qgZ
@@ -46,7 +53,8 @@ def communicators_built(monkeypatch, rank: int, tp: int, cp: int, dp: int, pp: i
 
 
 @pytest.mark.parametrize("tp,cp,dp,pp,hpz,qgz", LAYOUTS)
-def test_the_model_charges_the_communicators_a_real_grid_builds(monkeypatch, tp, cp, dp, pp, hpz, qgz):
+def test_the_model_charges_the_communicators_a_real_grid_builds(monkeypatch, tp, cp, dp, pp, hpz,
+                                                                qgz):
     world = tp * cp * dp * pp
     for rank in sorted({0, world - 1, world // 2}):  # first, middle and last stage
         built = communicators_built(monkeypatch, rank, tp, cp, dp, pp, hpz, qgz)
@@ -66,8 +74,10 @@ def test_the_line_is_device_only_and_outside_the_allocators_figure():
     gpu = Setup(model, tp=2, dp=4, pp=2)
     e = estimate(gpu)
     groups = nccl_memory.member_group_sizes(2, 1, 4, 2)  # tp, dp, pp, mp, world
-    expected = sum(nccl_memory.collective_bytes(n) for n in groups.values()) + nccl_memory.p2p_bytes(2, 0)
+    expected = (sum(nccl_memory.collective_bytes(n) for n in groups.values())
+                + nccl_memory.p2p_bytes(2, 0))
     assert e["nccl_communicators"] == expected > 0
     assert e["total"] == pytest.approx(e["before_margin"] / (1 - gpu.margin) + expected)
-    for cpu_run in (dataclasses.replace(gpu, backend="gloo"), dataclasses.replace(gpu, device="cpu")):
+    for cpu_run in (dataclasses.replace(gpu, backend="gloo"),
+                    dataclasses.replace(gpu, device="cpu")):
         assert estimate(cpu_run)["nccl_communicators"] == 0

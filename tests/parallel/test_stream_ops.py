@@ -37,7 +37,8 @@ def test_synchronous_cuda_collectives_share_one_marker_per_check(monkeypatch):
     monkeypatch.setattr(stream_ops, "current_stream", lambda device: "stream-0")
     h = Health(0, 1, timeout_s=60)  # one rank: no heartbeat thread, the test is the checker
     group = types.SimpleNamespace(name="tp", ranks=[0, 1], size=2)
-    cuda = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0), shape=(8,), dtype=torch.bfloat16)
+    cuda = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0), shape=(8,),
+                                 dtype=torch.bfloat16)
 
     def collectives(n):
         for _ in range(n):
@@ -48,7 +49,8 @@ def test_synchronous_cuda_collectives_share_one_marker_per_check(monkeypatch):
     assert FakeEvent.made == []  # the hot path records nothing
     with h._lock:
         assert len(h._pending()) == 1000
-    assert len(FakeEvent.made) == 1 and FakeEvent.made[0].stream == "stream-0"  # one marker behind all
+    assert len(FakeEvent.made) == 1  # one marker, behind all of them
+    assert FakeEvent.made[0].stream == "stream-0"
     collectives(10)
     with h._lock:
         assert len(h._pending()) == 1010 and len(FakeEvent.made) == 1  # the marker is still out

@@ -43,7 +43,8 @@ def _sigterm_after_step_5(run_dir, cache):
     from zerotron.parallel.runtime import init_distributed
     from zerotron.training.trainer import Trainer
 
-    cfg = make_config(run_dir, cache, "--train-steps", "12", "--log-interval", "100", "--eval-interval", "0",
+    cfg = make_config(run_dir, cache, "--train-steps", "12", "--log-interval", "100",
+                      "--eval-interval", "0",
                       "--save", "none").validate(dist.get_world_size())
     trainer = Trainer(cfg, init_distributed())
     trainer.stop_cadence = StopCadence(bound_s=3.0, clock=lambda: float(trainer.step))  # 1 s a step
@@ -52,7 +53,7 @@ def _sigterm_after_step_5(run_dir, cache):
     def preempted_step():
         out = step()
         if trainer.step == 5 and dist.get_rank() == 0:
-            os.kill(os.getpid(), signal.SIGTERM)  # one rank only: the others learn it at an agreement
+            os.kill(os.getpid(), signal.SIGTERM)  # one rank only: the rest learn it at an agreement
         return out
 
     trainer.train_step = preempted_step

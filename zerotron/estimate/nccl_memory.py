@@ -10,10 +10,10 @@ run's tracker measure. On gloo (a CPU run) there are none.
 Per connection (one peer, one channel) NCCL holds a buffer per protocol, at its defaults:
 ``LL`` 512 KiB, ``LL128`` 4,915,200 B (120-byte lines) and ``Simple`` ``NCCL_BUFFSIZE`` = 4 MiB,
 9.19 MiB together (each channel has its own buffers for collectives: NVIDIA/nccl#1450; 9.19 MiB
-per proxy connection is also what a vLLM deployment measured: tonyd2wild/DeepSeek-V4.1-Flash-
-vLLM-DGX-Spark#8). A collective
-communicator connects, per channel, its ring neighbour and its tree neighbours: ring 1, tree 2
-(1 for a 2-rank group, where the tree is the ring's one peer). Memory grows linearly with the
+per proxy connection, in pinned host memory for a network peer, is what a vLLM deployment
+measured: tonyd2wild/DeepSeek-V4.1-Flash-vLLM-DGX-Spark#8). A collective communicator
+connects, per channel, its ring neighbour and its tree neighbours: ring 1, tree 2 (1 for a
+2-rank group, where the tree is the ring's one peer). Memory grows linearly with the
 channels and, for rings, not with the group's size (sjeaugey, NVIDIA/nccl#986). ``CHANNELS`` is
 24: with it a >2-rank group comes to 3 x 24 x 9.19 MiB = 694 MB against the 688 MB measured per
 group on 4 NVLink A100s (NVIDIA/nccl#964; 462 MB against 544 MB for 2-rank groups).
@@ -83,9 +83,9 @@ def run_communicators(cfg, gpus: int, rank: int, nccl: bool = True) -> dict:
     (the dry run's: it covers offloaded runs, which ``Setup`` does not)."""
     par, z = cfg.parallel, cfg.zero
     per_stage = gpus // par.pp  # PP is the outermost axis: tp x cp x dp ranks a stage
-    return grid_communicators(par.tp, par.cp, per_stage // (par.tp * par.cp), par.pp, rank // per_stage,
-                              z.zero_hpz_partition_size, z.qgz_node_size if z.zero_quantized_gradients else 1,
-                              nccl)
+    qgz = z.qgz_node_size if z.zero_quantized_gradients else 1
+    return grid_communicators(par.tp, par.cp, per_stage // (par.tp * par.cp), par.pp,
+                              rank // per_stage, z.zero_hpz_partition_size, qgz, nccl)
 
 
 def grid_communicators(tp: int, cp: int, dp: int, pp: int, pipeline_rank: int = 0, hpz: int = 1,

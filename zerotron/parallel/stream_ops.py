@@ -28,7 +28,8 @@ def current_stream(device: torch.device):
 
 
 class StreamOps:
-    """The synchronous ops queued on one CUDA stream, oldest first, and the marker behind a prefix."""
+    """The synchronous ops queued on one CUDA stream, oldest first, and the marker behind a
+    prefix."""
 
     def __init__(self, stream):
         self.stream = stream

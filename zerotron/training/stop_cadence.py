@@ -30,7 +30,8 @@ MAX_STEPS_BETWEEN = 10_000  # a dry run's placeholder step time of 0 s: still ag
 
 
 class StopCadence:
-    """Counts steps since the last agreement and says when the next one is due (same on every rank)."""
+    """Counts steps since the last agreement and says when the next one is due (the same on
+    every rank)."""
 
     def __init__(self, bound_s: float = 10.0, clock=time.perf_counter):
         self.bound_s, self.clock = bound_s, clock
@@ -45,11 +46,13 @@ class StopCadence:
         return host_read_step or self.since >= self.every
 
     def step_seconds(self) -> float:
-        """This rank's mean step time since the last agreement (sent in the agreement, max over ranks)."""
+        """This rank's mean step time since the last agreement (sent in the agreement, max over
+        ranks)."""
         return (self.clock() - self.started) / max(self.since, 1)
 
     def agree(self, world_group, device, stop: float, writing: bool | None) -> list[float]:
-        """The agreement: ``[stop, slowest step s, writing]`` maxed over the world and read (``"stop"``);
+        """The agreement: ``[stop, slowest step s, writing]`` maxed over the world and read
+        (``"stop"``);
         ``writing`` only while a background save is in flight (None: no such entry)."""
         flag = [stop, self.step_seconds()] + ([] if writing is None else [float(writing)])
         flag = torch.tensor(flag, dtype=torch.float64, device=device)
