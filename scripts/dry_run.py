@@ -32,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from zerotron.estimate import memory_model, step_model  # noqa: E402
+from zerotron.estimate import memory_model, nccl_memory, step_model  # noqa: E402
 from zerotron.estimate.hardware import HARDWARE, Hardware  # noqa: E402
 from zerotron.parallel import fake_cuda, simulation  # noqa: E402
 from zerotron.parallel.runtime import keep_compiler_cache_in  # noqa: E402
@@ -147,14 +147,16 @@ def predict(a, cfg, mcfg, rep) -> dict:
     return pred.as_dict()
 
 
-def rank_entry(a, rep, model: dict, pred: dict) -> dict:
+def rank_entry(a, rep, model: dict, pred: dict, nccl: dict) -> dict:
+    """``nccl``: ``nccl_memory.run_communicators`` of this rank, outside torch's allocator."""
     peak = max(rep.peak_bytes, rep.construction_peak_bytes)
     return {"peak_bytes": rep.peak_bytes, "construction_peak_bytes": rep.construction_peak_bytes,
             "by_category": rep.by_category, "by_phase": rep.by_phase, "comm": rep.comm, "comm_ops": rep.comm_ops,
             "host_syncs_per_step": rep.host_syncs_per_step, "host_sync_reasons": rep.host_sync_reasons,
             "host_tensor_bytes_per_step": rep.host_tensor_bytes_per_step, "coords": rep.coords,
             "checkpoint_shard_bytes": rep.checkpoint_shard_bytes, "num_params": rep.num_params,
-            "device": rep.device, "fits": peak <= a.device_gb * GB,
+            "device": rep.device, "fits": peak + nccl["bytes"] <= a.device_gb * GB,
+            "nccl_communicators": nccl["bytes"], "nccl_groups": nccl["groups"],
             "model_bytes": model["before_margin"] if model else None,
             "measured_vs_model": rep.peak_bytes / model["before_margin"] if model else None,
             "predicted": pred, "seconds": round(rep.seconds, 1)}
@@ -163,7 +165,11 @@ def rank_entry(a, rep, model: dict, pred: dict) -> dict:
 def print_rank(r: int, e: dict, a) -> None:
     print(f"\nrank {r} {e['coords']}: {e['seconds']} s simulated")
     print(f"  peak live device memory   {e['peak_bytes'] / GB:8.2f} GB (step)   "
-          f"{e['construction_peak_bytes'] / GB:8.2f} GB (construction)   fits {a.device_gb:g} GB (peak, no margin): {e['fits']}")
+          f"{e['construction_peak_bytes'] / GB:8.2f} GB (construction)   fits {a.device_gb:g} GB (peak + NCCL, "
+          f"no margin): {e['fits']}")
+    groups = ", ".join(f"{g} {n}" for g, n in e["nccl_groups"].items()) or "none"
+    print(f"  NCCL communicators        {e['nccl_communicators'] / GB:8.2f} GB (outside torch's allocator; "
+          f"groups of this rank: {groups})")
     print("  " + "  ".join(f"{k} {v / GB:.2f}" for k, v in e["by_category"].items()) + "  (GB at the peak)")
     print("  by phase: " + "  ".join(f"{k} {v / GB:.2f}" for k, v in e["by_phase"].items()) + " GB")
     if e["model_bytes"] is not None:
@@ -255,7 +261,8 @@ def main(argv=None) -> dict:
         start = time.perf_counter()
         rep = simulate_rank(cfg, mcfg, a.gpus, r, steps=a.steps, device_kind=a.device, metadata_dir=meta_dir)
         own = model if cfg.parallel.pp == 1 else model_figures(cfg, mcfg, a.gpus, r)
-        out["ranks"][str(r)] = rank_entry(a, rep, own, predict(a, cfg, mcfg, rep))
+        nccl = nccl_memory.run_communicators(cfg, a.gpus, r, nccl=a.device == "cuda")  # gloo on cpu
+        out["ranks"][str(r)] = rank_entry(a, rep, own, predict(a, cfg, mcfg, rep), nccl)
         print(f"[dry-run] rank {r} done in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
     if a.json:
         print(json.dumps(out, indent=1))

@@ -35,6 +35,8 @@ def test_h100_preset_prediction_adds_up(tmp_path, capsys):
     assert p["tflops_per_gpu"] == pytest.approx(p["flops_per_gpu"] / p["step_s"] / 1e12, rel=1e-12)
     assert p["compute_s"] == pytest.approx(p["gemm_s"] + p["attention_s"] + p["elementwise_s"])
     assert e["fits"] and e["peak_bytes"] < 80e9
+    # rank 3's groups (TP 2 x DP 2); a CPU dry run is a gloo run: no NCCL buffers
+    assert e["nccl_groups"] == {"tp": 2, "dp": 2, "world": 4} and e["nccl_communicators"] == 0
 
 
 @pytest.mark.parametrize("flags,message", [

@@ -9,7 +9,7 @@ saves through the Run's ``Checkpointer`` (``checkpoint/checkpointer.py``).
 The step (``training.step.run_step``) reads nothing on the host, nor does the trainer: the loss
 stays on the device, a non-finite one is remembered there (``_watch_loss``) and read at the log
 interval, before a checkpoint and at a stop; a logged step's metrics are read in one go. Left per
-step: the SIGTERM agreement (``_stop_agreed``) and fp16's overflow decision (``host_sync``).
+step: fp16's overflow decision (``host_sync``); the SIGTERM agreement is ``stop_cadence.py``'s.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from zerotron.training.stragglers import StragglerWatch
 from zerotron.training.run_log import RunLog
 from zerotron.training.build_run import Run
 from zerotron.training.step import eval_step, run_step
+from zerotron.training.stop_cadence import StopCadence, host_read_step
 
 
 class TrainingStopped(RuntimeError):
@@ -61,6 +62,7 @@ class Trainer:
         self.logger.keep_config(cfg.to_dict())  # config.yaml beside metrics.jsonl (rank 0)
         self.checkpointer.report_to(self.logger.log, self.run_log.saved)  # each save's record
         self._stop_requested = self.stopped = self._writes_done = False
+        self.stop_cadence = StopCadence()  # which steps agree on a stop (stop_cadence.py)
         # first step whose loss was non-finite (-1: none yet) and that loss, kept on the device
         self._bad_step = torch.full((), -1.0, dtype=torch.float64, device=env.device)
         self._bad_loss = torch.zeros((), dtype=torch.float64, device=env.device)
@@ -184,17 +186,15 @@ class Trainer:
                                       rng_states=self._rng_states(), wait=wait)
 
     def _stop_agreed(self) -> bool:
-        """Whether any rank got SIGTERM: the one host read of a bf16/fp32 step (``"stop"``). Its
-        flag also carries rank 0's failure to write the run directory (every rank names that) and,
-        with a background save in flight, whether every rank's writer is done (``_writes_done``):
-        a commit every rank then makes at the same step (async_save.py)."""
+        """Whether any rank got SIGTERM, agreed at the steps ``stop_cadence`` picks (read ``"stop"``);
+        the flag also carries rank 0's failure to write the run dir and, with a background save in
+        flight, whether every writer is done (``_writes_done``): all commit at the same step."""
         writing = self.checkpointer.writing()  # None on every rank alike: no background save in flight
+        if not self.stop_cadence.due(host_read_step(self.cfg, self.step, writing is not None)):
+            return False
         stop = 2.0 if self.logger.failed else float(self._stop_requested)
-        flag = torch.tensor([stop] + ([] if writing is None else [float(writing)]), device=self.env.device)
-        C.all_reduce(flag, self.grid.world_group, op="max")
-        got = host_sync.read(flag, "stop", placeholder=0.0 if writing is None else [0.0, 0.0])
-        got = got if isinstance(got, list) else [got]
-        self._writes_done = writing is not None and got[1] == 0
+        got = self.stop_cadence.agree(self.grid.world_group, self.env.device, stop, writing)
+        self._writes_done = writing is not None and got[2] == 0
         if got[0] >= 2:
             run_dir = self.cfg.logging.run_dir
             raise TrainingStopped(self.logger.failed or f"rank 0 cannot write logging.run_dir={run_dir}")
