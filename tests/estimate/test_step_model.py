@@ -61,7 +61,7 @@ def test_layer_gemms_add_up_to_megatron_count():
 def test_dp_all_reduce_on_a_two_node_ring():
     # 4 GPUs, 2 per node, DP 4 at stage 0: one ring of 4 over 2 nodes, 2 members on each
     hw = V100_DGX2.with_overrides(gpus_per_node=2, inter_node_gbps=10.0, intra_node_gbps=100.0,
-                                  inter_latency_us=20.0)
+                                  inter_latency_us=20.0, intra_latency_us=3.0)
     cfg = run_config(dp=4, batch=8, stage=0)
     cfg.zero.reduce_bucket_size = 0  # one bucket: one call
     comm = analytic_comm(cfg, TINY)
@@ -70,7 +70,9 @@ def test_dp_all_reduce_on_a_two_node_ring():
     pred = step_model.predict(cfg, TINY, 4, hw)
     n, nbytes = 4, 2 * psi * 4
     bandwidth = min(100e9, 2 * 10e9 / 2)  # 2 members share the node's 10 GB/s with its 2 GPUs
-    want = 2 * (n - 1) * 20e-6 + (n - 1) / n * nbytes / bandwidth
+    # 2 passes of 3 hops: a pass crosses the node boundary once (20 us) and stays on the node's
+    # NVLink twice (3 us each), as NCCL's cost model counts a ring's hops
+    want = 2 * (1 * 20e-6 + 2 * 3e-6) + (n - 1) / n * nbytes / bandwidth
     assert pred.comm_s["dp"] == pytest.approx(want, rel=1e-12)
     assert pred.exposed_s["dp"] == pytest.approx(want, rel=1e-12)  # overlap_comm off: none hidden
 
@@ -172,7 +174,7 @@ def test_per_rank_reduces_on_a_two_node_chain():
     """DeepSpeed's stage 2 as the paper ran it: b + n − 1 chained reduces (n − 1 latency steps
     each, every byte once over each link) in place of b reduce-scatters; counted here by hand."""
     hw = V100_DGX2.with_overrides(gpus_per_node=2, inter_node_gbps=10.0, intra_node_gbps=100.0,
-                                  inter_latency_us=20.0)
+                                  inter_latency_us=20.0, intra_latency_us=3.0)
     cfg = run_config(dp=4, batch=8, stage=2)
     cfg.zero.reduce_bucket_size = 0  # one bucket: b = 1
     comm = analytic_comm(cfg, TINY)
@@ -180,8 +182,10 @@ def test_per_rank_reduces_on_a_two_node_chain():
     deepspeed = step_model.predict(cfg, TINY, 4, hw)
     ours = step_model.predict(cfg, TINY, 4, hw.with_overrides(grad_reduce="reduce_scatter"))
     n, bandwidth = 4, min(100e9, 2 * 10e9 / 2)
-    gather = ours.comm_s["dp"] - (3 * 20e-6 + (n - 1) / n * nbytes / bandwidth)
-    want = (1 + n - 1) * (n - 1) * 20e-6 + nbytes / bandwidth  # 4 reduces of 3 steps; whole bytes
+    gather = ours.comm_s["dp"] - (20e-6 + 2 * 3e-6 + (n - 1) / n * nbytes / bandwidth)  # a ring
+    # 4 reduces of 3 hops, each at the network's latency once the chain leaves the node (NCCL's
+    # model of a chained reduce); every byte over each link
+    want = (1 + n - 1) * (n - 1) * 20e-6 + nbytes / bandwidth
     assert deepspeed.comm_s["dp"] - gather == pytest.approx(want, rel=1e-12)
     with pytest.raises(ValueError, match="grad_reduce='ring'"):
         hw.with_overrides(grad_reduce="ring")
