@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--peak-tflops", type=float, help="per-GPU dense peak of the run's precision "
                    "(V100: 125 fp16, 15.7 fp32; H100: 989 fp16/bf16)")
     g.add_argument("--efficiency", type=float,
-                   help="fraction of peak a large GEMM reaches (V100 0.42, H100 0.53)")
+                   help="fraction of peak a large GEMM reaches (V100 0.425, H100 0.53)")
     g.add_argument("--hbm-gbps", type=float, help="device memory GB/s (V100 900, H100 3350)")
     g.add_argument("--gpus-per-node", type=int, help="V100 DGX-2 16, H100 DGX 8")
     g.add_argument("--intra-node-gbps", type=float,

@@ -58,6 +58,21 @@ def test_layer_gemms_add_up_to_megatron_count():
     assert attn == 4 * (2 * 128) * 128 * h / tp  # 4·T·s·h over TP
 
 
+def test_elementwise_bytes_by_hand():
+    """Per token and layer: 2 LayerNorms (2h each), 2 residual dropouts (2h), 2 residual adds
+    (3h), 2 row-parallel bias adds after the all-reduce (2h), all unsplit by TP; GeLU 2f/t."""
+    import dataclasses
+
+    tokens, tp, h, f = 256, 2, TINY.hidden_size, TINY.ffn_size
+    want = tokens * (4 * h + 4 * h + 6 * h + 4 * h) + tokens * 2 * f // tp
+    assert kernels.layer_elementwise_elements(TINY, tokens, tp) == want
+    # no biases (Llama): no bias adds; sequence parallelism splits the h terms over TP
+    plain = dataclasses.replace(TINY, add_bias_linear=False)
+    assert kernels.layer_elementwise_elements(plain, tokens, tp) == want - tokens * 4 * h
+    split = kernels.layer_elementwise_elements(TINY, tokens, tp, sequence_parallel=True)
+    assert split == tokens // tp * 18 * h + tokens * 2 * f // tp
+
+
 def test_dp_all_reduce_on_a_two_node_ring():
     # 4 GPUs, 2 per node, DP 4 at stage 0: one ring of 4 over 2 nodes, 2 members on each
     hw = V100_DGX2.with_overrides(gpus_per_node=2, inter_node_gbps=10.0, intra_node_gbps=100.0,

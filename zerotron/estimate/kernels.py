@@ -87,12 +87,18 @@ def layer_elementwise_elements(cfg: GPTConfig, tokens: int, tp: int,
 
     Per token: LayerNorm 1 and 2 (read h, write h: 2h each), each residual dropout (read h,
     write h: 2h, twice) and residual add (read 2h, write h: 3h, twice), GeLU (read and write
-    f/t; SwiGLU reads 2f/t and writes f/t) = 14h + 2f/t. Sequence parallelism gives each TP rank s/t of the tokens for the
-    first 14h. Dropout masks (1 byte per element) are ``dropout_mask_bytes``."""
+    f/t; SwiGLU reads 2f/t and writes f/t) = 14h + 2f/t; with biases, the two row-parallel
+    GEMMs' bias adds, which cannot ride in the GEMM because the bias is added once, after the
+    partial sums are all-reduced (read h, write h: 2h, twice; Megatron-LM's RowParallelLinear,
+    ours in ``parallel.tensor_parallel``), for 18h. The column-parallel biases ride in their
+    GEMM (addmm). Sequence parallelism gives each TP rank s/t of the tokens for the h terms,
+    which no TP degree otherwise splits. Dropout masks (1 byte per element) are
+    ``dropout_mask_bytes``."""
     h, f = cfg.hidden_size, cfg.ffn_size
     replicated = tokens // tp if sequence_parallel else tokens
+    per_token = 14 * h + (4 * h if cfg.add_bias_linear else 0)  # + the row-parallel bias adds
     act = 3 * f if cfg.gated else 2 * f  # SwiGLU reads gate and up, writes their product
-    return float(replicated * 14 * h + tokens * act // tp)
+    return float(replicated * per_token + tokens * act // tp)
 
 
 def dropout_mask_bytes(cfg: GPTConfig, tokens: int) -> float:
