@@ -21,11 +21,11 @@ import sys
 from pathlib import Path
 
 from zerotron.data.atomic import nearest_existing, write_probe
-from zerotron.training.checkpoint_io import (LOAD_EARLIER, PARTIAL_STEP_DIR, STEP_DIR, CheckpointError,
+from zerotron.checkpoint.files import (LOAD_EARLIER, PARTIAL_STEP_DIR, STEP_DIR, CheckpointError,
                                              complete_checkpoints, resolve_load_path)
-from zerotron.training.config import ConfigError
-from zerotron.training.export import export_safetensors
-from zerotron.training.hf_export import export_hf as export_hf_class
+from zerotron.config.run_config import ConfigError
+from zerotron.checkpoint.export import export_safetensors
+from zerotron.checkpoint.hf_export import export_hf as export_hf_class
 
 
 def check_output(flag: str, out: str, directory: bool) -> None:

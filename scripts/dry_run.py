@@ -36,9 +36,9 @@ from zerotron.estimate import memory_model, step_model  # noqa: E402
 from zerotron.estimate.hardware import HARDWARE, Hardware  # noqa: E402
 from zerotron.parallel import fake_cuda, simulation  # noqa: E402
 from zerotron.parallel.runtime import keep_compiler_cache_in  # noqa: E402
-from zerotron.training.cli import parse_config  # noqa: E402
-from zerotron.training.config import ConfigError  # noqa: E402
-from zerotron.training.inert import no_effect  # noqa: E402
+from zerotron.config.cli import parse_config  # noqa: E402
+from zerotron.config.run_config import ConfigError  # noqa: E402
+from zerotron.config.inert import no_effect  # noqa: E402
 from zerotron.training.dry_run import simulate_rank  # noqa: E402
 from zerotron.training.setup_run import validate_model  # noqa: E402
 

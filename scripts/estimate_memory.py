@@ -26,8 +26,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import typing
 
 from zerotron.model import GPTConfig, get_preset
+from zerotron.zero.config import Stage
 from zerotron.estimate.hardware import HARDWARE
 from zerotron.estimate.memory_model import (C_CONFIGS, Setup, estimate,
                                              fullest_stage_setup, max_model)
@@ -44,8 +46,8 @@ def _config_setup(a) -> Setup:
     """The run config's setup (``fullest_stage_setup``, as the trainer's banner sees it);
     ``--tp``/``--cp``/``--batch``/``--stage``/``--seq``/``--vocab``/``--pa``/``--cpu`` override its
     fields."""
-    from zerotron.training.cli import parse_config
-    from zerotron.training.config import ConfigError
+    from zerotron.config.cli import parse_config
+    from zerotron.config.run_config import ConfigError
     from zerotron.training.setup_run import validate_model
 
     overrides = {"--parallel.tp": a.tp, "--parallel.cp": a.cp,
@@ -201,7 +203,7 @@ def main(argv=None) -> dict:
     p.add_argument("--gpus", type=int, help="world size, required for a breakdown unless the --config fixes "
                                             "parallel.dp; DP = gpus / (tp x cp x pp)")
     p.add_argument("--batch", type=int, help="micro-batch per DP rank (default: the config's, else 4)")
-    p.add_argument("--stage", type=int, choices=[0, 1, 2, 3], help="ZeRO stage (default: the config's, else 2)")
+    p.add_argument("--stage", type=int, choices=typing.get_args(Stage), help="ZeRO stage (default: the config's, else 2)")
     p.add_argument("--pa", action="store_true", help="Pa: partition activation checkpoints over MP")
     p.add_argument("--cpu", action="store_true", help="Pa+cpu: checkpoints in host memory")
     p.add_argument("--config-name", choices=sorted(C_CONFIGS), help="apply C1..C5 (Table 3) to the setup")

@@ -118,7 +118,7 @@ def main(argv=None) -> int:
     world = int(os.environ.get("WORLD_SIZE", 1))
     check_flags(p, args, world)
     args.tp = world
-    from zerotron.training.checkpoint_io import CheckpointError
+    from zerotron.checkpoint.files import CheckpointError
 
     try:
         cfg, tokenizer, build = prepare(args)

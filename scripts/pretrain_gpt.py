@@ -20,9 +20,9 @@ from pathlib import Path
 
 import yaml
 
-from zerotron.training.checkpoint_io import CheckpointError
-from zerotron.training.cli import parse_config
-from zerotron.training.config import ConfigError
+from zerotron.checkpoint.files import CheckpointError
+from zerotron.config.cli import parse_config
+from zerotron.config.run_config import ConfigError
 
 EXIT_CODES = """exit codes:
   0  done; also a run stopped by SIGTERM after writing its checkpoint (or saying it had none to
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
 
         preflight(cfg)  # model shape, pipeline split, ZeRO settings, the user's token files: still no group
         if rank == 0:
-            from zerotron.training.inert import no_effect
+            from zerotron.config.inert import no_effect
 
             for line in no_effect(cfg):
                 print(f"[config] {line}", flush=True)
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     from zerotron.parallel.runtime import keep_compiler_cache_in
 
     keep_compiler_cache_in(cfg.data.cache_dir)  # before torch._dynamo is imported (not in the system temp dir)
-    from zerotron.training.resume import AlreadyComplete
+    from zerotron.checkpoint.resume import AlreadyComplete
     from zerotron.training.trainer import Trainer, TrainingStopped
 
     env = init_distributed()

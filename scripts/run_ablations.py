@@ -31,6 +31,7 @@ import argparse
 import json
 import os
 import time
+import typing
 from pathlib import Path
 
 import torch
@@ -40,8 +41,9 @@ from zerotron.data.progress import Progress
 from zerotron.model import GPTConfig, flops_per_iteration
 from zerotron.testing.bench_args import check_out_dir, flag_errors
 from zerotron.testing.launch import spawn
-from zerotron.training.cli import apply_mapping, read_yaml
-from zerotron.training.config import RunConfig
+from zerotron.config.cli import apply_mapping, read_yaml
+from zerotron.config.run_config import RunConfig
+from zerotron.config.sections import WandbMode
 from zerotron.training.step_memory import StepMemory
 from zerotron.training.tracking import WANDB_DIRS
 from zerotron.zero.accounting import expected_model_state_bytes
@@ -235,7 +237,7 @@ def parse_args(argv=None):
     p.add_argument("--dp-sweep", default="2,4,8")
     p.add_argument("--out", default=str(ROOT / "runs" / "ablations"))
     p.add_argument("--figures", default=None, help="where the PNGs go (default: <out>/figures)")
-    p.add_argument("--wandb-mode", default="offline", choices=["offline", "online", "disabled"])
+    p.add_argument("--wandb-mode", default="offline", choices=typing.get_args(WandbMode))
     p.add_argument("--wandb-project", default="zerotron-ablations")
     a = p.parse_args(argv)
     for flag, path in (("--out", a.out), ("--figures", a.figures)):

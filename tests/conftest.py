@@ -29,7 +29,7 @@ from tests.harness import Overlap, spawn
 
 def _build(cache: str) -> None:
     from zerotron.data import build_default_corpus
-    from zerotron.training.config import DataSection
+    from zerotron.config.run_config import DataSection
 
     build_default_corpus(cache, vocab_size=DataSection.default_corpus_vocab)
 

@@ -45,7 +45,7 @@ def model_cfg(a):
 
 def run_config(a, cp: int):
     from zerotron.parallel import ParallelDims
-    from zerotron.training.config import RunConfig
+    from zerotron.config.run_config import RunConfig
 
     cfg = RunConfig()
     cfg.parallel = ParallelDims(tp=1, cp=cp)

@@ -49,7 +49,7 @@ def header(path: Path, pattern: str) -> str | None:
 
 def ablation_overrides(name: str) -> list[str]:
     """A C1-C5 fragment as command-line overrides (``--section.field value``)."""
-    from zerotron.training.cli import read_yaml
+    from zerotron.config.cli import read_yaml
 
     data = read_yaml(CONFIGS / "ablations" / f"{name}.yaml")
     return [arg for section, fields in data.items() for k, v in fields.items()

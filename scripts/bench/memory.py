@@ -44,7 +44,7 @@ def worker(args, stage: int, window: str | None) -> dict:
         return_freed_host_memory()
 
     from zerotron.parallel import Grid, ParallelDims
-    from zerotron.training.config import RunConfig
+    from zerotron.config.run_config import RunConfig
     from zerotron.training.parallelize import parallelize_gpt
     from zerotron.training.step_memory import StepMemory
 

@@ -46,7 +46,7 @@ def window_arg(text: str) -> str:
 
 def run_config(a, tp: int, stage: int, ckpt: str, window: str | None = None):
     from zerotron.parallel import ParallelDims
-    from zerotron.training.config import RunConfig
+    from zerotron.config.run_config import RunConfig
 
     cfg = RunConfig()
     cfg.parallel = ParallelDims(tp=tp)

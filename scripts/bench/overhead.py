@@ -53,7 +53,7 @@ def groups(model):
 
 
 def zerotron_step(args, grid):
-    from zerotron.training.config import RunConfig
+    from zerotron.config.run_config import RunConfig
     from zerotron.training.parallelize import parallelize_gpt
     from zerotron.training.step import run_step
 

@@ -31,8 +31,8 @@ from zerotron.estimate.comm_volumes import analytic_comm, group_ranks  # noqa: E
 from zerotron.estimate.step_time import collective_time, group_span  # noqa: E402
 from zerotron.estimate.hardware import H100_DGX, V100_DGX2  # noqa: E402
 from zerotron.model.config import GPTConfig  # noqa: E402
-from zerotron.training.cli import parse_config  # noqa: E402
-from zerotron.training.config import RunConfig  # noqa: E402
+from zerotron.config.cli import parse_config  # noqa: E402
+from zerotron.config.run_config import RunConfig  # noqa: E402
 from zerotron.training.setup_run import validate_model  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "scripts" / "bench"))

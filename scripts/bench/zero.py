@@ -51,7 +51,7 @@ def model_config(args):
 
 def build_zerotron(args, grid, zero):
     """zerotron's model and optimizer the way a run builds them: ``parallelize_gpt`` on a RunConfig."""
-    from zerotron.training.config import RunConfig
+    from zerotron.config.run_config import RunConfig
     from zerotron.training.parallelize import parallelize_gpt
 
     run = RunConfig()

@@ -51,7 +51,7 @@ from zerotron.model.flops import device_peak_tflops, flops_per_iteration
 from zerotron.parallel import Grid, ParallelDims, init_distributed, shutdown
 from zerotron.parallel.runtime import pick_device
 from zerotron.testing.bench_args import flag_errors, nonnegative_int, positive_float, positive_int
-from zerotron.training.config import RunConfig
+from zerotron.config.run_config import RunConfig
 from zerotron.training.parallelize import parallelize_gpt
 from zerotron.training.step import run_step
 from zerotron.zero.optimizer import DTYPES

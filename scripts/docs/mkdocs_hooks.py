@@ -1,7 +1,7 @@
 """MkDocs hooks of the manual (``mkdocs.yml``: ``hooks``).
 
 ``on_files`` adds ``configuration.md``, rendered at build time by
-``zerotron.training.config_page`` from the config dataclasses --help reads, with the exit codes of
+``zerotron.config.page`` from the config dataclasses --help reads, with the exit codes of
 ``scripts/pretrain_gpt.py``; the page is never a file in ``docs/``, so it cannot go stale.
 Run directly, this prints the page: ``.venv/bin/python scripts/docs/mkdocs_hooks.py``.
 """
@@ -27,7 +27,7 @@ def exit_codes() -> str:
 
 
 def page() -> str:
-    from zerotron.training.config_page import render
+    from zerotron.config.page import render
 
     return render(exit_codes())
 

@@ -253,7 +253,7 @@ def test_config_validation_names_field_and_fix():
 
 def test_from_deepspeed_expresses_c1_to_c5():
     # [Z] Table 3: C1/C3 = CB + MD, C2/C4 = + Pa, C5 = + Pa+cpu (CB is always on: fixed buffers).
-    from zerotron.training.deepspeed import from_deepspeed
+    from zerotron.config.deepspeed import from_deepspeed
 
     def ac(ds: dict) -> AC:
         return from_deepspeed(ds)[0].activation_checkpointing.validate()
@@ -276,7 +276,7 @@ def test_from_deepspeed_expresses_c1_to_c5():
 
 def test_run_config_holds_the_config_itself():
     """The run config's section is ActivationCheckpointConfig, so every key of it can be set."""
-    from zerotron.training.cli import parse_config
+    from zerotron.config.cli import parse_config
 
     cfg = parse_config(["--checkpoint-activations", "--activation_checkpointing.synchronize_checkpoint_boundary",
                         "true"])

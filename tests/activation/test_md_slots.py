@@ -12,7 +12,7 @@ import torch
 
 from tests.harness import spawn
 from zerotron.model import GPTConfig
-from zerotron.training.config import ConfigError, RunConfig
+from zerotron.config.run_config import ConfigError, RunConfig
 
 CFG = dict(num_layers=4, hidden_size=32, num_heads=4, vocab_size=90, seq_length=16, make_vocab_size_divisible_by=8)
 

@@ -18,7 +18,7 @@ from tests.data.test_token_fingerprint import _check
 from tests.hf_tokenizers import LINES, bpe_tokenizer_dir, swap_two_tokens
 from zerotron.data import IndexedTokenDataset, Tokenizer, build_default_corpus, fingerprint
 from zerotron.data.tokenizer import encoding_digest
-from zerotron.training.config import ConfigError
+from zerotron.config.run_config import ConfigError
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
 import preprocess_data  # noqa: E402
@@ -98,7 +98,7 @@ def test_init_from_hf_makes_the_directory_the_run_s_tokenizer(hf_dir, tmp_path):
 
     from transformers import LlamaConfig
 
-    from zerotron.training.cli import parse_config
+    from zerotron.config.cli import parse_config
 
     model_dir = tmp_path / "llama"
     LlamaConfig(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

@@ -16,11 +16,11 @@ from tests.data.conftest import CORPUS
 from zerotron.data import fingerprint, preprocess, train_tokenizer
 from zerotron.data.indexed import IndexedTokenDataset
 from zerotron.data.preprocess import WorkerDied, tokenize_to_file
-from zerotron.training.config import ConfigError
+from zerotron.config.run_config import ConfigError
 
 
 def _check(prefix: str, tokenizer: str) -> None:
-    from zerotron.training.cli import parse_config
+    from zerotron.config.cli import parse_config
     from zerotron.training.setup_run import check_data
 
     cfg = parse_config(["--config", "configs/tiny.yaml", "--tp", "1", "--seq-length", "8",
@@ -65,7 +65,7 @@ def test_the_run_tokenizer_is_digested_once_for_all_its_token_files(tokenizer, t
     """Each token file's record is compared with one digest of the run's tokenizer: it used to be
     recomputed per prefix (a SentencePiece parse and hash for every file of a blend)."""
     from zerotron.data import tokenizer as tokenizer_module
-    from zerotron.training.cli import parse_config
+    from zerotron.config.cli import parse_config
     from zerotron.training.setup_run import check_data
 
     prefixes = [str(tmp_path / f"part{i}") for i in range(3)]

@@ -42,7 +42,7 @@ def build(config: Path, site: Path) -> subprocess.CompletedProcess:
 
 def help_fields() -> list[str]:
     """Every ``--section.field`` that ``pretrain_gpt.py --help`` prints."""
-    from zerotron.training.cli import build_parser
+    from zerotron.config.cli import build_parser
 
     text = build_parser().format_help()
     return sorted(set(re.findall(r"^  (--[a-z_]+\.[a-z0-9_]+)$", text, re.M)))
@@ -124,7 +124,7 @@ def test_front_page_is_a_front_page():
 @pytest.mark.parametrize("launcher", ["sbatch --nodes 2", "torchrun --nnodes 2"])
 def test_front_page_two_node_commands_validate_at_16_ranks(launcher):
     """The front page's 2 nodes x 8 GPUs commands are runs that pass start-up validation."""
-    from zerotron.training.cli import parse_config
+    from zerotron.config.cli import parse_config
     from zerotron.training.setup_run import validate_model
 
     text = README.read_text().replace("\\\n", " ")  # join continued lines

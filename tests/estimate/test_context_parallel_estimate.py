@@ -28,7 +28,7 @@ LAYOUTS = {  # world 4: (overrides, rank simulated)
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_counted_cp_traffic_equals_the_formula(name):
-    from zerotron.training.cli import parse_config
+    from zerotron.config.cli import parse_config
     from zerotron.training.dry_run import simulate_rank
     from zerotron.training.setup_run import validate_model
 
@@ -51,7 +51,7 @@ def test_ring_bytes_by_hand():
     """Llama-3.1 8B, seq 131,072, TP 8 x CP 8, bf16, full recompute, one micro-batch: a K/V pair of
     2 x 16,384 tokens x 1 query group (8 groups / TP 8) x 128 is 4 Mi fp32 values; each layer
     sends it 7 times in forward, 7 in the recompute, 7 in backward, and dK/dV 8 times."""
-    from zerotron.training.cli import parse_config
+    from zerotron.config.cli import parse_config
     from zerotron.training.setup_run import validate_model
 
     cfg = parse_config(["--config", "configs/llama/llama3.1-8b-seq131k-64gpus.yaml",
@@ -137,7 +137,7 @@ def test_step_model_splits_attention_over_cp_and_hides_the_ring_behind_it():
     cannot cover."""
     from zerotron.estimate import step_model
     from zerotron.estimate.hardware import HARDWARE
-    from zerotron.training.cli import parse_config
+    from zerotron.config.cli import parse_config
     from zerotron.training.setup_run import validate_model
 
     hw = HARDWARE["h100"]

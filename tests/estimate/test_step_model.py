@@ -17,7 +17,7 @@ from zerotron.estimate import kernels, step_model
 from zerotron.estimate.comm_volumes import analytic_comm
 from zerotron.estimate.hardware import H100_DGX, V100_DGX2, get_hardware
 from zerotron.model.config import GPTConfig
-from zerotron.training.config import RunConfig
+from zerotron.config.run_config import RunConfig
 
 TINY = GPTConfig(num_layers=4, hidden_size=64, num_heads=4, vocab_size=1024, seq_length=128)
 
@@ -116,7 +116,7 @@ def test_pipeline_bubble(pp, micro, virtual):
 
 
 def test_counted_collectives_equal_a_dry_run():
-    from zerotron.training.cli import parse_config
+    from zerotron.config.cli import parse_config
     from zerotron.training.dry_run import simulate_rank
     from zerotron.training.setup_run import validate_model
 

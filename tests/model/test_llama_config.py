@@ -31,7 +31,7 @@ def test_bad_architecture_fields_are_named(change, tp, message):
 
 
 def test_document_masking_with_a_pipeline_is_refused_before_start():
-    from zerotron.training.config import ConfigError, RunConfig
+    from zerotron.config.run_config import ConfigError, RunConfig
     from zerotron.training.setup_run import validate_model
 
     cfg = RunConfig()

@@ -22,7 +22,7 @@ STEPS, BATCH = 4, 4
 
 
 def check_resume(tmp):
-    from zerotron.training.checkpoint import load_checkpoint, save_checkpoint
+    from zerotron.checkpoint.distributed import load_checkpoint, save_checkpoint
     from zerotron.zero import ZeroConfig, ZeroOptimizer
 
     torch.set_num_threads(1)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from zerotron.parallel.context_parallel import local_chunks, local_positions
-from zerotron.training.config import ConfigError, RunConfig
+from zerotron.config.run_config import ConfigError, RunConfig
 from zerotron.training.setup_run import validate_model
 
 

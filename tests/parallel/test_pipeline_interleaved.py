@@ -91,7 +91,7 @@ def test_the_nccl_model_refuses_what_nccl_would_not_run():
 def test_bad_interleaving_is_refused_naming_the_field():
     from zerotron.model.stages import split_chunks
     from zerotron.parallel import ParallelDims
-    from zerotron.training.config import ConfigError, RunConfig
+    from zerotron.config.run_config import ConfigError, RunConfig
 
     with pytest.raises(ValueError, match="multiple of parallel.pp=4"):
         check_schedule("1f1b", 4, 6, 2)
@@ -149,7 +149,7 @@ def test_gpu_clock_reads_cuda_events_once_and_only_when_asked(monkeypatch):
 # gloo ranks --------------------------------------------------------------------------------------
 def _run_cfg(layers, precision, zero_stage, m, dp, clip=1.0, checkpointing=False):
     from zerotron.testing.zero_runs import HYPER
-    from zerotron.training.config import RunConfig
+    from zerotron.config.run_config import RunConfig
     from zerotron.zero import ZeroConfig
 
     run = RunConfig()
@@ -269,7 +269,7 @@ def test_tp2_pp2_v2_dp2_and_tp2_pp4_v2_equal_the_single_process_run():
 def check_checkpoint_reshards(tmp):
     from zerotron.parallel import Grid, ParallelDims
     from zerotron.parallel import collectives as C
-    from zerotron.training.checkpoint import load_checkpoint, save_checkpoint
+    from zerotron.checkpoint.distributed import load_checkpoint, save_checkpoint
 
     mcfg = make_cfg(4)
     steps = 4

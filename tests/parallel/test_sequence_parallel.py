@@ -53,7 +53,7 @@ def _full_grads(model):
 
 
 def _train(grid, sp, steps, batches):
-    from zerotron.training.config import RunConfig
+    from zerotron.config.run_config import RunConfig
     from zerotron.training.parallelize import parallelize_gpt
 
     run = RunConfig()

@@ -12,7 +12,7 @@ import zerotron.training.trainer  # noqa: F401
 
 from scripts.pretrain_gpt import main as pretrain_main
 from tests.harness import Ranks
-from zerotron.training.cli import last_wins
+from zerotron.config.cli import last_wins
 
 TINY = ["--config", "configs/tiny.yaml", "--tp", "1", "--micro-batch-size", "2", "--global-batch-size", "4",
         "--seq-length", "32", "--log-interval", "1", "--eval-interval", "0", "--wandb-mode", "disabled",

@@ -16,8 +16,8 @@ import pytest
 import zerotron.parallel
 from scripts.pretrain_gpt import main
 from zerotron.data import IndexedTokenWriter, build_default_corpus
-from zerotron.training.cli import last_wins, parse_config
-from zerotron.training.config import DataSection
+from zerotron.config.cli import last_wins, parse_config
+from zerotron.config.run_config import DataSection
 
 BASE = ["--config", "configs/tiny.yaml", "--tp", "1", "--micro-batch-size", "2", "--global-batch-size", "4",
         "--seq-length", "32", "--wandb-mode", "disabled", "--save", "none"]
@@ -140,7 +140,7 @@ def test_yaml_names_that_read_back_as_written_and_merge_keys_are_kept(tmp_path):
     overrides the merged one (that is not a duplicate)."""
     import yaml
 
-    from zerotron.training.cli import _NoDuplicates
+    from zerotron.config.cli import _NoDuplicates
 
     merged = yaml.load("base: &b {lr: 0.1, min_lr: 0.01}\nopt:\n  <<: *b\n  lr: 0.2\n", Loader=_NoDuplicates)
     assert merged["opt"] == {"lr": 0.2, "min_lr": 0.01}

@@ -22,10 +22,10 @@ from hypothesis import strategies as st
 
 from tests.harness import spawn
 from tests.training.test_trainer import run_steps
-from zerotron.training import checkpoint_io
-from zerotron.training.checkpoint_io import CheckpointError, read_metadata
-from zerotron.training.checkpoint_schema import SEAL, seal
-from zerotron.training.export import full_tensors, tokenizer_model
+from zerotron.checkpoint import files as checkpoint_io
+from zerotron.checkpoint.files import CheckpointError, read_metadata
+from zerotron.checkpoint.schema import SEAL, seal
+from zerotron.checkpoint.export import full_tensors, tokenizer_model
 
 _WATCH: dict = {"on": False, "opened": []}
 
@@ -166,7 +166,7 @@ def test_a_huge_shape_or_an_index_past_the_shard_is_refused_before_allocating(co
 
 
 def test_a_pickle_in_place_of_a_shard_is_named_corrupt(copy):
-    from zerotron.training.checkpoint_io import sha256_file
+    from zerotron.checkpoint.files import sha256_file
 
     shard = copy / "rank_00000.safetensors"
     data = pickle.dumps({"master": [1.0, 2.0]})
@@ -247,7 +247,7 @@ def test_convert_never_replaces_a_device_node_and_a_write_error_is_one_line(chec
     assert stat.S_ISCHR(os.stat("/dev/full").st_mode) and not os.path.exists("/dev/full.partial")
     assert "/dev/full exists and is not a regular file" in capsys.readouterr().err
 
-    from zerotron.training import safetensors_stream
+    from zerotron.checkpoint import safetensors_stream
 
     def full_disk(self, *args):
         raise OSError(28, os.strerror(28), str(self.path))
@@ -279,7 +279,7 @@ def test_a_failed_hf_export_leaves_no_half_written_directory(checkpoint, tmp_pat
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
     import convert_checkpoint
 
-    from zerotron.training import export
+    from zerotron.checkpoint import export
 
     def full_disk(model, out, max_length):
         raise OSError(28, os.strerror(28), str(Path(out) / "tokenizer.json"))

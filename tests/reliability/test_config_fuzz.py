@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from tests.harness import spawn
 from zerotron.model import GPT
 from zerotron.model.stages import build_stage
-from zerotron.training.config import RunConfig
+from zerotron.config.run_config import RunConfig
 from zerotron.training.setup_run import model_config, preflight
 
 CONFIG_FIELDS = {f"{section.name}.{f.name}" for section in dataclasses.fields(RunConfig)

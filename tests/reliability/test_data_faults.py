@@ -12,7 +12,7 @@ import pytest
 
 from tests.reliability.common import run, tiny
 from zerotron.data import IndexedTokenWriter, train_tokenizer
-from zerotron.training.cli import last_wins, parse_config
+from zerotron.config.cli import last_wins, parse_config
 from zerotron.training.setup_run import preflight
 
 TEXTS = [f"Document {i}: the data pipeline packs documents across boundaries. " * (1 + i % 4) for i in range(200)]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 
 from tests.reliability.common import run, tiny
-from zerotron.training.checkpoint_io import resolve_load_path, verify_file
+from zerotron.checkpoint.files import resolve_load_path, verify_file
 
 
 def test_enospc_on_one_rank_is_named_by_every_rank_and_the_previous_checkpoint_stays(zerotron_cache, tmp_path):
@@ -41,7 +41,7 @@ def test_a_full_disk_under_safetensors_raises_oserror_enospc(tmp_path, monkeypat
     import torch
     from safetensors import SafetensorError
 
-    from zerotron.training import checkpoint_io
+    from zerotron.checkpoint import files as checkpoint_io
 
     def full(*args, **kwargs):
         raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")

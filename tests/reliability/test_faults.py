@@ -3,7 +3,7 @@
 Dead and stuck ranks are named by the survivors, which exit 3 within the collective timeout; a
 crash in the middle of a checkpoint write loses nothing (the resumed run ends exactly where an
 uninterrupted one does); an fp16 overflow storm and a NaN loss stop the run with the step, the
-data position and the fix. Faults are armed with ``ZEROTRON_FAULT`` (zerotron/training/faults.py).
+data position and the fix. Faults are armed with ``ZEROTRON_FAULT`` (zerotron/parallel/faults.py).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import pytest
 
 from tests.reliability.common import forbid_process_group, run, tiny
 from zerotron.parallel import runtime
-from zerotron.training.config import ConfigError
+from zerotron.config.run_config import ConfigError
 
 GIB = 2**30
 HUGE = ["--model.hidden_size", "16384", "--model.num_layers", "48", "--model.num_heads", "128"]
@@ -23,7 +23,7 @@ BILLION = ["--model.hidden_size", "1536", "--model.num_layers", "40", "--model.n
 
 
 def _cfg(*flags):
-    from zerotron.training.cli import last_wins, parse_config
+    from zerotron.config.cli import last_wins, parse_config
 
     base = ["--config", "configs/tiny.yaml", "--tp", "1", "--save", "none"]
     return parse_config(last_wins(base + list(flags))).validate(2)

@@ -17,10 +17,10 @@ import sys
 import time
 
 from tests.reliability.common import forbid_process_group, run, tiny
-from zerotron.training.run_lock import LOCK_NAME, RunLock, check_free
+from zerotron.checkpoint.run_lock import LOCK_NAME, RunLock, check_free
 
 HOLD = """import sys, time
-from zerotron.training.run_lock import RunLock
+from zerotron.checkpoint.run_lock import RunLock
 RunLock.acquire(sys.argv[1], "the-first-run", field="logging.run_dir")
 print("held", flush=True)
 time.sleep(120)
@@ -118,7 +118,8 @@ def read_only_mid_run(run_dir, cache) -> tuple[int, str]:
     import errno
 
     from tests.reliability.common import _main
-    from zerotron.training import run_lock, trainer
+    from zerotron.training import trainer
+    from zerotron.checkpoint import run_lock
 
     def erofs(path):
         raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))

@@ -11,15 +11,15 @@ import json
 import pytest
 
 from tests.reliability.common import tiny
-from zerotron.training.run_lock import LOCK_NAME
+from zerotron.checkpoint.run_lock import LOCK_NAME
 
 
 def test_a_copied_checkpoint_directory_is_the_same_run(tmp_path):
     """``checkpoint.save`` says where checkpoints go, not what is trained: a directory copied to
     another file system (or run directory) resumes with ``checkpoint.load=auto``. It used to count
     as a difference, so auto-resume in the copy was refused as "checkpoints of another run"."""
-    from zerotron.training import resume
-    from zerotron.training.cli import last_wins, parse_config
+    from zerotron.checkpoint import resume
+    from zerotron.config.cli import last_wins, parse_config
 
     here, there = (parse_config(last_wins(tiny(str(tmp_path)) + ["--save", str(tmp_path / d)]))
                    for d in ("a", "b"))
@@ -37,7 +37,7 @@ def test_an_earlier_attempt_of_this_job_on_another_host_is_taken_over_at_once(tm
     the rendezvous address and port differ between attempts; the SLURM job id / torchrun run id
     stay and a restart count grows. Another job's lock, one of the same attempt, and one under
     static rendezvous (run id "none", no SLURM) still stand."""
-    from zerotron.training.run_lock import RunLock, RunLockError
+    from zerotron.checkpoint.run_lock import RunLock, RunLockError
 
     for name in ("SLURM_JOB_ID", "SLURM_RESTART_COUNT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
                  "MASTER_ADDR", "MASTER_PORT", "ZEROTRON_JOB_ID"):
@@ -72,7 +72,7 @@ def test_an_earlier_attempt_of_this_job_on_another_host_is_taken_over_at_once(tm
 
 
 def test_only_a_step_directory_ending_in_tmp_is_a_partial_checkpoint(tmp_path):
-    from zerotron.training.checkpoint_io import CheckpointError, check_checkpoint_path
+    from zerotron.checkpoint.files import CheckpointError, check_checkpoint_path
 
     assert check_checkpoint_path(tmp_path / "exp.tmp") == tmp_path / "exp.tmp"  # a save directory's own name
     with pytest.raises(CheckpointError, match="is a partial checkpoint"):

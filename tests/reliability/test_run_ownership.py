@@ -25,7 +25,7 @@ import pytest
 
 from tests.harness import spawn
 from tests.reliability.common import _main, forbid_process_group, run, tiny
-from zerotron.training.run_lock import LOCK_NAME, STALE_S
+from zerotron.checkpoint.run_lock import LOCK_NAME, STALE_S
 
 HOST = socket.gethostname()
 
@@ -60,7 +60,7 @@ def trained(zerotron_cache, tmp_path_factory) -> Path:
 
 
 HOLD = """import sys, time
-from zerotron.training.run_lock import RunLock
+from zerotron.checkpoint.run_lock import RunLock
 RunLock.acquire(sys.argv[1], "another-run")
 print("held", flush=True)
 time.sleep(120)
@@ -183,8 +183,8 @@ def test_a_corrupt_only_checkpoint_gets_a_fix_that_works_from_where_it_lies(save
     """With nothing before it the advice cannot be "load an earlier checkpoint"; inside the run's
     own checkpoint.save a fresh start is refused while the checkpoint is there (it would be
     written over), so the fix is to remove it; elsewhere ``--load none`` starts afresh."""
-    from zerotron.training.checkpoint_io import LOAD_EARLIER
-    from zerotron.training.resume import _corrupt
+    from zerotron.checkpoint.files import LOAD_EARLIER
+    from zerotron.checkpoint.resume import _corrupt
 
     path = Path("/ck/step_00000002")
     text = _corrupt(path, f"{path}/metadata.json is corrupt (bad json){LOAD_EARLIER}", [], None, None,
@@ -270,9 +270,9 @@ def test_a_rebuilt_tokenizer_that_encodes_the_same_resumes_and_another_does_not(
     the directory it trained in) and encodes the same: no refusal. One changed score is refused."""
     from sentencepiece import sentencepiece_model_pb2
 
-    from zerotron.training.checkpoint_io import CheckpointError
-    from zerotron.training.cli import parse_config
-    from zerotron.training.resume import check_tokenizer
+    from zerotron.checkpoint.files import CheckpointError
+    from zerotron.config.cli import parse_config
+    from zerotron.checkpoint.resume import check_tokenizer
 
     ckpt = trained / "checkpoints" / "step_00000004"
     cfg = parse_config(["--config", "configs/tiny.yaml"])

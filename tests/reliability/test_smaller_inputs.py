@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import pytest
 
-from zerotron.training.config import ConfigError
+from zerotron.config.run_config import ConfigError
 
 
 def _cfg(*flags):
-    from zerotron.training.cli import last_wins, parse_config
+    from zerotron.config.cli import last_wins, parse_config
 
     base = ["--config", "configs/tiny.yaml", "--tp", "1", "--save", "none"]
     return parse_config(last_wins(base + list(flags)))  # the flags override base
@@ -104,9 +104,9 @@ def test_a_longer_train_steps_is_a_schedule_change_only_where_trained_rates_move
     """A decay over ``train_steps`` re-stretched by a resume moved the next step's rate in silence
     (issue 46); now it is a schedule change, refused like one. Judged by ``lr_at``: the steps the
     checkpoint trained must keep their rates, which they do before the decay begins."""
-    from zerotron.training import resume
-    from zerotron.training.resume_schedule import restretched
-    from zerotron.training.schedule import lr_at
+    from zerotron.checkpoint import resume
+    from zerotron.checkpoint.resume_schedule import restretched
+    from zerotron.zero.lr_schedule import lr_at
 
     cfg = _cfg("--train-steps", "12", "--optimizer.warmup_steps", "2")
     saved = {"training.train_steps": 8}

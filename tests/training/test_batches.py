@@ -87,7 +87,7 @@ def test_a_read_error_stops_the_step_that_needs_it():
 
 @pytest.mark.parametrize("bad", [-1, True, 1.5])
 def test_a_bad_prefetch_is_refused_naming_the_field(bad):
-    from zerotron.training.config import ConfigError, RunConfig
+    from zerotron.config.run_config import ConfigError, RunConfig
 
     cfg = RunConfig()
     cfg.data.prefetch = bad

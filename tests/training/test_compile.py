@@ -22,7 +22,7 @@ def train(compiled: bool, stage: int, checkpointing: bool, tp: int = 1, dropout:
 
     from zerotron.model.config import GPTConfig
     from zerotron.parallel import Grid
-    from zerotron.training.config import RunConfig
+    from zerotron.config.run_config import RunConfig
     from zerotron.training.parallelize import parallelize_gpt
 
     if fresh:

@@ -246,8 +246,8 @@ def test_one_cycle_cycles_momentum(runs):
 def test_one_cycle_schedule_over_a_long_run(params):
     """Past the cycle into the decay, against the transcription (no run needed: the run test above
     shows the trainer applies the section's schedule)."""
-    from zerotron.training.config import OptimizerSection
-    from zerotron.training.schedule import betas_at, lr_at
+    from zerotron.config.run_config import OptimizerSection
+    from zerotron.zero.lr_schedule import betas_at, lr_at
 
     moms = params.get("moms", (0.8, 0.9))
     o = OptimizerSection(schedule="onecycle", lr=1e-3, warmup_min_lr=1e-4, warmup_steps=params["up"],

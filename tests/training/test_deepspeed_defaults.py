@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from zerotron.training.cli import parse_config
-from zerotron.training.deepspeed import from_deepspeed
-from zerotron.training.schedule import lr_at
+from zerotron.config.cli import parse_config
+from zerotron.config.deepspeed import from_deepspeed
+from zerotron.zero.lr_schedule import lr_at
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "tests" / "training" / "deepspeed_configs"
@@ -36,7 +36,7 @@ def test_warmup_lr_without_a_peak_warms_up_to_deepspeeds_default():
 def test_a_min_lr_the_schedule_never_reaches_is_not_refused():
     """HF's tests' ZeRO-3 config (lr 3e-5, WarmupLR: constant after the warm-up) on configs/tiny.yaml
     (min_lr 3e-4): DeepSpeed's WarmupLR has no floor, so the YAML's is only said to do nothing."""
-    from zerotron.training.inert import no_effect
+    from zerotron.config.inert import no_effect
 
     argv = ["--config", str(ROOT / "configs" / "tiny.yaml"), "--deepspeed-config", str(CONFIGS / "hf_tests_zero3.json")]
     cfg = parse_config(argv, world_size=4).validate(4)
@@ -48,7 +48,7 @@ def test_a_min_lr_the_schedule_never_reaches_is_not_refused():
 def test_a_min_lr_above_the_jsons_rate_names_the_flag_that_fixes_it():
     """DeepSpeedExamples' Megatron ZeRO-2 config (lr 1.5e-4, no scheduler section) on configs/tiny.yaml:
     the YAML's cosine schedule runs, as under Megatron-DeepSpeed, and would decay *up* to 3e-4."""
-    from zerotron.training.config import ConfigError
+    from zerotron.config.run_config import ConfigError
 
     argv = ["--config", str(ROOT / "configs" / "tiny.yaml"), "--deepspeed-config",
             str(CONFIGS / "dsexamples_megatron_zero2_static.json")]

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from scripts.pretrain_gpt import main
-from zerotron.training.cli import parse_config
-from zerotron.training.config import ConfigError, RunConfig
-from zerotron.training.deepspeed import from_deepspeed, markdown_table
-from zerotron.training.deepspeed.keys import TOP
-from zerotron.training.deepspeed.schema import rows
+from zerotron.config.cli import parse_config
+from zerotron.config.run_config import ConfigError, RunConfig
+from zerotron.config.deepspeed import from_deepspeed, markdown_table
+from zerotron.config.deepspeed.keys import TOP
+from zerotron.config.deepspeed.schema import rows
 
 BAD = [
     ({"zero_optimisation": {"stage": 3}}, "zero_optimisation: not a DeepSpeed key at the top level (did you mean "
@@ -166,7 +166,7 @@ def test_one_cycle_without_cycle_momentum_keeps_the_optimizers_betas():
 
 
 def test_one_cycle_fields_are_refused_under_another_schedule():
-    from zerotron.training.config import ConfigError, RunConfig
+    from zerotron.config.run_config import ConfigError, RunConfig
 
     cfg = RunConfig()
     cfg.optimizer.decay_lr_rate = 3.0
@@ -183,8 +183,8 @@ def test_one_cycle_fields_are_refused_under_another_schedule():
 def test_the_jsons_scheduler_replaces_the_yamls_schedule(tmp_path, scheduler, yaml_optimizer):
     """DeepSpeed reads only its JSON: a YAML's fields of another schedule family must neither be
     ignored silently nor refused -- the JSON's scheduler replaces them."""
-    from zerotron.training.config import OptimizerSection
-    from zerotron.training.schedule import ONE_CYCLE_FIELDS, OTHER_SCHEDULES_FIELDS
+    from zerotron.config.run_config import OptimizerSection
+    from zerotron.zero.lr_schedule import ONE_CYCLE_FIELDS, OTHER_SCHEDULES_FIELDS
 
     yml, ds = tmp_path / "run.yaml", tmp_path / "ds.json"
     yml.write_text(f"optimizer: {yaml_optimizer}\n")
@@ -228,7 +228,7 @@ def test_an_auto_value_is_not_blamed_on_the_json(tmp_path):
 def test_stage3_defaults_follow_the_stage_a_flag_sets(tmp_path):
     """A stage-3 JSON fills in DeepSpeed's stage-3 defaults; with ``--zero-stage 2`` on the command
     line they are neither set nor announced (they would do nothing)."""
-    from zerotron.training.inert import no_effect
+    from zerotron.config.inert import no_effect
 
     ds = tmp_path / "ds.json"
     ds.write_text(json.dumps({"zero_optimization": {"stage": 3}}))
@@ -240,7 +240,7 @@ def test_stage3_defaults_follow_the_stage_a_flag_sets(tmp_path):
 
 
 def test_a_checkpoint_count_without_the_contiguous_buffer_is_noted_not_refused():
-    from zerotron.training.deepspeed import from_deepspeed
+    from zerotron.config.deepspeed import from_deepspeed
 
     cfg, lines = from_deepspeed({"activation_checkpointing": {"number_checkpoints": 4}})
     assert cfg.validate(1).activation_checkpointing.number_checkpoints is None

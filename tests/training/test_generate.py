@@ -74,7 +74,7 @@ def build_references(tmp: str) -> dict:
 
     from zerotron.model.gpt import GPT
     from zerotron.parallel import Grid, ParallelDims
-    from zerotron.training.checkpoint import save_checkpoint
+    from zerotron.checkpoint.distributed import save_checkpoint
     from zerotron.zero import ZeroConfig, ZeroOptimizer
 
     tok_dir = bpe_tokenizer_dir(Path(tmp) / "tokenizer")
@@ -131,7 +131,7 @@ def gpt2_through_the_export(tmp: str, tok_dir: Path) -> dict:
     from zerotron.model import GPTConfig
     from zerotron.model.gpt import GPT
     from zerotron.parallel import Grid, ParallelDims
-    from zerotron.training.checkpoint import save_checkpoint
+    from zerotron.checkpoint.distributed import save_checkpoint
     from zerotron.zero import ZeroConfig, ZeroOptimizer
 
     source = AutoTokenizer.from_pretrained(str(tok_dir))

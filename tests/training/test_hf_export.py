@@ -20,7 +20,7 @@ import pytest
 
 from tests.harness import spawn
 from tests.training.test_trainer import run_steps
-from zerotron.training.checkpoint_schema import seal
+from zerotron.checkpoint.schema import seal
 from zerotron.data.tokenizer import BOS_ID
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
@@ -122,8 +122,8 @@ def test_hf_export_tokenizer_round_trips_and_generate_stops_at_eod(checkpoint, z
 
 
 def test_hf_export_of_a_checkpoint_without_its_tokenizer_names_the_fix(checkpoint, tmp_path, capsys):
-    from zerotron.training.checkpoint_io import CheckpointError
-    from zerotron.training.export import tokenizer_model
+    from zerotron.checkpoint.files import CheckpointError
+    from zerotron.checkpoint.export import tokenizer_model
 
     old = tmp_path / "step_00000002"
     shutil.copytree(checkpoint, old)

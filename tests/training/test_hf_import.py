@@ -142,7 +142,7 @@ def refusals(cases: dict, root: str, cache: str) -> dict:
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
     import pretrain_gpt
 
-    from zerotron.training.cli import last_wins
+    from zerotron.config.cli import last_wins
 
     out = {}
     for name, flags in cases.items():

@@ -69,7 +69,7 @@ def import_on_rank(directory: str, run_dir: str, cache: str) -> dict:
 
     from tests.model.test_llama_parity import local_shard, to_zerotron
     from zerotron.parallel.memory_tracker import MemoryTracker
-    from zerotron.training.hf_import import load_hf_weights
+    from zerotron.checkpoint.hf_import import load_hf_weights
 
     mcfg, grid, model, opt = build_on_rank(directory, run_dir, cache, "--pp", "2",
                                            "--zero-stage", "1")

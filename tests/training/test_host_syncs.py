@@ -35,7 +35,7 @@ SCENARIOS = {"bf16": ["--precision", "bf16"], "fp16": ["--precision", "fp16"],
 def _config(cache: str, run_dir: str, *flags):
     import torch.distributed as dist
 
-    from zerotron.training.cli import last_wins, parse_config
+    from zerotron.config.cli import last_wins, parse_config
 
     world = dist.get_world_size()
     pp = int(flags[flags.index("--pp") + 1]) if "--pp" in flags else 1

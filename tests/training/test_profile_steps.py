@@ -40,7 +40,7 @@ def test_profile_steps_write_a_trace_of_those_steps(zerotron_cache, tmp_path):
 @pytest.mark.parametrize("steps,fix", [(["4", "3"], "need 1 <= A <= B"),
                                        (["3", "9"], "training.train_steps=5")])
 def test_bad_profile_steps_name_the_field(steps, fix, tmp_path):
-    from zerotron.training.config import ConfigError
+    from zerotron.config.run_config import ConfigError
 
     cfg = make_config(tmp_path, str(tmp_path), "--profile-steps", *steps, "--train-steps", "5")
     want = rf"logging.profile_steps=\[{steps[0]}, {steps[1]}\]: .*{fix}"

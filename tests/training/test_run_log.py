@@ -31,7 +31,7 @@ def _run(cache: str, tmp: str, name: str, *flags) -> dict:
 
     from zerotron.estimate import memory_model
     from zerotron.parallel.runtime import init_distributed
-    from zerotron.training.cli import parse_config
+    from zerotron.config.cli import parse_config
     from zerotron.training.trainer import Trainer
 
     base = ["--config", str(ROOT / "configs" / "tiny.yaml"), "--tp", "1", "--seq-length", "16",
@@ -142,8 +142,8 @@ def test_tensorboard_gets_the_logged_scalars(runs):
 def test_tensorboard_without_the_package_is_a_config_error(monkeypatch):
     import importlib.util
 
-    from zerotron.training.cli import parse_config
-    from zerotron.training.config import ConfigError
+    from zerotron.config.cli import parse_config
+    from zerotron.config.run_config import ConfigError
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))

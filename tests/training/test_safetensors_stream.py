@@ -4,7 +4,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from zerotron.training.safetensors_stream import SafetensorsStreamWriter
+from zerotron.checkpoint.safetensors_stream import SafetensorsStreamWriter
 
 
 def test_stream_roundtrip(tmp_path):

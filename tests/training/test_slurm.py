@@ -53,7 +53,7 @@ def git_files() -> list[str]:
 
 
 def test_header_examples_name_files_that_exist_and_configs_that_fit_their_gpus():
-    from zerotron.training.cli import parse_config
+    from zerotron.config.cli import parse_config
 
     examples = header_examples()
     assert len(examples) >= 3, examples

@@ -31,7 +31,7 @@ def run_llama(run_dir, cache, steps, flags):
     import torch.distributed as dist
 
     from zerotron.parallel.runtime import init_distributed
-    from zerotron.training.cli import last_wins, parse_config
+    from zerotron.config.cli import last_wins, parse_config
     from zerotron.training.trainer import Trainer
 
     base = ["--config", str(ROOT / "configs" / "tiny-llama.yaml"), "--seq-length", "32",
@@ -74,8 +74,8 @@ def test_a_checkpoint_refuses_another_architecture():
     import dataclasses
 
     from zerotron.model import get_preset
-    from zerotron.training.checkpoint import CheckpointError, check_compatible
-    from zerotron.training.export import saved_architecture
+    from zerotron.checkpoint.distributed import CheckpointError, check_compatible
+    from zerotron.checkpoint.export import saved_architecture
 
     llama, gpt2 = get_preset("tiny-llama"), get_preset("tiny")
     meta = {"model": {**dataclasses.asdict(llama), "architecture": "llama"}, "params": {}}
@@ -98,7 +98,7 @@ def run_yaml_as_is(run_dir, cache, steps):
     import torch.distributed as dist
 
     from zerotron.parallel.runtime import init_distributed
-    from zerotron.training.cli import parse_config
+    from zerotron.config.cli import parse_config
     from zerotron.training.trainer import Trainer
 
     argv = ["--config", str(ROOT / "configs" / "tiny-llama.yaml"), "--train-steps", str(steps),

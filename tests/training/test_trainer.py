@@ -29,7 +29,7 @@ FP64 = ["--precision", "fp64"]
 
 
 def make_config(run_dir, cache, *flags):
-    from zerotron.training.cli import last_wins, parse_config
+    from zerotron.config.cli import last_wins, parse_config
 
     base = ["--config", str(ROOT / "configs" / "tiny.yaml"), "--seq-length", "32", "--micro-batch-size", "2",
             "--global-batch-size", "8", "--train-steps", "20", "--wandb-mode", "disabled", "--log-interval", "100",
@@ -139,8 +139,8 @@ def export_and_compare(ck: str, out: str) -> float:
 
     from zerotron.model import GPT
     from zerotron.parallel import Grid, ParallelDims
-    from zerotron.training.checkpoint_io import read_metadata, resolve_load_path
-    from zerotron.training.export import export_hf_gpt2, full_tensors
+    from zerotron.checkpoint.files import read_metadata, resolve_load_path
+    from zerotron.checkpoint.export import export_hf_gpt2, full_tensors
 
     export_hf_gpt2(ck, out)
     hf = GPT2LMHeadModel.from_pretrained(out).double().eval()
@@ -215,7 +215,7 @@ def killed_deleting_the_replaced_checkpoint(run_dir, cache, flags):
     """``run_steps``, killed (``kill -9``) part-way through deleting the step_00000010 it saves again."""
     import shutil
 
-    from zerotron.training import checkpoint
+    from zerotron.checkpoint import distributed as checkpoint
 
     def rmtree(path, *args, **kwargs):
         path = Path(path)

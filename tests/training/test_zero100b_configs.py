@@ -14,7 +14,7 @@ import pytest
 
 from zerotron.model import PRESETS, get_preset
 from zerotron.model.presets import GPT2_VOCAB
-from zerotron.training.cli import apply_mapping, parse_config, read_yaml
+from zerotron.config.cli import apply_mapping, parse_config, read_yaml
 from zerotron.training.setup_run import validate_model
 
 ROOT = Path(__file__).resolve().parents[2] / "configs" / "zero100b"

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zerotron.zero import DynamicLossScaler, ZeroConfig
-from zerotron.training.deepspeed import from_deepspeed
+from zerotron.config.deepspeed import from_deepspeed
 from zerotron.zero.loss_scaler import make_loss_scaler
 from zerotron.zero.partition import Layout
 
@@ -67,7 +67,7 @@ def test_offload_needs_a_partitioned_stage():
 
 
 def zero_from_deepspeed(ds: dict) -> ZeroConfig:
-    """The ZeroConfig the one DeepSpeed reader (``training.deepspeed``) makes of a whole DeepSpeed config."""
+    """The ZeroConfig the one DeepSpeed reader (``config.deepspeed``) makes of a whole DeepSpeed config."""
     return from_deepspeed(ds)[0].zero.validate()
 
 

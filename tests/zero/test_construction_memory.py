@@ -22,7 +22,7 @@ BUCKET = 4096
 
 
 def _run_config(grid, precision: str, stage: int, pp: int = 1):
-    from zerotron.training.config import RunConfig
+    from zerotron.config.run_config import RunConfig
     from zerotron.zero import ZeroConfig
 
     run = RunConfig()

@@ -130,7 +130,7 @@ def test_pipeline_sums_tied_embedding_gradients_in_the_fp32_buffer():
 
 
 def test_grad_accum_dtype_validation_and_deepspeed_reader():
-    from zerotron.training.deepspeed import from_deepspeed
+    from zerotron.config.deepspeed import from_deepspeed
     from zerotron.zero import ZeroConfig
 
     for precision, want in (("bf16", "fp32"), ("fp16", "fp32"), ("fp32", "fp32"), ("fp64", "fp64")):

@@ -113,7 +113,7 @@ def test_parameter_offload_below_stage_3(device):
     """zerotron's own key is refused below stage 3 (parameters are not partitioned there); a
     DeepSpeed JSON's ``offload_param`` is dropped with a start-up line, as DeepSpeed reads it only
     at stage 3."""
-    from zerotron.training.deepspeed import from_deepspeed
+    from zerotron.config.deepspeed import from_deepspeed
     from zerotron.zero.config import ZeroConfig
 
     with pytest.raises(ValueError, match=f"zero.offload_param_device='{device}'"):
@@ -125,14 +125,14 @@ def test_parameter_offload_below_stage_3(device):
 
 
 def zero_from_deepspeed(zero: dict):
-    """The ZeroConfig the one DeepSpeed reader (``training.deepspeed``) makes of a zero_optimization dict."""
-    from zerotron.training.deepspeed import from_deepspeed
+    """The ZeroConfig the one DeepSpeed reader (``config.deepspeed``) makes of a zero_optimization dict."""
+    from zerotron.config.deepspeed import from_deepspeed
 
     return from_deepspeed({"zero_optimization": zero})[0].zero.validate()
 
 
 def test_deepspeed_nested_offload_dict(tmp_path):
-    from zerotron.training.cli import parse_config
+    from zerotron.config.cli import parse_config
 
     zero = {"stage": 3, "sub_group_size": 1e6, "zero_hpz_partition_size": 2, "zero_quantized_weights": True,
             "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path), "buffer_count": 5},

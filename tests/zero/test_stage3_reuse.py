@@ -29,7 +29,7 @@ def _run(stage: int, checkpoint: bool = False, **zero_kw) -> dict:
     from zerotron.model.config import GPTConfig
     from zerotron.parallel import Grid, ParallelDims
     from zerotron.parallel import collectives as C
-    from zerotron.training.config import RunConfig
+    from zerotron.config.run_config import RunConfig
     from zerotron.training.parallelize import parallelize_gpt
 
     gathered = {"elements": 0}

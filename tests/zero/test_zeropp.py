@@ -85,7 +85,7 @@ def test_validation_names_the_key(kw, dp, match):
 
 
 def test_from_deepspeed_reads_zeropp_keys():
-    from zerotron.training.deepspeed import from_deepspeed
+    from zerotron.config.deepspeed import from_deepspeed
 
     cfg = from_deepspeed({"zero_optimization": {
         "stage": 3, "zero_quantized_weights": True, "zero_quantized_gradients": True,
@@ -94,7 +94,7 @@ def test_from_deepspeed_reads_zeropp_keys():
 
 
 def _hpz_run(tp: int, hpz: int, qgz_node: int = 0):
-    from zerotron.training.config import RunConfig
+    from zerotron.config.run_config import RunConfig
 
     cfg = RunConfig()
     cfg.parallel.tp, cfg.zero.stage, cfg.zero.zero_hpz_partition_size = tp, 3, hpz
@@ -109,7 +109,7 @@ def test_node_local_groups_that_would_cross_nodes_are_refused(monkeypatch):
     a node holds 4 of each DP group and an hpZ (or qgZ) group of 8 would span two nodes -- its
     "node-local" backward gathers would cross the slow link. Nodes worked out by hand: ranks
     0, 2, ..., 14 are on nodes 0 (0-7) and 1 (8-15)."""
-    from zerotron.training.config import ConfigError
+    from zerotron.config.run_config import ConfigError
 
     want = (r"zero_hpz_partition_size=8: .*\[0, 2, 4, 6, 8, 10, 12, 14\] spans nodes \[0, 1\] "
             r"of 8 GPUs.*use 4")

@@ -25,33 +25,47 @@ would write them:
 
 Unlike DeepSpeed, ``cpu_checkpointing`` works without ``partition_activations`` (it then moves
 the whole checkpoint), and a flag that would have no effect is an error, not a silent no-op. A
-DeepSpeed JSON's section is read by ``zerotron.training.deepspeed`` (the one reader): its presence
+DeepSpeed JSON's section is read by ``zerotron.config.deepspeed`` (the one reader): its presence
 turns ``checkpoint_activations`` on, since DeepSpeed has no key for that.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
 
-GRANULARITIES = ("full", "selective")  # recompute_granularity, Megatron's --recompute-granularity
-SP_GATHERS = ("keep", "regather")  # sequence_parallel_gather
+Granularity = Literal["full", "selective"]  # Megatron's --recompute-granularity
+SpGather = Literal["keep", "regather"]
+GRANULARITIES = get_args(Granularity)  # the choices, read from the declared types
+SP_GATHERS = get_args(SpGather)
 _BOOLS = ("checkpoint_activations", "partition_activations", "cpu_checkpointing",
           "contiguous_memory_optimization", "synchronize_checkpoint_boundary")
 
 
 @dataclass
 class ActivationCheckpointConfig:
-    """Which activations are checkpointed, where the checkpoints live, and how they are stored."""
+    """Which activations are checkpointed, where the checkpoints live, and how they are stored.
+
+    The docstring under each field is its one line of ``--help`` (``zerotron.config.fields``)."""
 
     checkpoint_activations: bool = False
+    """keep only chunk inputs, recompute in backward"""
     checkpoint_every: int = 1
+    """transformer layers per checkpoint"""
     partition_activations: bool = False
+    """Pa: each TP rank keeps 1/tp of every checkpoint"""
     cpu_checkpointing: bool = False
+    """checkpoints in host memory (Pa+cpu with Pa)"""
     contiguous_memory_optimization: bool = False
+    """MD: checkpoints in one pre-allocated buffer"""
     number_checkpoints: int | None = None
+    """slots of the MD buffer; null: one per chunk"""
     synchronize_checkpoint_boundary: bool = False
-    recompute_granularity: str = "full"
-    sequence_parallel_gather: str = "keep"
+    """device synchronize per chunk (debugging)"""
+    recompute_granularity: Granularity = "full"
+    """full: checkpointed chunks; selective: every layer's attention core"""
+    sequence_parallel_gather: SpGather = "keep"
+    """SP recompute: keep the gathered GEMM inputs, or regather (Megatron)"""
 
     def validate(self) -> "ActivationCheckpointConfig":
         """Raise ``ValueError`` naming the key, the value and the fix; returns self."""

@@ -156,7 +156,7 @@ class Setup:
 
 def setup_from_run_config(cfg, model: GPTConfig, gpus: int, backend: str = "nccl",
                           device: str = "cuda", pipeline_rank: int = 0) -> Setup:
-    """The ``Setup`` of a validated ``RunConfig`` (``training.config``) on ``gpus`` GPUs: its model,
+    """The ``Setup`` of a validated ``RunConfig`` (``config.run_config``) on ``gpus`` GPUs: its model,
     MP and DP degrees, micro-batch, ZeRO stage, buckets, gradient dtype and checkpointing, and
     with a pipeline the stage ``pipeline_rank`` (the trainer's and the dry run's own)."""
     z, ac, t, par = cfg.zero, cfg.activation_checkpointing, cfg.training, cfg.parallel

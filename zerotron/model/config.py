@@ -9,7 +9,16 @@ Llama family instead (RoPE, RMSNorm, SwiGLU, grouped-query attention, untied out
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass
+from typing import Literal
+
+# The choices of the architecture fields, declared once as their types: validate() and the run
+# config's --help, choice checks and CLI coercion (zerotron/config/fields.py) all read them.
+GeluForm = Literal["tanh", "none"]
+PositionEmbedding = Literal["learned", "rope"]
+Normalization = Literal["LayerNorm", "RMSNorm"]
+Activation = Literal["gelu", "swiglu"]
 
 
 @dataclass
@@ -18,43 +27,76 @@ class GPTConfig:
 
     ``dropout`` is the hidden/residual (and embedding) dropout, applied outside TP regions;
     ``attention_dropout`` drops attention probabilities inside the TP region (per-rank stream).
-    ``paper_mp`` records the model-parallel degree the source paper used for this shape.
+    ``paper_mp`` records the model-parallel degree the source paper used for this shape. The
+    docstring under each field is its one line of ``--help`` (``zerotron.config.fields``).
     """
 
     num_layers: int
+    """transformer blocks"""
     hidden_size: int
+    """hidden size h"""
     num_heads: int
+    """attention heads (divisible by parallel.tp)"""
     vocab_size: int
+    """vocabulary; null: the tokenizer's (padded at run time for TP)"""
     seq_length: int
+    """tokens per sample"""
     dropout: float = 0.0
+    """hidden/residual and embedding dropout"""
     attention_dropout: float = 0.0
+    """dropout on attention probabilities"""
     make_vocab_size_divisible_by: int = 128
+    """pad the vocabulary to a multiple of this x tp (Megatron: 128)"""
     init_std: float = 0.02
+    """std of the normal weight init (GPT-2: 0.02)"""
     layernorm_eps: float = 1e-5
-    ffn_hidden_size: int | None = None  # None: 4 * hidden_size (GPT-2)
-    max_position_embeddings: int | None = None  # None: seq_length
-    gelu_approximate: str = "tanh"  # GPT-2's "gelu_new"; "none" for the erf form
+    """LayerNorm epsilon"""
+    ffn_hidden_size: int | None = None
+    """MLP width; null: 4 x hidden_size"""
+    max_position_embeddings: int | None = None
+    """position table size; null: seq_length"""
+    gelu_approximate: GeluForm = "tanh"
+    """GeLU form: tanh (GPT-2's gelu_new) or none (erf)"""
     # architecture (Megatron-core TransformerConfig names); the defaults are GPT-2's
-    position_embedding_type: str = "learned"  # learned | rope
-    rotary_base: float = 10000.0  # RoPE's theta
-    rope_scaling: bool = False  # Llama-3.1's frequency scaling, with the four fields below
+    position_embedding_type: PositionEmbedding = "learned"
+    """learned (GPT-2's table) or rope (rotary, the Llama family)"""
+    rotary_base: float = 10000.0
+    """RoPE's theta (Llama-3: 500000; Qwen2.5, Mistral: 1e6)"""
+    rope_scaling: bool = False
+    """Llama-3.1's RoPE frequency scaling, with the rope_scaling_* fields"""
     rope_scaling_factor: float = 8.0
+    """how much long wavelengths are stretched (Llama-3.1: 8, 3.2: 32)"""
     rope_scaling_low_freq_factor: float = 1.0
+    """Llama-3.1's low-frequency factor (1)"""
     rope_scaling_high_freq_factor: float = 4.0
+    """Llama-3.1's high-frequency factor (4)"""
     rope_scaling_original_max_position_embeddings: int = 8192
-    normalization: str = "LayerNorm"  # LayerNorm | RMSNorm; epsilon: layernorm_eps
-    activation: str = "gelu"  # gelu | swiglu (down(silu(gate(x)) * up(x)))
-    num_query_groups: int | None = None  # grouped-query attention; None: num_heads; 1: MQA
-    add_bias_linear: bool = True  # biases of every linear layer (Llama: false)
-    add_qkv_bias: bool = False  # q, k, v biases when add_bias_linear is false (Qwen2)
+    """the context RoPE was trained at (8192)"""
+    normalization: Normalization = "LayerNorm"
+    """LayerNorm (GPT-2) or RMSNorm (Llama); epsilon: layernorm_eps"""
+    activation: Activation = "gelu"
+    """gelu, or swiglu: down(silu(gate(x)) * up(x)) of width ffn_hidden_size"""
+    num_query_groups: int | None = None
+    """K/V heads of grouped-query attention (divisible by tp); null: num_heads"""
+    add_bias_linear: bool = True
+    """biases in every linear layer (GPT-2: true, Llama: false)"""
+    add_qkv_bias: bool = False
+    """q/k/v biases when add_bias_linear is false (Qwen2)"""
     untie_embeddings_and_output_weights: bool = False
-    qk_layernorm: bool = False  # normalise each head's q and k before RoPE
+    """the output layer its own weight, vocab-parallel"""
+    qk_layernorm: bool = False
+    """normalise each head's q and k before RoPE (Qwen3)"""
     # document masking of packed samples (Megatron's names): attention and positions per document
     reset_attention_mask: bool = False
+    """document masking: attention never crosses an end-of-document token"""
     reset_position_ids: bool = False
-    eod_token_id: int | None = None  # None: the tokenizer's end-of-document id (the trainer's)
+    """positions restart after each end-of-document token"""
+    eod_token_id: int | None = None
+    """end-of-document token for document masking; null: the tokenizer's"""
     paper_mp: int = 1
+    """the model-parallel degree the source paper used for this shape (a preset's label)"""
     name: str = ""
+    """the preset's name (a label, not a shape choice)"""
 
     @property
     def ffn_size(self) -> int:
@@ -135,8 +177,9 @@ class GPTConfig:
             raise ValueError(f"model.init_std={self.init_std}: must be > 0 (GPT-2 uses 0.02)")
         if self.layernorm_eps <= 0:
             raise ValueError(f"model.layernorm_eps={self.layernorm_eps}: must be > 0 (e.g. 1e-5)")
-        if self.gelu_approximate not in ("tanh", "none"):
-            raise ValueError(f"model.gelu_approximate={self.gelu_approximate!r}: use 'tanh' or 'none'")
+        if self.gelu_approximate not in typing.get_args(GeluForm):
+            forms = " or ".join(map(repr, typing.get_args(GeluForm)))
+            raise ValueError(f"model.gelu_approximate={self.gelu_approximate!r}: use {forms}")
         h, nh = self.hidden_size, self.num_heads
         if h % nh:
             raise ValueError(f"model.hidden_size={h} is not divisible by model.num_heads={nh}; "
@@ -219,8 +262,9 @@ class GPTConfig:
                              f"change num_heads or hidden_size")
 
 
-ARCH_CHOICES = {"position_embedding_type": ("learned", "rope"),
-                "normalization": ("LayerNorm", "RMSNorm"), "activation": ("gelu", "swiglu")}
+ARCH_CHOICES = {name: typing.get_args(kind) for name, kind in (
+    ("position_embedding_type", PositionEmbedding), ("normalization", Normalization),
+    ("activation", Activation))}  # read from the fields' Literal types
 ARCH_BOOLS = ("add_bias_linear", "add_qkv_bias", "untie_embeddings_and_output_weights",
               "qk_layernorm", "rope_scaling", "reset_attention_mask", "reset_position_ids")
 ARCH_POSITIVE = ("rotary_base", "rope_scaling_factor", "rope_scaling_low_freq_factor",

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from zerotron.parallel.comm_stats import CommStats
 from zerotron.parallel.health import Health
+from zerotron.parallel.pipeline_schedules import PipelineSchedule
 from zerotron.parallel.runtime import group_timeout
 
 
@@ -45,15 +46,23 @@ class ParallelDims:
     does ``sequence_parallel`` (the TP group also splits the sequence outside its GEMMs;
     Korthikanti et al. 2022, ``parallel.sequence_parallel``), which needs tp > 1; and
     ``virtual_stages`` (model chunks per pipeline rank: v > 1 is the interleaved 1F1B schedule,
-    ``parallel.pipeline_schedules``), which needs pp > 1."""
+    ``parallel.pipeline_schedules``), which needs pp > 1. The docstring under each field is its
+    one line of the run config's ``--help`` (``zerotron.config.fields``)."""
 
     tp: int = 1
+    """tensor-parallel size (Megatron; keep it inside a node)"""
     pp: int = 1
+    """pipeline-parallel stages"""
     dp: int | None = None
+    """data-parallel size; null or -1: world / (tp x cp x pp)"""
     cp: int = 1
-    pipeline_schedule: str = "1f1b"
+    """context-parallel size: each sequence split over cp ranks, ring attention; 1: none"""
+    pipeline_schedule: PipelineSchedule = "1f1b"
+    """1f1b (PipeDream-Flush) or afab (all forward, all backward)"""
     sequence_parallel: bool = False
+    """split LayerNorm/dropout/residual along the sequence over TP (tp > 1)"""
     virtual_stages: int = 1
+    """model chunks per pipeline rank: > 1 is interleaved 1F1B (pp >= 2); 1: none"""
 
     def resolve(self, world_size: int) -> "ParallelDims":
         """Validate the sizes against ``world_size`` and fill in ``dp``; raises before any collective."""

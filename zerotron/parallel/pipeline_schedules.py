@@ -39,8 +39,10 @@ exactly those waits.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
 
-SCHEDULES = ("1f1b", "afab")
+PipelineSchedule = Literal["1f1b", "afab"]  # the type of ParallelDims.pipeline_schedule
+SCHEDULES = get_args(PipelineSchedule)
 
 
 @dataclass(frozen=True)

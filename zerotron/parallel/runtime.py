@@ -78,7 +78,7 @@ def positive_env(name: str, holds: str) -> float | None:
 
 def collective_timeout(seconds: float | None = None) -> datetime.timedelta:
     """Timeout for every collective; the env var wins over the argument so CI can tighten it.
-    The one parser of ``ZEROTRON_COLLECTIVE_TIMEOUT``: start-up's check (``training.env_check``)
+    The one parser of ``ZEROTRON_COLLECTIVE_TIMEOUT``: start-up's check (``config.env_check``)
     calls it, so a bad value is refused with this message before any process group."""
     value = positive_env("ZEROTRON_COLLECTIVE_TIMEOUT",
                          "seconds a collective may wait before the rank fails")

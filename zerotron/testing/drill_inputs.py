@@ -215,7 +215,7 @@ def disk_full(d: Drill, name: str = "disk_full") -> Row:
     """A real full disk: ``checkpoint.save`` on a tmpfs with room for one checkpoint and not two
     (passing the start-up room check), so the step-8 save runs out of space on whichever ranks
     write last. After the failure the tmpfs is enlarged ("free space") and the run resumed."""
-    from zerotron.training.cli import parse_config
+    from zerotron.config.cli import parse_config
     from zerotron.training.setup_run import checkpoint_bytes, validate_model
 
     d.base()

@@ -211,7 +211,7 @@ def complete_steps(save: Path) -> list[int]:
 
 def intact(save: Path) -> tuple[list[int], list[str]]:
     """Complete checkpoints of ``save`` and the problems found re-hashing every shard of each."""
-    from zerotron.training.checkpoint_io import step_dir, verify_file
+    from zerotron.checkpoint.files import step_dir, verify_file
 
     steps, problems = complete_steps(save), []
     for step in steps:

@@ -44,7 +44,7 @@ class Drill:
         return [r for r in range(self.layout.nproc) if r != VICTIM]
 
     def argv(self, name: str, steps: int, save: Path | str | None = None, *extra: str) -> list[str]:
-        from zerotron.training.cli import last_wins  # a scenario's extra flags win
+        from zerotron.config.cli import last_wins  # a scenario's extra flags win
 
         return last_wins([*COMMON, *self.layout.flags, "--train-steps", str(steps), "--run-dir",
                           str(self.root / name / "run"), "--save", str(save) if save else "none",

@@ -72,7 +72,7 @@ def _preload() -> None:
     thread, so forking stays safe; after the first call each import is a lookup in sys.modules."""
     import torch._dynamo  # noqa: F401
 
-    import zerotron.training.cli  # noqa: F401
+    import zerotron.config.cli  # noqa: F401
     import zerotron.training.trainer  # noqa: F401
 
 

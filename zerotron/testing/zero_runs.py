@@ -36,7 +36,7 @@ def train_gpt(zero_kw: dict, steps: int, per_rank: int = 4, seed: int = 11,
     from zerotron.parallel import Grid, ParallelDims
     from zerotron.parallel import collectives as C
     from zerotron.parallel import host_sync
-    from zerotron.training.config import RunConfig
+    from zerotron.config.run_config import RunConfig
     from zerotron.training.parallelize import parallelize_gpt
     from zerotron.zero import ZeroConfig, accounting
 

@@ -31,7 +31,7 @@ import torch
 
 from zerotron.data import PretrainSampler
 from zerotron.parallel import host_sync
-from zerotron.training.config import ConfigError
+from zerotron.config.run_config import ConfigError
 
 
 class TokenIdError(ConfigError):

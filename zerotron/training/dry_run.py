@@ -36,8 +36,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 from zerotron.model import GPTConfig
 from zerotron.parallel import host_sync, simulation
 from zerotron.parallel.grid import Grid
-from zerotron.training.checkpoint import shard_contents
-from zerotron.training.config import RunConfig
+from zerotron.checkpoint.distributed import shard_contents
+from zerotron.config.run_config import RunConfig
 from zerotron.training.parallelize import parallelize_gpt
 from zerotron.training.step import run_step
 from zerotron.training.step_memory import StepMemory

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from zerotron.training.config import ConfigError
+from zerotron.config.run_config import ConfigError
 
 
 def _gib(n: float) -> str:

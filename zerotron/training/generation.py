@@ -19,8 +19,8 @@ import torch
 from zerotron.model.config import GPTConfig
 from zerotron.model.gpt import GPT
 from zerotron.parallel.shard_info import set_shard_info, shard_info
-from zerotron.training.checkpoint import _Assembler, canonical_names, check_shape
-from zerotron.training.checkpoint_io import (CheckpointError, ShardReader, read_metadata,
+from zerotron.checkpoint.distributed import _Assembler, canonical_names, check_shape
+from zerotron.checkpoint.files import (CheckpointError, ShardReader, read_metadata,
                                              resolve_load_path)
 
 # generation reads one document: packed-document masking has nothing to separate
@@ -78,7 +78,7 @@ def _filled(cfg: GPTConfig, grid, device, local) -> GPT:
 def hf_config(directory: str, tokens: int) -> tuple[GPTConfig, str]:
     """The ``GPTConfig`` of a transformers model directory (``hf_config.read_hf_config``, which
     refuses what we do not build) for ``tokens`` positions, and its family."""
-    from zerotron.training.hf_config import read_hf_config
+    from zerotron.config.hf_config import read_hf_config
 
     hf = read_hf_config(directory, seq_length=tokens)
     fields = {**hf.fields, **_ONE_DOCUMENT}
@@ -88,8 +88,8 @@ def hf_config(directory: str, tokens: int) -> tuple[GPTConfig, str]:
 def hf_tensors(directory: str, cfg: GPTConfig, family: str):
     """The directory's safetensors, every tensor the model needs checked (presence, shape, a
     floating dtype) before any process group: a bad file is refused on every rank."""
-    from zerotron.training.hf_import import HFTensors
-    from zerotron.training.hf_weights import expected_tensors
+    from zerotron.checkpoint.hf_import import HFTensors
+    from zerotron.checkpoint.hf_weights import expected_tensors
 
     reader = HFTensors(directory)
     reader.check(expected_tensors(cfg, family))
@@ -99,8 +99,8 @@ def hf_tensors(directory: str, cfg: GPTConfig, family: str):
 def model_from_hf(reader, cfg: GPTConfig, family: str, grid, device) -> GPT:
     """This TP rank's slice of every weight, read from the checked safetensors by the
     importer's plan (``hf_weights.pieces``: only this rank's rows); eval mode."""
-    from zerotron.training.hf_import import fill_range
-    from zerotron.training.hf_weights import pieces
+    from zerotron.checkpoint.hf_import import fill_range
+    from zerotron.checkpoint.hf_weights import pieces
 
     def local(canon: str, info, shape: list[int]) -> torch.Tensor:
         plan = pieces(canon, cfg, family, grid.tp_size, grid.tp_rank)
@@ -114,7 +114,7 @@ def model_from_hf(reader, cfg: GPTConfig, family: str, grid, device) -> GPT:
 
 def kept_tokenizer(path: Path) -> str | None:
     """The checkpoint's own copy of its run's tokenizer (verified), or None if it keeps none."""
-    from zerotron.training.export import tokenizer_model
+    from zerotron.checkpoint.export import tokenizer_model
 
     if not read_metadata(path).get("tokenizer"):
         return None

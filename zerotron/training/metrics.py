@@ -180,7 +180,7 @@ class MetricsLogger:
             self._wandb.log(flat, step=record["step"])
         if self._tb is not None:
             self._tb.log(flat, record["step"])
-        if "checkpoint_total_s" in record:  # a committed save (training/saves.py): the console
+        if "checkpoint_total_s" in record:  # a committed save (checkpoint/saves.py): the console
             return  # has said "[checkpoint] saved"; its seconds are for the file and the trackers
         if "eval_loss" in record:
             self.message(f"eval at step {record['step']}/{self.total_steps} | loss {record['eval_loss']:.4f} | ppl {record['eval_ppl']:.2f}")

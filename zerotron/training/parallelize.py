@@ -39,7 +39,7 @@ from zerotron.model import GPT, GPTConfig
 from zerotron.model.stages import build_stage, split_chunks
 from zerotron.parallel.grid import Grid
 from zerotron.parallel.pipeline import microbatches_in_flight
-from zerotron.training.config import RunConfig
+from zerotron.config.run_config import RunConfig
 from zerotron.zero import ZeroOptimizer
 from zerotron.zero.loss_scaler import make_loss_scaler
 from zerotron.zero.optimizer import DTYPES

@@ -61,14 +61,3 @@ class StepProfiler:
             torch.cuda.memory._dump_snapshot(str(self.dir / f"rank_{self.rank}.memory.pickle"))
             torch.cuda.memory._record_memory_history(enabled=None)
         self.prof = None
-
-
-def check_profile_steps(steps, train_steps: int) -> str | None:
-    """The fix for a bad ``logging.profile_steps``; None when empty or ``[A, B]``, 1 <= A <= B."""
-    if not steps:
-        return None
-    if len(steps) != 2 or not all(isinstance(s, int) and not isinstance(s, bool) for s in steps):
-        return "give two step numbers A B (--profile-steps 3 4), or leave it empty"
-    if not 1 <= steps[0] <= steps[1] <= train_steps:
-        return f"need 1 <= A <= B <= training.train_steps={train_steps}"
-    return None

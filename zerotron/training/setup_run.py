@@ -16,7 +16,7 @@ from pathlib import Path
 from zerotron.parallel import Grid
 from zerotron.parallel import collectives as C
 from zerotron.parallel.context_parallel import check_context_parallel
-from zerotron.training.config import ConfigError, RunConfig
+from zerotron.config.run_config import ConfigError, RunConfig
 
 
 @dataclass
@@ -32,7 +32,7 @@ def prepare_data(cfg: RunConfig, grid: Grid, device) -> DataBundle:
     """Token files and tokenizer: the built-in corpus (rank 0 builds, the others wait for its
     outcome, so a build that fails stops every rank with rank 0's reason) or the user's."""
     from zerotron.data import build_default_corpus
-    from zerotron.training.resume import share
+    from zerotron.checkpoint.resume import share
 
     d = cfg.data
     if not d.data_path:
@@ -213,7 +213,7 @@ def preflight(cfg: RunConfig) -> None:
     the user's data files (the built-in corpus is built after start-up by rank 0), whether a
     rank can hold the run (``fit_check.py``) and the run and checkpoint directories. Raises
     ``ConfigError``."""
-    from zerotron.training.env_check import check_environment, check_paths
+    from zerotron.config.env_check import check_environment, check_paths
 
     check_environment()  # ZEROTRON_* variables: exit 2 naming one, not a traceback at start-up
     check_paths(cfg)
@@ -222,13 +222,13 @@ def preflight(cfg: RunConfig) -> None:
         vocab = check_data(cfg, cfg.data.tokenizer, list(cfg.data.data_path), list(cfg.data.eval_path))
     mcfg = validate_model(cfg, vocab)
     if cfg.checkpoint.init_from_hf:  # every tensor there, of its shape: refused before any group
-        from zerotron.training.hf_import import check_directory
+        from zerotron.checkpoint.hf_import import check_directory
         check_directory(cfg, mcfg)
     from zerotron.training.fit_check import check_fit
 
     check_fit(cfg, mcfg, int(os.environ.get("WORLD_SIZE", 1)))  # cannot fit: refused in seconds
     writable_dir("logging.run_dir", cfg.logging.run_dir, "the run's metrics and config")  # before a save dir in it
-    from zerotron.training.run_lock import RunLockError, check_free
+    from zerotron.checkpoint.run_lock import RunLockError, check_free
 
     try:  # a live run's run directory: refused now, not after init_process_group (locked there)
         check_free(cfg.logging.run_dir, "logging.run_dir")
@@ -264,14 +264,14 @@ def check_save_dir(cfg: RunConfig, mcfg) -> None:
     if not path:
         return
     where = writable_dir("checkpoint.save", path, "checkpoints", "or unset it to run without checkpoints")
-    from zerotron.training.checkpoint_io import PARTIAL_STEP_DIR, STEP_DIR
+    from zerotron.checkpoint.files import PARTIAL_STEP_DIR, STEP_DIR
 
     for above in [Path(path).absolute(), *Path(path).absolute().parents]:  # pruning reaches in
         step = STEP_DIR.match(above.name) or PARTIAL_STEP_DIR.match(above.name)
         if step or (above / "metadata.json").is_file():
             raise ConfigError(f"checkpoint.save={path} is inside the checkpoint {above}; give a "
                               f"directory outside any checkpoint")
-    from zerotron.training.run_lock import RunLockError, check_free
+    from zerotron.checkpoint.run_lock import RunLockError, check_free
 
     try:  # a live run's directory: refused now, not after init_process_group (the lock is taken there)
         check_free(path)

@@ -20,21 +20,20 @@ from pathlib import Path
 import torch
 
 from zerotron.parallel import collectives as C
-from zerotron.parallel import host_sync
+from zerotron.parallel import faults, host_sync
 from zerotron.parallel import rng as rng_streams
 from zerotron.parallel.runtime import DistEnv
-from zerotron.training import checkpoint as ckpt
-from zerotron.training import faults, hf_import, resume
+from zerotron.checkpoint import distributed as ckpt, hf_import, resume
 from zerotron.training.batches import BatchLoader
-from zerotron.training.config import RunConfig
+from zerotron.config.run_config import RunConfig
 from zerotron.training.metrics import CommWindow, MetricsLogger, PeakWindow, Throughput, host_values
 from zerotron.training.phase_times import PhaseTimes
 from zerotron.training.profiling import StepProfiler
-from zerotron.training.schedule import betas_at, lr_at
+from zerotron.zero.lr_schedule import betas_at, lr_at
 from zerotron.training.stragglers import StragglerWatch
 from zerotron.training.parallelize import parallelize_gpt
 from zerotron.training.run_log import RunLog
-from zerotron.training.saves import Saves
+from zerotron.checkpoint.saves import Saves
 from zerotron.training.setup_run import build_grid, model_config, prepare_data
 from zerotron.training.step import run_step
 from zerotron.training.step_memory import StepMemory
@@ -144,7 +143,7 @@ class Trainer:
     MAX_SKIPS_AT_MIN_SCALE = 8  # consecutive overflowed (skipped) steps at the loss-scale floor
 
     def _inject_faults(self, step: int) -> None:
-        """Drill hooks (zerotron/training/faults.py): kill or stall this rank, or poison a weight."""
+        """Drill hooks (zerotron/parallel/faults.py): kill or stall this rank, or poison a weight."""
         for point in ("kill", "stall", "pause", "slow"):
             faults.hit(point, step, self.grid.rank)
         if faults.armed("nan", step, self.grid.rank):  # init.constant_ fills under no_grad
@@ -251,7 +250,7 @@ class Trainer:
 
     def save(self, wait: bool = True) -> Path:
         """Write a checkpoint of this step (``wait=False`` with async_save: start writing it in the
-        background, ``training/saves.py``); a run whose loss went non-finite raises instead."""
+        background, ``checkpoint/saves.py``); a run whose loss went non-finite raises instead."""
         self._check_finite()
         return self.saves.save(wait)
 

@@ -1,5 +1,5 @@
 """ZeRO-DP settings: one validated dataclass, its fields named after DeepSpeed's ``zero_optimization`` keys
-(a DeepSpeed JSON is read by ``zerotron.training.deepspeed``, the one reader).
+(a DeepSpeed JSON is read by ``zerotron.config.deepspeed``, the one reader).
 
 The stages are the paper's cumulative partitions (ZeRO §5): 0 = plain data parallelism,
 1 = Pos (optimizer states), 2 = Pos+g (+ gradients), 3 = Pos+g+p (+ parameters). Bucket sizes are
@@ -28,11 +28,18 @@ dtype, until the last one; it is converted to ``grad_accum_dtype`` when it is re
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
 
+# The choices, declared once as types: validate() reads them here, the run config's --help, choice
+# checks and CLI coercion read them from the fields (zerotron/config/fields.py).
 # fp64 runs parameters, masters, moments and reductions in float64: the reference tier of the
 # parity tests (float64 against float64 leaves no round-off to hide a bug behind); 2x fp32 memory.
-PRECISIONS = ("fp32", "fp16", "bf16", "fp64")
-GRAD_ACCUM_DTYPES = ("fp32", "bf16", "fp16")
+Precision = Literal["fp32", "fp16", "bf16", "fp64"]
+GradAccumDtype = Literal["fp32", "bf16", "fp16"]
+Stage = Literal[0, 1, 2, 3]  # ZeRO §5: plain DP, Pos, Pos+g, Pos+g+p
+OffloadDevice = Literal["none", "cpu", "nvme"]
+PRECISIONS = get_args(Precision)
+GRAD_ACCUM_DTYPES = get_args(GradAccumDtype)
 
 
 def _is_int(value, at_least: int) -> bool:
@@ -47,37 +54,63 @@ class ZeroConfig:
     contiguous_gradients: stages 0-1 keep every gradient as a view of one flat buffer (MD) when
     True, and pack autograd's own gradient tensors into the bucket at reduction time when False.
     Stages 2-3 always reduce into the contiguous gradient *partition*, which is what Pos+g is.
+    The docstring under each field is its one line of ``--help`` (``zerotron.config.fields``).
     """
 
-    stage: int = 0
+    stage: Stage = 0
+    """ZeRO-DP stage: 0 plain DP, 1 Pos, 2 Pos+g, 3 Pos+g+p"""
     overlap_comm: bool = False
+    """overlap gradient reduction with backward (two buckets in flight)"""
     contiguous_gradients: bool = True
+    """stages 0-1: gradients as views of one flat buffer (MD)"""
     reduce_bucket_size: int = int(5e8)
+    """elements per gradient reduction bucket (CB)"""
     allgather_bucket_size: int = int(5e8)
-    # elements gathered or in flight ahead of the running unit (stage3.py); None: one unit ahead
-    # (as FSDP2), 0: no prefetch (nor NVMe read-ahead), as in DeepSpeed
+    """elements per parameter all-gather bucket (CB)"""
+    # stage3.py; None is one unit ahead as FSDP2 does, 0 no prefetch (nor NVMe read-ahead) as
+    # DeepSpeed does
     stage3_prefetch_bucket_size: int | None = None
+    """stage 3: elements gathered or in flight ahead of the running unit (unset: one unit ahead;
+    0: none)"""
     stage3_param_persistence_threshold: int = int(1e5)
+    """stage 3: parameters this small stay unpartitioned"""
     stage3_max_live_parameters: int = int(1e9)
+    """stage 3: cap on gathered elements kept for reuse or prefetched"""
     stage3_max_reuse_distance: int = 0  # 0: each unit released after use (DeepSpeed's default is 1e9)
+    """stage 3: keep a unit gathered if reused within this many elements"""
     offload_optimizer: bool = False
+    """ZeRO-Offload: fp32 optimizer state and step on the CPU (stage >= 1)"""
     # ZeRO++
     zero_quantized_weights: bool = False
+    """ZeRO++ qwZ: int8 stage-3 parameter all-gathers"""
     zero_quantized_gradients: bool = False
+    """ZeRO++ qgZ: int8 hierarchical gradient reduce-scatter"""
     zero_hpz_partition_size: int = 1  # 0 or 1: no secondary partition (DeepSpeed's "> 1")
+    """ZeRO++ hpZ: ranks of the secondary parameter partition (a node)"""
     zero_quantization_block_size: int = 256
-    zero_quantized_gradients_node_size: int = 0  # 0: the hpZ size (flat all-to-all when that is 1)
+    """elements per quantization block (qwZ, qgZ)"""
+    zero_quantized_gradients_node_size: int = 0  # flat all-to-all when the hpZ size is 1 too
+    """qgZ node size; 0: zero_hpz_partition_size"""
     # ZeRO-Infinity: "none" follows offload_optimizer (True means "cpu")
-    offload_optimizer_device: str = "none"
+    offload_optimizer_device: OffloadDevice = "none"
+    """where optimizer state lives; none: follows offload_optimizer"""
     offload_optimizer_nvme_path: str | None = None
+    """ZeRO-Infinity: directory for the optimizer-state files"""
     offload_optimizer_buffer_count: int = 4
-    sub_group_size: int = int(1e9)  # 0: one parameter's partition per tile (DeepSpeed: one parameter per sub-group)
-    # ZeRO-Infinity parameter offload (stage 3): the parameter partition in a file (infinity.disk_params)
-    offload_param_device: str = "none"  # "none" | "cpu" (host memory, zero.host_params) | "nvme"
+    """ZeRO-Infinity: optimizer tiles in memory at once"""
+    sub_group_size: int = int(1e9)  # 0: one parameter's partition a tile (DeepSpeed: a parameter)
+    """ZeRO-Infinity: elements per optimizer tile"""
+    # ZeRO-Infinity parameter offload (stage 3): host memory (zero.host_params) or a file
+    # (infinity.disk_params)
+    offload_param_device: OffloadDevice = "none"
+    """stage 3: the parameter partition in host memory (cpu) or a file (nvme)"""
     offload_param_nvme_path: str | None = None
+    """directory for the parameter-partition files"""
     offload_param_buffer_count: int = 5
-    # dtype of gradient accumulation and reduction: None = fp32 for fp16/bf16, the precision otherwise
-    grad_accum_dtype: str | None = None
+    """parameter shards in memory at once (read-ahead)"""
+    # None: fp32 for fp16/bf16 runs, the precision itself otherwise
+    grad_accum_dtype: GradAccumDtype | None = None
+    """gradient accumulation/reduction dtype; null: fp32 for 16-bit runs"""
 
     @property
     def optimizer_offload(self) -> str:
@@ -115,7 +148,8 @@ class ZeroConfig:
         def bad(key: str, fix: str):
             raise ValueError(f"zero.{key}={getattr(self, key)!r}: {fix}")
 
-        if not isinstance(self.stage, int) or isinstance(self.stage, bool) or self.stage not in (0, 1, 2, 3):
+        stage = self.stage
+        if not isinstance(stage, int) or isinstance(stage, bool) or stage not in get_args(Stage):
             bad("stage", "use 0 (plain DP), 1 (Pos), 2 (Pos+g) or 3 (Pos+g+p)")
         if precision is not None and precision not in PRECISIONS:
             raise ValueError(f"precision={precision!r}: use one of {list(PRECISIONS)}")
@@ -180,7 +214,7 @@ class ZeroConfig:
                 k = getattr(self, key)
                 if k > 1 and dp_size % k:
                     bad(key, f"must divide the data-parallel size {dp_size} (e.g. the GPUs per node)")
-        if self.offload_optimizer_device not in ("none", "cpu", "nvme"):
+        if self.offload_optimizer_device not in get_args(OffloadDevice):
             bad("offload_optimizer_device", "use 'none', 'cpu' or 'nvme'")
         if self.offload_optimizer_device in ("cpu", "nvme") and self.stage == 0:
             bad("offload_optimizer_device", "optimizer offload needs stage 1, 2 or 3")
@@ -200,7 +234,7 @@ class ZeroConfig:
                 if getattr(self, key) == "nvme":
                     bad(key, "the NVMe files hold fp32 and the precision is fp64; use precision fp32, fp16 or "
                              "bf16 with NVMe offload")
-        if self.offload_param_device not in ("none", "cpu", "nvme"):
+        if self.offload_param_device not in get_args(OffloadDevice):
             bad("offload_param_device", "use 'none', 'cpu' (host memory) or 'nvme' (a file)")
         if self.offload_param_device == "cpu" and self.stage != 3:
             bad("offload_param_device", "parameter offload needs stage=3 (only Pos+g+p partitions parameters)")

@@ -2,7 +2,7 @@
 
 A rank's partition is a set of element ranges of flattened (TP-local) parameters; describing it
 as ``(name, start, end, offset)`` lets a checkpoint written by one layout be loaded by any other
-(``zerotron.training.checkpoint``), and ``full_params`` streams whole parameters for export.
+(``zerotron.checkpoint.distributed``), and ``full_params`` streams whole parameters for export.
 Mixed into ``ZeroOptimizer``; it relies on the optimizer's ``layout``, ``names``, ``grid``,
 ``device``, ``scaler``, ``_publish`` and ``state`` -- the ``OptimizerStateStore`` protocol of
 ``zero.strategies``, so a checkpoint reads and writes every kind of state (memory, host, disk) alike.
