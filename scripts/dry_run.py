@@ -63,7 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--peak-tflops", type=float, help="per-GPU dense peak of the run's precision "
                    "(V100: 125 fp16, 15.7 fp32; H100: 989 fp16/bf16)")
     g.add_argument("--efficiency", type=float,
-                   help="fraction of peak a large GEMM reaches (V100 0.425, H100 0.53)")
+                   help="fraction of peak a large GEMM reaches (V100 0.456, H100 0.551)")
+    g.add_argument("--sm-count", type=int, help="SMs a GEMM's tiles fill a wave of (80, 132; "
+                   "0: no wave quantization)")
     g.add_argument("--hbm-gbps", type=float, help="device memory GB/s (V100 900, H100 3350)")
     g.add_argument("--gpus-per-node", type=int, help="V100 DGX-2 16, H100 DGX 8")
     g.add_argument("--intra-node-gbps", type=float,
@@ -99,7 +101,7 @@ def load(a, overrides: list[str]):
         if value is not None and not value > 0:
             raise ConfigError(f"--{flag.replace('_', '-')} {value}: must be > 0")
     if a.efficiency is not None and not a.efficiency <= 1:
-        raise ConfigError(f"--efficiency {a.efficiency}: a fraction of peak in (0, 1], e.g. 0.42")
+        raise ConfigError(f"--efficiency {a.efficiency}: a fraction of peak in (0, 1], e.g. 0.45")
     try:
         a.hardware = hardware(a, cfg.training.precision)
         a.hardware.link()
@@ -122,7 +124,8 @@ def hardware(a, precision: str) -> Hardware:
                              gpus_per_node=a.gpus_per_node, intra_node_gbps=a.intra_node_gbps,
                              inter_node_gbps=a.inter_node_gbps, intra_latency_us=a.intra_latency_us,
                              inter_latency_us=a.inter_latency_us, pcie_gbps=a.pcie_gbps,
-                             attention=a.attention, grad_reduce=a.grad_reduce)
+                             attention=a.attention, grad_reduce=a.grad_reduce,
+                             sm_count=a.sm_count)
 
 
 def model_figures(cfg, mcfg, gpus: int, rank: int = 0) -> dict | None:

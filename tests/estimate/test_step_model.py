@@ -49,6 +49,23 @@ def test_gemm_flops_bytes_and_roofline_by_hand():
     assert want > thin.flops / 62.5e12
 
 
+def test_wave_quantization_counts_whole_tiles_and_waves_by_hand():
+    """NVIDIA's tile and wave quantization, counted by hand for 256 x 128 tiles."""
+    # 1024 x 1536 on a V100's 80 SMs: 4 x 12 = 48 tiles (or 8 x 6), one wave of 80 tiles
+    g = kernels.Gemm("proj", 1024, 1536, 1536)
+    assert kernels.wave_quantization(g, 80) == pytest.approx(80 * 256 * 128 / (1024 * 1536))
+    assert kernels.wave_quantization(kernels.Gemm("full", 2048, 1280, 64), 80) == 1.0  # 8 x 10
+    # 81 tiles of 256 x 128 need a second wave: 160 tiles' time for 81 tiles' work; as 128 x 256
+    # it would be 162 tiles, three waves, so the better orientation is taken
+    assert kernels.wave_quantization(kernels.Gemm("w", 81 * 256, 128, 64), 80) == 160 / 81
+    # 128 x 2560 on one SM: 20 tiles of 256 x 128 half empty, or 10 full ones of 128 x 256
+    assert kernels.wave_quantization(kernels.Gemm("o", 128, 2560, 64), 1) == 1.0
+    assert kernels.wave_quantization(g, 0) == 1.0  # off
+    # the roofline's compute side pays for the padding: 5/3 of 2·1024·1536² at 62.5 TFLOP/s
+    want = 2 * 1024 * 1536 * 1536 / 62.5e12 * 5 / 3
+    assert kernels.gemm_seconds(g, 125e12, 0.5, 900e9, 2, sm_count=80) == pytest.approx(want)
+
+
 def test_layer_gemms_add_up_to_megatron_count():
     tokens, tp, h = 256, 2, TINY.hidden_size
     total = sum(g.flops for g in kernels.layer_gemms(TINY, tokens, tp))
@@ -154,6 +171,9 @@ def test_hardware_presets_and_bad_values():
         V100_DGX2.peak("float8")
     with pytest.raises(ValueError, match="gemm_efficiency=1.5"):
         V100_DGX2.with_overrides(gemm_efficiency=1.5)
+    with pytest.raises(ValueError, match="sm_count=-1"):
+        V100_DGX2.with_overrides(sm_count=-1)
+    assert (V100_DGX2.sm_count, H100_DGX.sm_count) == (80, 132)  # V100 SXM2/3, H100 SXM5
 
 
 def test_h100_constant_reproduces_megatron_175b_on_96_gpus():

@@ -90,13 +90,14 @@ def micro_batch_compute(cfg, mcfg: GPTConfig, hw: Hardware) -> dict[str, float]:
     core_again = 1 if ac.recompute_granularity == "selective" else 0  # attention core, once more
 
     def roof(g):
-        return kernels.gemm_seconds(g, peak, eff, hbm, elem)
+        return kernels.gemm_seconds(g, peak, eff, hbm, elem, hw.sm_count)
 
     fwd = kernels.layer_gemms(mcfg, tokens, tp)
     gemm = sum(roof(g) for g in fwd) * forwards + sum(roof(x) for g in fwd for x in g.backward())
     # a CP rank's queries against every key of the sequence: 1/cp of the s x s scores, balanced
     # by the two-chunk layout
-    attn = kernels.attention_core_seconds(mcfg, b, s, tp, hw.attention, peak, eff, hbm, elem) / cp
+    attn = kernels.attention_core_seconds(mcfg, b, s, tp, hw.attention, peak, eff, hbm, elem,
+                                          hw.sm_count) / cp
     attention = attn * (forwards + core_again + 2)  # backward: 2 GEMMs per GEMM, twice the streams
     sp = cfg.parallel.sequence_parallel
     moved = kernels.layer_elementwise_elements(mcfg, tokens, tp, sp) * elem
