@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--grad-reduce", choices=["reduce_scatter", "per_rank_reduce"],
                    help="how stage 2 reduces a bucket (V100: per_rank_reduce, DeepSpeed's "
                    "dist.reduce per owner as the paper ran; H100: reduce_scatter, zerotron's)")
+    g.add_argument("--grad-dtype", choices=["accumulate", "model"],
+                   help="the dtype DP collectives carry gradients in (V100: model, the fp16 the "
+                   "paper's stacks sent; H100: accumulate, zero.grad_accum_dtype's)")
     p.epilog = "Any other --section.field value overrides the config, as in scripts/pretrain_gpt.py."
     return p
 
@@ -125,7 +128,7 @@ def hardware(a, precision: str) -> Hardware:
                              inter_node_gbps=a.inter_node_gbps, intra_latency_us=a.intra_latency_us,
                              inter_latency_us=a.inter_latency_us, pcie_gbps=a.pcie_gbps,
                              attention=a.attention, grad_reduce=a.grad_reduce,
-                             sm_count=a.sm_count)
+                             sm_count=a.sm_count, grad_dtype=a.grad_dtype)
 
 
 def model_figures(cfg, mcfg, gpus: int, rank: int = 0) -> dict | None:
@@ -180,7 +183,8 @@ def print_rank(r: int, e: dict, a) -> None:
     p = e["predicted"]
     print(f"  predicted step {seconds(p['step_s'])} -> {p['tflops_per_gpu']:.1f} TFLOPs/GPU, MFU "
           f"{p['mfu']:.1%} on {p['hardware']} (GEMMs at {a.hardware.gemm_efficiency:g} of peak, "
-          f"{a.hardware.attention} attention, stage 2 reducing by {a.hardware.grad_reduce}):")
+          f"{a.hardware.attention} attention, stage 2 reducing by {a.hardware.grad_reduce}, "
+          f"gradients sent in the {a.hardware.grad_dtype} dtype):")
     terms = [("compute", p["compute_s"]), ("pipeline bubble", p["bubble_s"])]
     terms += [(f"exposed comm {g}", s) for g, s in sorted(p["exposed_s"].items()) if s > 0]
     terms += [("optimizer", p["optimizer_s"]), ("host copies", p["host_copy_s"])]

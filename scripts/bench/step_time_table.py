@@ -142,7 +142,7 @@ def implied_tp_rows(rows: list[dict]) -> list[dict]:
         out.append({"name": r["name"], "tp": r["tp"], "nodes": span.nodes, "step": step,
                     "model_step": p["step_s"], "model_tp": p["exposed_s"]["tp"],
                     "latency": latency, "implied": implied,
-                    "bus_gbps": moved / (implied - latency) / 1e9 if implied > latency else 0.0})
+                    "bus_gbps": moved / (implied - latency) / 1e9 if implied > latency else None})
     return out
 
 
@@ -151,7 +151,9 @@ def implied_tp_table(rows: list[dict]) -> str:
              "implied TP s | implied TP bus GB/s |", "|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['name']} | {r['tp']} | {r['nodes']} | {r['step']:.2f} | "
               f"{r['model_step']:.2f} | {r['model_tp']:.2f} ({r['latency']:.2f}) | "
-              f"{r['implied']:.2f} | {r['bus_gbps']:.1f} |" for r in rows]
+              f"{r['implied']:.2f} | "
+              + ("latency alone exceeds it" if r["bus_gbps"] is None else f"{r['bus_gbps']:.1f}")
+              + " |" for r in rows]
     return "\n".join(lines)
 
 

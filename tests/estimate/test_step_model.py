@@ -93,7 +93,8 @@ def test_elementwise_bytes_by_hand():
 def test_dp_all_reduce_on_a_two_node_ring():
     # 4 GPUs, 2 per node, DP 4 at stage 0: one ring of 4 over 2 nodes, 2 members on each
     hw = V100_DGX2.with_overrides(gpus_per_node=2, inter_node_gbps=10.0, intra_node_gbps=100.0,
-                                  inter_latency_us=20.0, intra_latency_us=3.0)
+                                  inter_latency_us=20.0, intra_latency_us=3.0,
+                                  grad_dtype="accumulate")  # zerotron's fp32 gradients
     cfg = run_config(dp=4, batch=8, stage=0)
     cfg.zero.reduce_bucket_size = 0  # one bucket: one call
     comm = analytic_comm(cfg, TINY)
@@ -209,7 +210,8 @@ def test_per_rank_reduces_on_a_two_node_chain():
     """DeepSpeed's stage 2 as the paper ran it: b + n − 1 chained reduces (n − 1 latency steps
     each, every byte once over each link) in place of b reduce-scatters; counted here by hand."""
     hw = V100_DGX2.with_overrides(gpus_per_node=2, inter_node_gbps=10.0, intra_node_gbps=100.0,
-                                  inter_latency_us=20.0, intra_latency_us=3.0)
+                                  inter_latency_us=20.0, intra_latency_us=3.0,
+                                  grad_dtype="accumulate")  # the bytes as counted
     cfg = run_config(dp=4, batch=8, stage=2)
     cfg.zero.reduce_bucket_size = 0  # one bucket: b = 1
     comm = analytic_comm(cfg, TINY)
@@ -224,3 +226,27 @@ def test_per_rank_reduces_on_a_two_node_chain():
     assert deepspeed.comm_s["dp"] - gather == pytest.approx(want, rel=1e-12)
     with pytest.raises(ValueError, match="grad_reduce='ring'"):
         hw.with_overrides(grad_reduce="ring")
+
+
+@pytest.mark.parametrize("stage,key", [(0, "all_reduce/dp"), (2, "reduce_scatter/dp")])
+def test_the_paper_stacks_send_fp16_gradients(stage, key):
+    """The V100 preset times the gradients in the fp16 the paper's stacks sent: half the bytes
+    zerotron's fp32 accumulation sends, counted by hand; parameters and activations unchanged."""
+    from zerotron.estimate.comm_volumes import rank_params
+
+    cfg = run_config(tp=2, dp=4, micro=2, batch=8, stage=stage)
+    comm = analytic_comm(cfg, TINY)
+    sent = step_model.model_dtype_gradients(comm, cfg)
+    ring = 2 if stage == 0 else 1  # an all-reduce's bytes count both of its passes
+    assert comm[key]["bytes"] == ring * rank_params(TINY, 2, 1) * 4  # fp32 accumulation
+    assert sent[key] == {"calls": comm[key]["calls"], "bytes": ring * rank_params(TINY, 2, 1) * 2}
+    others = {k: v for k, v in comm.items() if k != key}
+    assert {k: v for k, v in sent.items() if k != key} == others
+    ours = step_model.predict(cfg, TINY, 8, V100_DGX2.with_overrides(grad_dtype="accumulate"))
+    paper = step_model.predict(cfg, TINY, 8, V100_DGX2)
+    assert paper.comm_s["dp"] < ours.comm_s["dp"] and paper.comm_s["tp"] == ours.comm_s["tp"]
+    cfg.training.precision = "fp32"  # nothing narrower to send
+    fp32 = analytic_comm(cfg, TINY)
+    assert step_model.model_dtype_gradients(fp32, cfg) == fp32
+    with pytest.raises(ValueError, match="grad_dtype='bf16'"):
+        V100_DGX2.with_overrides(grad_dtype="bf16")
