@@ -31,7 +31,8 @@ accumulation. Timing them in fp32, as this page did before, made every DP-bound 
 and so hid part of what the model misses: that way 28 of the 33 rows were within 25 %, 25 now.
 A ring's latency counts each hop on its own link, as NCCL's cost model does
 (`step_time.ring_pass_latency`): Megatron-LM's TP ring of 256 over 16 DGX-2s crosses nodes on
-15 of a pass's 255 hops; timing every hop at the network's latency had baseline-170B at 1.4.
+15 of a pass's 255 hops; timing every hop at the network's latency would put baseline-170B
+at 1.2 (0.55 of the paper's 2.2) where it is 1.8 (0.81).
 
 Each GEMM's compute is counted in whole waves of 256 × 128 output tiles over the GPU's SMs
 (`kernels.wave_quantization`, NVIDIA's tile and wave quantization; 80 SMs on a V100): a GEMM
