@@ -44,6 +44,7 @@ def test_h100_preset_prediction_adds_up(tmp_path, capsys):
     (["--efficiency", "1.5"], "--efficiency 1.5: a fraction of peak in (0, 1]"),
     (["--gpus-per-node", "0"], "--gpus-per-node: Hardware.gpus_per_node=0: must be > 0"),
     (["--hbm-gbps", "-1"], "--hbm-gbps: Hardware.hbm_gbps=-1.0: must be > 0"),
+    (["--sm-count", "-1"], "--sm-count: Hardware.sm_count=-1: must be >= 0"),
 ])
 def test_bad_hardware_flag_exits_2(tmp_path, capsys, flags, message):
     with pytest.raises(SystemExit) as exit_:
