@@ -189,15 +189,18 @@ def use_deterministic_kernels() -> None:
     ``CUBLAS_WORKSPACE_CONFIG`` before the first cuBLAS handle (cuBLAS reads it when it makes one:
     call this before any CUDA op), ``torch.use_deterministic_algorithms(True)`` -- under which
     SDPA's flash backward accumulates dQ in a fixed order, its memory-efficient backward does not
-    split the keys, and an op with no deterministic kernel raises -- cuDNN's own autotuning off,
-    and SDPA's cuDNN backend off (its backward is not deterministic; torch would pick it on H100
-    where flash does not apply). CPU kernels are deterministic already; the same flag is set.
-    Never turns anything off: a run with the field false keeps torch's defaults."""
+    split the keys, and an op with no deterministic kernel raises -- and cuDNN's autotuning off.
+    SDPA's cuDNN backend, whose backward has no fixed order, is switched off too: torch 2.13
+    already skips it under the flag (``check_cudnn_deterministic`` in sdp_utils) and ranks it
+    last, so this only makes the choice explicit and visible (``cudnn_sdp_enabled()``).
+    ``flex_attention`` (document masks on a GPU) needs nothing: its Triton backward writes dQ per
+    query block and dK/dV per key block, without atomics. CPU kernels are deterministic already;
+    the same flag is set there. A run with the field false never calls this: torch's defaults."""
     if os.environ.get("CUBLAS_WORKSPACE_CONFIG") not in DETERMINISTIC_CUBLAS:
         os.environ["CUBLAS_WORKSPACE_CONFIG"] = DETERMINISTIC_CUBLAS[0]
     torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
-    torch.backends.cuda.enable_cudnn_sdp(False)  # the one SDPA backend without a fixed order
+    torch.backends.cuda.enable_cudnn_sdp(False)  # whatever a user's sdpa_kernel order says
 
 
 def init_distributed(timeout_s: float | None = None, deterministic: bool = False) -> DistEnv:
