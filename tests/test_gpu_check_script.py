@@ -45,8 +45,8 @@ def test_tiny_check_passes_on_cpu_and_fails_on_an_impossible_mfu(tmp_path):
     rows = [line.split()[0] for line in out.splitlines()
             if line.startswith(("s0", "s1", "s2", "s3", "2proc", "resume"))]
     assert rows == ["s0", "s1", "s2", "s3", "s0+ckpt", "s1+ckpt", "s2+ckpt", "s3+ckpt", "s2+ckpt+Pa+cpu",
-                    "s2+offload", "s3+nvme", "s3+param-cpu", "s2+fp16", "s3+qwZ+qgZ", "s1+debug", "2proc",
-                    "resume"]
+                    "s2+offload", "s3+nvme", "s3+param-cpu", "s2+fp16", "s3+qwZ+qgZ", "s1+debug",
+                    "2proc", "resume"]
     assert "worst rel. diff to CPU 0.0e+00" in out and "all checks passed" in out
     pair = next(line for line in out.splitlines() if line.startswith("2proc"))
     assert "gloo on cpu" in pair and "dp2 0.0e+00" in pair, pair  # DP 2 of equal batches: exact

@@ -299,13 +299,15 @@ def main(argv=None) -> int:
                   f"tp2 {pair['tp2_worst']:.1e}, dp2 {pair['dp2_worst']:.1e}"
                   " (step s: the pair's runs)", flush=True)
     if not args.only or "resume" in args.only:  # deterministic kernels, in a process of its own
-        res, bad = resume_row(device, os.path.join(os.path.dirname(args.nvme_path), "gpu_check_resume"))
+        work = os.path.join(os.path.dirname(args.nvme_path), "gpu_check_resume")
+        res, bad = resume_row(device, work)
         failures += bad
         if res:
-            same = "bit-identical" if not bad else "DIFFER"
+            same, steps = "DIFFER" if bad else "bit-identical", len(res["full"])
             print(f"{'resume':<16}{res['seconds']:>8.1f}{' ' * 54}{res['full'][-1]:>9.4f}  "
-                  f"training.deterministic on {device.type}: steps {len(res['full']) - len(res['resumed']) + 1}"
-                  f"-{len(res['full'])} resumed and final weights {same} (step s: both runs)", flush=True)
+                  f"training.deterministic on {device.type}: steps "
+                  f"{steps - len(res['resumed']) + 1}-{steps} resumed and final weights {same} "
+                  "(step s: both runs)", flush=True)
     if device.type == "cuda":
         bw = bandwidth(device, 1024)
         print(f"[gpu_check] pinned copies: host->device {bw['h2d']:.1f} GiB/s, device->host {bw['d2h']:.1f} GiB/s")

@@ -49,8 +49,8 @@ def _train(argv: list[str], save_at: int | None) -> tuple[list[float], dict]:
             losses.append(float(trainer.train_step()["loss"]))
             if trainer.step == save_at:
                 trainer.save()
-        weights = {k: v.detach().float().cpu().clone() for k, v in trainer.model.state_dict().items()
-                   if isinstance(v, torch.Tensor)}
+        weights = {k: v.detach().float().cpu().clone()
+                   for k, v in trainer.model.state_dict().items() if isinstance(v, torch.Tensor)}
         run.close_loaders()
         return losses, weights
     finally:
@@ -70,9 +70,9 @@ def resume_runs(kind: str, work: str, steps: int, stop: int) -> dict:
     with contextlib.redirect_stdout(io.StringIO()):  # the runs' banners: not in the check's table
         full, w_full = _train(_argv(root, steps, precision, "--run-dir", str(root / "full"),
                                     "--save", str(ck), "--load", "none"), stop)
-        resumed, w_resumed = _train(_argv(root, steps, precision, "--run-dir", str(root / "resumed"),
-                                          "--save", "none", "--load", str(ck / f"step_{stop:08d}")),
-                                    None)
+        resumed, w_resumed = _train(_argv(root, steps, precision,
+                                          "--run-dir", str(root / "resumed"), "--save", "none",
+                                          "--load", str(ck / f"step_{stop:08d}")), None)
     differ = [k for k in w_full if not torch.equal(w_full[k], w_resumed.get(k))]
     return {"full": full, "resumed": resumed, "weights_differ": differ, "deterministic":
             torch.are_deterministic_algorithms_enabled(), "seconds": time.perf_counter() - t0}

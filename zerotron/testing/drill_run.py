@@ -53,7 +53,8 @@ class Drill:
     def argv(self, name: str, steps: int, save: Path | str | None = None, *extra: str) -> list[str]:
         from zerotron.config.cli import last_wins  # a scenario's extra flags win
 
-        return last_wins([*COMMON, *self.device_flags, *self.layout.flags, "--train-steps", str(steps), "--run-dir",
+        return last_wins([*COMMON, *self.device_flags, *self.layout.flags,
+                          "--train-steps", str(steps), "--run-dir",
                           str(self.root / name / "run"), "--save", str(save) if save else "none",
                           *extra])
 
