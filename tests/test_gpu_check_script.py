@@ -42,12 +42,16 @@ def test_tiny_check_passes_on_cpu_and_fails_on_an_impossible_mfu(tmp_path):
                           text=True, timeout=400)
     rc, out, err = done.returncode, done.stdout, done.stderr
     assert rc == 0, err[-3000:]
-    rows = [line.split()[0] for line in out.splitlines() if line.startswith(("s0", "s1", "s2", "s3", "2proc"))]
+    rows = [line.split()[0] for line in out.splitlines()
+            if line.startswith(("s0", "s1", "s2", "s3", "2proc", "resume"))]
     assert rows == ["s0", "s1", "s2", "s3", "s0+ckpt", "s1+ckpt", "s2+ckpt", "s3+ckpt", "s2+ckpt+Pa+cpu",
-                    "s2+offload", "s3+nvme", "s3+param-cpu", "s2+fp16", "s3+qwZ+qgZ", "s1+debug", "2proc"]
+                    "s2+offload", "s3+nvme", "s3+param-cpu", "s2+fp16", "s3+qwZ+qgZ", "s1+debug",
+                    "2proc", "resume"]
     assert "worst rel. diff to CPU 0.0e+00" in out and "all checks passed" in out
     pair = next(line for line in out.splitlines() if line.startswith("2proc"))
     assert "gloo on cpu" in pair and "dp2 0.0e+00" in pair, pair  # DP 2 of equal batches: exact
+    resume = next(line for line in out.splitlines() if line.startswith("resume"))
+    assert "deterministic on cpu" in resume and "bit-identical" in resume, resume
     bad_rc, bad_out, bad_err = spawn(failing, 1, timeout=180)[0]
     assert bad_rc == 1 and "MFU" in bad_err and "impossible" in bad_err and "FAILED" in bad_out
 

@@ -27,7 +27,10 @@ and plan (``parallelize_gpt``):
 3. **two processes on the one GPU** (row ``2proc``, ``gpu_check_pair.py``): TP 2 and stage-0
    DP 2 over a gloo group handed the device's tensors, each against one process, fp32 rtol 1e-4:
    the collectives, the TP all-reduces and ZeRO's gradient all-reduce run on the device.
-4. **pinned host<->device bandwidth** (what Pa+cpu and offload move): at least 5 GiB/s each way.
+4. **bit-identical resume** (row ``resume``, ``gpu_check_resume.py``): a tiny run with
+   ``training.deterministic`` on, against the same run stopped at a checkpoint and resumed:
+   losses and final weights bit for bit (bf16, flash attention, dropout), in a fresh process.
+5. **pinned host<->device bandwidth** (what Pa+cpu and offload move): at least 5 GiB/s each way.
 
 In the single-process rows the DP degree is 1, so every collective returns before reaching a
 group; the stages show their overheads, not their savings. NCCL itself is not exercised: it
@@ -63,6 +66,7 @@ from zerotron.zero.optimizer import DTYPES
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: scripts.checks
 from scripts.checks.gpu_check_pair import pair_row  # noqa: E402
+from scripts.checks.gpu_check_resume import resume_row  # noqa: E402
 
 ROWS = [  # name, zero stage, activation checkpointing, Pa+cpu, optimizer CPU offload, others
     *((f"s{s}", s, False, False, False, {}) for s in range(4)),
@@ -225,7 +229,7 @@ def main(argv=None) -> int:
     p.add_argument("--peak-tflops", type=positive_float, default=None, help="override the device table (model.flops)")
     p.add_argument("--nvme-path", default=os.path.join(".cache", "zerotron", "gpu_check_nvme"),
                    help="directory for the s3+nvme row's optimizer files (node-local NVMe)")
-    row_names = [r[0] for r in ROWS] + ["2proc"]
+    row_names = [r[0] for r in ROWS] + ["2proc", "resume"]
     p.add_argument("--only", nargs="*", choices=row_names, metavar="ROW",
                    help=f"run only these of {row_names} (parity always runs)")
     args = p.parse_args(argv)
@@ -294,6 +298,16 @@ def main(argv=None) -> int:
                   f"  gloo on {pair['device']}: worst rel. diff to one process "
                   f"tp2 {pair['tp2_worst']:.1e}, dp2 {pair['dp2_worst']:.1e}"
                   " (step s: the pair's runs)", flush=True)
+    if not args.only or "resume" in args.only:  # deterministic kernels, in a process of its own
+        work = os.path.join(os.path.dirname(args.nvme_path), "gpu_check_resume")
+        res, bad = resume_row(device, work)
+        failures += bad
+        if res:
+            same, steps = "DIFFER" if bad else "bit-identical", len(res["full"])
+            print(f"{'resume':<16}{res['seconds']:>8.1f}{' ' * 54}{res['full'][-1]:>9.4f}  "
+                  f"training.deterministic on {device.type}: steps "
+                  f"{steps - len(res['resumed']) + 1}-{steps} resumed and final weights {same} "
+                  "(step s: both runs)", flush=True)
     if device.type == "cuda":
         bw = bandwidth(device, 1024)
         print(f"[gpu_check] pinned copies: host->device {bw['h2d']:.1f} GiB/s, device->host {bw['d2h']:.1f} GiB/s")

@@ -140,6 +140,11 @@ class TrainingSection:
     skip_memory_check: bool = False
     """start although the memory model predicts that a rank cannot hold the run (the start-up fit
     check, training/fit_check.py)"""
+    # parallel/runtime.use_deterministic_kernels; Megatron's --deterministic-mode
+    deterministic: bool = False
+    """deterministic kernels (torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG, no
+    cuDNN attention): a GPU run then resumes bit for bit; slower. CPU kernels are deterministic
+    already (the flag is set there too)"""
 
 
 @dataclass

@@ -7,7 +7,8 @@ fails instead of hanging -- a dead or diverged rank then stops the job loudly. T
 on the default group here and copied to every group the ``Grid`` creates
 (``group_timeout``): ``new_group`` without one would fall back to torch's 30 minutes.
 On a CPU device the host is the device, so glibc is told to return freed large blocks
-(``return_freed_host_memory``).
+(``return_freed_host_memory``). ``training.deterministic`` asks for deterministic kernels here
+too (``use_deterministic_kernels``): the cuBLAS workspace, torch's flag, the SDPA backends.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ import torch
 import torch.distributed as dist
 
 DEFAULT_TIMEOUT_S = 600.0
+# the cuBLAS workspace settings that make its GEMMs reproducible (CUDA's reproducibility notes);
+# the first is what torch's error message and torchtitan's debug.deterministic set
+DETERMINISTIC_CUBLAS = (":4096:8", ":16:8")
 
 
 def pick_device(local_rank: int = 0) -> torch.device:
@@ -177,12 +181,37 @@ def return_freed_host_memory() -> None:
         pass
 
 
-def init_distributed(timeout_s: float | None = None) -> DistEnv:
+def use_deterministic_kernels() -> None:
+    """``training.deterministic``: every kernel of a step gives the same bits on the same inputs,
+    so a resumed run repeats the uninterrupted one bit for bit on a GPU as it does on CPU.
+
+    As Megatron-LM's ``--deterministic-mode`` and torchtitan's ``debug.deterministic`` do:
+    ``CUBLAS_WORKSPACE_CONFIG`` before the first cuBLAS handle (cuBLAS reads it when it makes one:
+    call this before any CUDA op), ``torch.use_deterministic_algorithms(True)`` -- under which
+    SDPA's flash backward accumulates dQ in a fixed order, its memory-efficient backward does not
+    split the keys, and an op with no deterministic kernel raises -- and cuDNN's autotuning off.
+    SDPA's cuDNN backend, whose backward has no fixed order, is switched off too: torch 2.13
+    already skips it under the flag (``check_cudnn_deterministic`` in sdp_utils) and ranks it
+    last, so this only makes the choice explicit and visible (``cudnn_sdp_enabled()``).
+    ``flex_attention`` (document masks on a GPU) needs nothing: its Triton backward writes dQ per
+    query block and dK/dV per key block, without atomics. CPU kernels are deterministic already;
+    the same flag is set there. A run with the field false never calls this: torch's defaults."""
+    if os.environ.get("CUBLAS_WORKSPACE_CONFIG") not in DETERMINISTIC_CUBLAS:
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = DETERMINISTIC_CUBLAS[0]
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    torch.backends.cuda.enable_cudnn_sdp(False)  # whatever a user's sdpa_kernel order says
+
+
+def init_distributed(timeout_s: float | None = None, deterministic: bool = False) -> DistEnv:
     """Start (or join) the default process group from torchrun/SLURM-style env variables.
 
     Without ``RANK``/``WORLD_SIZE`` (plain ``python script.py``) it starts a group of one so the
-    same code path runs single-process.
+    same code path runs single-process. ``deterministic``: ``use_deterministic_kernels`` first,
+    before this process's first CUDA op.
     """
+    if deterministic:
+        use_deterministic_kernels()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = pick_device(local_rank)
     backend = pick_backend(device)

@@ -5,6 +5,9 @@ layout -- DP only, TP 2 x DP 2, TP 2 x PP 2 or TP 2 x PP 2 x DP 2 -- with a shor
 is named in seconds rather than the default ten minutes. What a scenario may compare against is
 made once per layout: an uninterrupted 12-step run (``base``), whose checkpoints (steps 8 and 12)
 are copied for the resume scenarios and whose losses are the reference of the restart scenario.
+Those losses are compared bit for bit, so where the jobs compute on a GPU every job runs with
+``training.deterministic`` (fused attention's backward is nondeterministic otherwise); on CPU,
+whose kernels are deterministic already, the jobs run as before.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import shutil
 import time
 from pathlib import Path
 
+from zerotron.parallel.runtime import pick_device
 from zerotron.testing.drill_job import VICTIM, Job, Layout, complete_steps, losses
 
 COMMON = ("--config", "configs/tiny.yaml", "--micro-batch-size", "2", "--global-batch-size", "4",
@@ -37,6 +41,9 @@ class Drill:
                     **({"ZEROTRON_EMULATE_NCCL": "1"} if nccl_semantics else {})}
         self.root.mkdir(parents=True, exist_ok=True)
         self._base: Path | None = None
+        # the jobs' device, as pretrain_gpt will pick it (ZEROTRON_DEVICE of this process included)
+        on_gpu = pick_device().type == "cuda"
+        self.device_flags = ("--training.deterministic", "true") if on_gpu else ()
         self.base_losses: dict[int, float] = {}
 
     @property
@@ -46,7 +53,8 @@ class Drill:
     def argv(self, name: str, steps: int, save: Path | str | None = None, *extra: str) -> list[str]:
         from zerotron.config.cli import last_wins  # a scenario's extra flags win
 
-        return last_wins([*COMMON, *self.layout.flags, "--train-steps", str(steps), "--run-dir",
+        return last_wins([*COMMON, *self.device_flags, *self.layout.flags,
+                          "--train-steps", str(steps), "--run-dir",
                           str(self.root / name / "run"), "--save", str(save) if save else "none",
                           *extra])
 

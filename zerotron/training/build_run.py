@@ -25,7 +25,7 @@ from zerotron.data import GPTDataset, prepare_dataset_index
 from zerotron.parallel import Grid
 from zerotron.parallel import collectives as C
 from zerotron.parallel import rng as rng_streams
-from zerotron.parallel.runtime import DistEnv
+from zerotron.parallel.runtime import DistEnv, use_deterministic_kernels
 from zerotron.training.batches import BatchLoader
 from zerotron.training.parallelize import parallelize_gpt
 from zerotron.training.setup_run import DataBundle, build_grid, model_config, prepare_data
@@ -79,7 +79,12 @@ class Run:
 def build_run(cfg: RunConfig, env: DistEnv) -> Run:
     """Set the run up, step by step (the module docstring). Collective: every rank calls it.
     On any failure the locks are given back and the grid closed before the error goes on."""
+    if cfg.training.deterministic:  # again for a launcher's own group (init_distributed did it)
+        use_deterministic_kernels()  # before the model's first CUDA op
     run = Run(cfg, env, build_grid(cfg))
+    if env.device.type == "cuda" and not cfg.training.deterministic:
+        run.log("[zerotron] training.deterministic is false: on a GPU a resumed run may differ from"
+                " the uninterrupted one in the last bits (docs/checkpoints.md)")
     try:  # the directories ours and the checkpoint to continue known, before data or model
         run.checkpointer = Checkpointer.for_run(cfg, run.grid, env.device, run.log)
         build_data(run)
