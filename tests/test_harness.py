@@ -16,7 +16,7 @@ def one_rank_raises():
 
     if dist.get_rank() == 2:
         raise RuntimeError("boom on purpose")
-    time.sleep(600)  # the others never finish (a collective would end: health names the dead rank 2)
+    time.sleep(600)  # never finishes (a collective would: health names the dead rank 2 in seconds)
     return True
 
 
