@@ -27,6 +27,7 @@ fuzz`` draws afresh each run, to search.
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 from hypothesis import settings
@@ -44,6 +45,24 @@ def _build(cache: str) -> None:
     from zerotron.config.run_config import DataSection
 
     build_default_corpus(cache, vocab_size=DataSection.default_corpus_vocab)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def system_temp_dir(tmp_path_factory):
+    """The system temp dir of the tests, of the ranks they fork and of the programs they start
+    (torchrun's ``torchelastic_*`` logs, wandb's folders, the launcher's rendezvous files) is a
+    folder under pytest's base temp dir: a rank killed or ended by ``os._exit`` leaves its debris
+    there, which pytest removes a few runs later, not in the machine's ``/tmp``."""
+    path = tmp_path_factory.getbasetemp() / "tmp"
+    path.mkdir(exist_ok=True)
+    before = os.environ.get("TMPDIR"), tempfile.tempdir
+    os.environ["TMPDIR"] = tempfile.tempdir = str(path)
+    yield
+    if before[0] is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = before[0]
+    tempfile.tempdir = before[1]
 
 
 @pytest.fixture(scope="session", autouse=True)
