@@ -32,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from zerotron.estimate import memory_model, step_model  # noqa: E402
+from zerotron.estimate import memory_model, nccl_memory, step_model  # noqa: E402
 from zerotron.estimate.hardware import HARDWARE, Hardware  # noqa: E402
 from zerotron.parallel import fake_cuda, simulation  # noqa: E402
 from zerotron.parallel.runtime import keep_compiler_cache_in  # noqa: E402
@@ -63,7 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--peak-tflops", type=float, help="per-GPU dense peak of the run's precision "
                    "(V100: 125 fp16, 15.7 fp32; H100: 989 fp16/bf16)")
     g.add_argument("--efficiency", type=float,
-                   help="fraction of peak a large GEMM reaches (V100 0.42, H100 0.53)")
+                   help="fraction of peak a large GEMM reaches (V100 0.456, H100 0.551)")
+    g.add_argument("--sm-count", type=int, help="SMs a GEMM's tiles fill a wave of (80, 132; "
+                   "0: no wave quantization)")
     g.add_argument("--hbm-gbps", type=float, help="device memory GB/s (V100 900, H100 3350)")
     g.add_argument("--gpus-per-node", type=int, help="V100 DGX-2 16, H100 DGX 8")
     g.add_argument("--intra-node-gbps", type=float,
@@ -78,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--grad-reduce", choices=["reduce_scatter", "per_rank_reduce"],
                    help="how stage 2 reduces a bucket (V100: per_rank_reduce, DeepSpeed's "
                    "dist.reduce per owner as the paper ran; H100: reduce_scatter, zerotron's)")
+    g.add_argument("--grad-dtype", choices=["accumulate", "model"],
+                   help="the dtype DP collectives carry gradients in (V100: model, the fp16 the "
+                   "paper's stacks sent; H100: accumulate, zero.grad_accum_dtype's)")
     p.epilog = "Any other --section.field value overrides the config, as in scripts/pretrain_gpt.py."
     return p
 
@@ -99,7 +104,7 @@ def load(a, overrides: list[str]):
         if value is not None and not value > 0:
             raise ConfigError(f"--{flag.replace('_', '-')} {value}: must be > 0")
     if a.efficiency is not None and not a.efficiency <= 1:
-        raise ConfigError(f"--efficiency {a.efficiency}: a fraction of peak in (0, 1], e.g. 0.42")
+        raise ConfigError(f"--efficiency {a.efficiency}: a fraction of peak in (0, 1], e.g. 0.45")
     try:
         a.hardware = hardware(a, cfg.training.precision)
         a.hardware.link()
@@ -122,7 +127,8 @@ def hardware(a, precision: str) -> Hardware:
                              gpus_per_node=a.gpus_per_node, intra_node_gbps=a.intra_node_gbps,
                              inter_node_gbps=a.inter_node_gbps, intra_latency_us=a.intra_latency_us,
                              inter_latency_us=a.inter_latency_us, pcie_gbps=a.pcie_gbps,
-                             attention=a.attention, grad_reduce=a.grad_reduce)
+                             attention=a.attention, grad_reduce=a.grad_reduce,
+                             sm_count=a.sm_count, grad_dtype=a.grad_dtype)
 
 
 def model_figures(cfg, mcfg, gpus: int, rank: int = 0) -> dict | None:
@@ -147,14 +153,16 @@ def predict(a, cfg, mcfg, rep) -> dict:
     return pred.as_dict()
 
 
-def rank_entry(a, rep, model: dict, pred: dict) -> dict:
+def rank_entry(a, rep, model: dict, pred: dict, nccl: dict) -> dict:
+    """``nccl``: ``nccl_memory.run_communicators`` of this rank, outside torch's allocator."""
     peak = max(rep.peak_bytes, rep.construction_peak_bytes)
     return {"peak_bytes": rep.peak_bytes, "construction_peak_bytes": rep.construction_peak_bytes,
             "by_category": rep.by_category, "by_phase": rep.by_phase, "comm": rep.comm, "comm_ops": rep.comm_ops,
             "host_syncs_per_step": rep.host_syncs_per_step, "host_sync_reasons": rep.host_sync_reasons,
             "host_tensor_bytes_per_step": rep.host_tensor_bytes_per_step, "coords": rep.coords,
             "checkpoint_shard_bytes": rep.checkpoint_shard_bytes, "num_params": rep.num_params,
-            "device": rep.device, "fits": peak <= a.device_gb * GB,
+            "device": rep.device, "fits": peak + nccl["bytes"] <= a.device_gb * GB,
+            "nccl_communicators": nccl["bytes"], "nccl_groups": nccl["groups"],
             "model_bytes": model["before_margin"] if model else None,
             "measured_vs_model": rep.peak_bytes / model["before_margin"] if model else None,
             "predicted": pred, "seconds": round(rep.seconds, 1)}
@@ -163,7 +171,11 @@ def rank_entry(a, rep, model: dict, pred: dict) -> dict:
 def print_rank(r: int, e: dict, a) -> None:
     print(f"\nrank {r} {e['coords']}: {e['seconds']} s simulated")
     print(f"  peak live device memory   {e['peak_bytes'] / GB:8.2f} GB (step)   "
-          f"{e['construction_peak_bytes'] / GB:8.2f} GB (construction)   fits {a.device_gb:g} GB (peak, no margin): {e['fits']}")
+          f"{e['construction_peak_bytes'] / GB:8.2f} GB (construction)   fits {a.device_gb:g} GB (peak + NCCL, "
+          f"no margin): {e['fits']}")
+    groups = ", ".join(f"{g} {n}" for g, n in e["nccl_groups"].items()) or "none"
+    print(f"  NCCL communicators        {e['nccl_communicators'] / GB:8.2f} GB (outside torch's allocator; "
+          f"groups of this rank: {groups})")
     print("  " + "  ".join(f"{k} {v / GB:.2f}" for k, v in e["by_category"].items()) + "  (GB at the peak)")
     print("  by phase: " + "  ".join(f"{k} {v / GB:.2f}" for k, v in e["by_phase"].items()) + " GB")
     if e["model_bytes"] is not None:
@@ -177,7 +189,8 @@ def print_rank(r: int, e: dict, a) -> None:
     p = e["predicted"]
     print(f"  predicted step {seconds(p['step_s'])} -> {p['tflops_per_gpu']:.1f} TFLOPs/GPU, MFU "
           f"{p['mfu']:.1%} on {p['hardware']} (GEMMs at {a.hardware.gemm_efficiency:g} of peak, "
-          f"{a.hardware.attention} attention, stage 2 reducing by {a.hardware.grad_reduce}):")
+          f"{a.hardware.attention} attention, stage 2 reducing by {a.hardware.grad_reduce}, "
+          f"gradients sent in the {a.hardware.grad_dtype} dtype):")
     terms = [("compute", p["compute_s"]), ("pipeline bubble", p["bubble_s"])]
     terms += [(f"exposed comm {g}", s) for g, s in sorted(p["exposed_s"].items()) if s > 0]
     terms += [("optimizer", p["optimizer_s"]), ("host copies", p["host_copy_s"])]
@@ -255,7 +268,8 @@ def main(argv=None) -> dict:
         start = time.perf_counter()
         rep = simulate_rank(cfg, mcfg, a.gpus, r, steps=a.steps, device_kind=a.device, metadata_dir=meta_dir)
         own = model if cfg.parallel.pp == 1 else model_figures(cfg, mcfg, a.gpus, r)
-        out["ranks"][str(r)] = rank_entry(a, rep, own, predict(a, cfg, mcfg, rep))
+        nccl = nccl_memory.run_communicators(cfg, a.gpus, r, nccl=a.device == "cuda")  # gloo on cpu
+        out["ranks"][str(r)] = rank_entry(a, rep, own, predict(a, cfg, mcfg, rep), nccl)
         print(f"[dry-run] rank {r} done in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
     if a.json:
         print(json.dumps(out, indent=1))

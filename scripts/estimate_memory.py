@@ -247,7 +247,8 @@ def main(argv=None) -> dict:
               f"Pa {b['pa']}, Pa+cpu {b['cpu']}")
         for key in ("params_total", "params_per_rank"):
             print(f"  {key:22s} {count(b[key]):>10s}")
-        for key in ("model_states", "checkpoints_device", "checkpoints_host", "working", "fixed_buffers", "total"):
+        for key in ("model_states", "checkpoints_device", "checkpoints_host", "working", "fixed_buffers",
+                    "nccl_communicators", "total"):  # NCCL's buffers: outside torch's allocator and margin
             print(f"  {key:22s} {size(b[key]):>10s}")
         print(f"  fragmentation margin   {b['fragmentation_margin']:10.0%}   fits {a.device_gb:g} GB with the "
               f"margin: {b['fits']}")

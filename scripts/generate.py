@@ -78,7 +78,7 @@ def prepare(args):
     """Model source, config, tokenizer and prompt ids, checked on every rank (no collective);
     returns the config, the tokenizer (or None) and how to build the model on a grid."""
     from zerotron.data.hf_tokenizer import is_hf_dir
-    from zerotron.training import generation as g
+    from zerotron.checkpoint import for_generation as g
 
     if args.hf is not None:
         tokenizer = args.hf if is_hf_dir(args.hf) else None

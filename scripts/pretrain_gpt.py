@@ -16,9 +16,6 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from pathlib import Path
-
-import yaml
 
 from zerotron.checkpoint.files import CheckpointError
 from zerotron.config.cli import parse_config
@@ -37,15 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", 0))
     try:
         cfg = parse_config(argv, EXIT_CODES)
-        cfg.validate(int(os.environ.get("WORLD_SIZE", 1)))  # on every rank, before any process group
-        from zerotron.training.setup_run import preflight
+        from zerotron.training.setup_run import before_any_group
 
-        preflight(cfg)  # model shape, pipeline split, ZeRO settings, the user's token files: still no group
-        if rank == 0:
-            from zerotron.config.inert import no_effect
-
-            for line in no_effect(cfg):
-                print(f"[config] {line}", flush=True)
+        before_any_group(cfg)  # on every rank, before any process group: exit 2 naming the field
     except ConfigError as e:
         print(f"[rank {rank}] config error: {e}", file=sys.stderr, flush=True)
         return 2
@@ -55,28 +46,21 @@ def main(argv: list[str] | None = None) -> int:
 
     keep_compiler_cache_in(cfg.data.cache_dir)  # before torch._dynamo is imported (not in the system temp dir)
     from zerotron.checkpoint.resume import AlreadyComplete
+    from zerotron.training.build_run import build_run
     from zerotron.training.trainer import Trainer, TrainingStopped
 
     env = init_distributed()
-    trainer = None
+    run = trainer = None
 
     def close() -> None:  # the checkpoint directory's lock, the heartbeat thread, then the process group
-        if trainer is not None:
-            trainer.release_lock()
-            trainer.grid.close()
+        if run is not None:
+            run.release_lock()
+            run.grid.close()
         shutdown()
 
     try:
-        trainer = Trainer(cfg, env)
-        if env.rank == 0:
-            run_dir = Path(cfg.logging.run_dir)
-            try:
-                run_dir.mkdir(parents=True, exist_ok=True)
-                (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-            except OSError as e:  # a full or read-only run directory: every rank stops naming it
-                from zerotron.training.metrics import cannot_write
-
-                trainer.logger.failed = cannot_write(run_dir / "config.yaml", e, run_dir)
+        run = build_run(cfg, env)  # grid, locks, resume plan, data, model, optimizer, loaders, load
+        trainer = Trainer(run)
         result = trainer.train()
     except AlreadyComplete as e:
         if env.rank == 0:
@@ -89,12 +73,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except CollectiveError as e:  # a peer died or is stuck: say which, exit at once (no group teardown,
         print(f"[rank {env.rank}] {type(e).__name__}: {e}", file=sys.stderr, flush=True)  # it could block)
-        if trainer is not None:
-            trainer.release_lock()
+        if run is not None:
+            run.release_lock()
         return COLLECTIVE_FAILED
     except BaseException:  # anything unforeseen still gives the checkpoint directory back
-        if trainer is not None:
-            trainer.release_lock()
+        if run is not None:
+            run.release_lock()
         raise
     else:
         close()

@@ -2,7 +2,8 @@
 
 The GPU figures themselves are only meaningful on a GPU (``bash scripts/gpu_check.sh``); here
 the script's path through parity, every ZeRO row, the FLOP/MFU arithmetic and its exit code is
-exercised, so a broken check is found before the one device run it gets.
+exercised, so a broken check is found before the one device run it gets. The passing run is a
+process of its own (as ``gpu_check.sh`` starts it): its two-process row starts two more.
 """
 
 import contextlib
@@ -23,19 +24,31 @@ def run_check(*argv):
     return rc, out.getvalue(), err.getvalue()
 
 
-def passing_then_failing(nvme):
-    # the failing run: a peak a million times too low makes MFU > 100%, which the check must refuse
-    return run_check("--nvme-path", nvme), run_check("--only", "s0+ckpt", "--peak-tflops", "1e-12")
+def failing():
+    # a peak a million times too low makes MFU > 100%, which the check must refuse
+    return run_check("--only", "s0+ckpt", "--peak-tflops", "1e-12")
 
 
 def test_tiny_check_passes_on_cpu_and_fails_on_an_impossible_mfu(tmp_path):
-    runs = spawn(passing_then_failing, 1, str(tmp_path), timeout=180)[0]
-    (rc, out, err), (bad_rc, bad_out, bad_err) = runs
-    assert rc == 0, err
-    rows = [line.split()[0] for line in out.splitlines() if line.startswith(("s0", "s1", "s2", "s3"))]
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "ZEROTRON_DEVICE": "cpu"}
+    done = subprocess.run([sys.executable, str(root / "scripts" / "checks" / "gpu_check.py"), "--tiny",
+                           "--nvme-path", str(tmp_path / "nvme")], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=400)
+    rc, out, err = done.returncode, done.stdout, done.stderr
+    assert rc == 0, err[-3000:]
+    rows = [line.split()[0] for line in out.splitlines() if line.startswith(("s0", "s1", "s2", "s3", "2proc"))]
     assert rows == ["s0", "s1", "s2", "s3", "s0+ckpt", "s1+ckpt", "s2+ckpt", "s3+ckpt", "s2+ckpt+Pa+cpu",
-                    "s2+offload", "s3+nvme", "s3+param-cpu", "s2+fp16", "s3+qwZ+qgZ", "s1+debug"]
+                    "s2+offload", "s3+nvme", "s3+param-cpu", "s2+fp16", "s3+qwZ+qgZ", "s1+debug", "2proc"]
     assert "worst rel. diff to CPU 0.0e+00" in out and "all checks passed" in out
+    pair = next(line for line in out.splitlines() if line.startswith("2proc"))
+    assert "gloo on cpu" in pair and "dp2 0.0e+00" in pair, pair  # DP 2 of equal batches: exact
+    bad_rc, bad_out, bad_err = spawn(failing, 1, timeout=180)[0]
     assert bad_rc == 1 and "MFU" in bad_err and "impossible" in bad_err and "FAILED" in bad_out
 
 

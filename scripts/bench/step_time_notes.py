@@ -11,9 +11,9 @@ last section from two dry runs (minutes). What the model is and its flags:
 `zerotron/estimate/step_model.py` and [the step-time model](step_model.md).
 
 Every row below is predicted from datasheet numbers (`zerotron/estimate/hardware.py`) and one
-tuned constant per device, the fraction of peak a large GEMM reaches: V100 0.42, set so that
+tuned constant per device, the fraction of peak a large GEMM reaches: V100 0.456, set so that
 Megatron-LM's published one-GPU run (1.2B, 39 TFLOPs, 30 % of peak) comes out at 30 % -- a run
-in none of these tables; H100 0.53, set on the first Megatron-core row (marked below). The
+in none of these tables; H100 0.551, set on the first Megatron-core row (marked below). The
 published figures are the ZeRO paper's Figure 2-4 readings (`configs/zero100b/*` headers,
 `shared/reference/zero_paper.md`), TFLOPs counted with the recompute, and Megatron-core's
 README MFU. "terms" are the largest parts of the predicted step in seconds: compute (GEMMs,
@@ -22,22 +22,44 @@ bubble, the optimizer step and host copies. The paper's numbers are read off bar
 pairs closer than 10 % are within that reading's error; the ranking is counted both ways.
 
 The V100 preset models the paper's software as well as its cluster: the 2019 Megatron-LM
-attention (unfused) and DeepSpeed's stage-2 gradient reduction as the paper ran it, one chained
+attention (unfused); DeepSpeed's stage-2 gradient reduction as the paper ran it, one chained
 `dist.reduce` per owner rank's slice of a bucket (`step_model.per_rank_reduces`), whose latency
-grows as the square of the DP degree -- ZeRO-1.5B on 400 GPUs (DP 400) is slower than on 128.
+grows as the square of the DP degree -- ZeRO-1.5B on 400 GPUs (DP 400) is slower than on 128;
+and the gradients in the fp16 that DeepSpeed, Megatron-LM 2019's DDP and torch DDP sent
+(`step_model.model_dtype_gradients`, `--grad-dtype model`), half the bytes of zerotron's fp32
+accumulation. Timing them in fp32, as this page did before, made every DP-bound row slower
+and so hid part of what the model misses: that way 28 of the 33 rows were within 25 %, 25 now.
+A ring's latency counts each hop on its own link, as NCCL's cost model does
+(`step_time.ring_pass_latency`): Megatron-LM's TP ring of 256 over 16 DGX-2s crosses nodes on
+15 of a pass's 255 hops; timing every hop at the network's latency would put baseline-170B
+at 1.2 (0.55 of the paper's 2.2) where it is 1.8 (0.81).
+
+Each GEMM's compute is counted in whole waves of 256 × 128 output tiles over the GPU's SMs
+(`kernels.wave_quantization`, NVIDIA's tile and wave quantization; 80 SMs on a V100): a GEMM
+split by MP, or run at a small batch, leaves SMs idle in its last wave. It is the model's
+account of why MP's speed-up falls short: on Megatron-LM's Table 8 (last table) it brings the
+predicted 8-GPU speed-up from 5.11x to 4.26x (3.0x measured), and the MP-128 baselines' figures
+now imply their TP all-reduces ran at 51-55 GB/s, half the datasheet's 100 (table below).
+`--sm-count 0` turns it off.
+
+What the model does not do: NCCL may run an all-reduce as a tree, whose latency grows with
+log₂ of the node count; on baseline-170B a tree's latency (about 0.3 s in place of the ring's
+3.45 s) would put the row at about 1.6× the paper's figure, so the rings are kept.
 """
 
 MP_SCALING_NOTE = """Megatron-LM's own measurement of MP alone inside one DGX-2H (App. D.2,
 Table 8): its 1.2B model (40 x 1536, 16 heads, checkpointed, fp16) at batch 8 on 1, 2, 4 and 8
 GPUs, predicted on the V100 preset. Its one-GPU run is the V100 calibration (30 % of peak); the
 speed-ups are not tuned on and not one of the issue's targets. They show where the model is
-weakest: it predicts MP's speed-up too high, 14 % at 2 GPUs and 78 % at
-8, so it under-counts what TP costs when each GPU's share is small (baseline-1.5b in Table 5).
-Amdahl's law with a share r of the one-GPU step that MP does not split fits the published
-speed-ups with r = 0.22 (1/(r + (1 − r)/p) = 1.64, 2.41, 3.15 for p = 2, 4, 8), where the TP
-all-reduces add little (0.04-0.09 s a step in the model); the model's element-wise kernels, which
-hold everything it leaves unsplit, are 0.11 s of its 2.30 s one-GPU step (5 %). The 2019 stack's
-unsplit work is that much larger; which kernels hold it is not determined."""
+weakest: it predicts MP's speed-up too high, 9 % at 2 GPUs, 31 % at 4 and 43 % at 8 (13 % and
+71 % before the GEMMs' waves were counted), so it under-counts what TP costs when each GPU's
+share is small (baseline-1.5b in Table 5). Amdahl's law with a
+share r of the one-GPU step that MP does not split fits the published speed-ups with r = 0.22
+(1/(r + (1 − r)/p) = 1.64, 2.41, 3.15 for p = 2, 4, 8), where the TP all-reduces add little
+(0.04-0.09 s a step in the model); the model's element-wise kernels, which hold everything it
+leaves unsplit (LayerNorms, residual dropouts and adds, the row-parallel bias adds), are
+0.13 s of its 2.30 s one-GPU step (6 %). The 2019 stack's unsplit work is that much larger;
+which kernels hold it is not determined."""
 
 
 MEGATRON_NOTE = """The README gives GPU counts and MFU only. The layout is assumed (not in our
@@ -49,35 +71,56 @@ with its reduce-scatter and all-gather overlapped as Megatron-core's `--overlap-
 prediction. The 462B run on 6,144 GPUs (47 %) is not predicted: its shape and layout are not
 published in our reference."""
 
+IMPLIED_TP_NOTE = """Every Megatron-LM baseline of Table 5 with MP, read backwards: the published
+step (the model's, scaled by predicted ÷ published TFLOPs) less every term of the model but the
+TP all-reduces is what those all-reduces took; less their latency, the bytes each ring edge
+carried over that time is the bus bandwidth they ran at. The datasheet gives 150 GB/s a GPU on
+NVSwitch and 100 GB/s a node between nodes (8 EDR NICs), and the model times the rings at that.
+The four MP-128 rows over 8 nodes agree with each other at 51-55 GB/s, about half the
+datasheet; MP 64 over 4 nodes gives 33, and MP 32 over 2 nodes 8. A ring's traffic per node
+does not depend on how many nodes it spans, so no link figure makes the 2-node run six times
+slower per byte than the 8-node ones, and a cluster-measured NCCL bandwidth (about half the
+datasheet here) would be a second constant for the device, fitted to these rows, which the
+issue rules out. Baseline-170B's ring is latency-bound: the model's hop latency alone (3.45 s)
+is more than the published figure leaves for its TP (3.13 s, hence no bandwidth), so its
+figure says little about bandwidth. The two MP rows inside one node (1.5B, 8B) imply 16 and
+49 GB/s on a 150 GB/s NVSwitch: their gap is not the all-reduce."""
+
 NOTES = {
-    "table5/baseline-170b": "MP 256 over 16 nodes at batch 2: 1,277 TP all-reduces of 510 ring "
-    "steps each, whose 10 µs latency is 6.5 s of the 8.1 s step; NCCL's tree all-reduce (not "
-    "modelled) would cut that to ~0.3 s and overshoot to 2.6x the paper; the 2019 stack's "
-    "latency lay between; not explained",
-    "table5/baseline-40b": "MP 32 across 2 nodes: the link model gives the TP ring the node's "
-    "whole InfiniBand (100 GB/s); at one EDR NIC's 12.5 GB/s a node this row would come out at 2.4 "
-    "and the MP-128 rows (now within 6 %) at 1.1-1.6 -- no one link figure fits both; not "
-    "explained",
-    "table5/baseline-60b": "as 40B: MP 64 over 4 nodes, TP over InfiniBand; not explained",
-    "table5/baseline-1.5b": "MP 2 in one node: TP is 0.10 s of the 3.20 s step. The model "
-    "under-counts what MP costs when each GPU's work is small: on Megatron-LM's own Table 8 "
-    "(last table) it predicts 1.87x on 2 GPUs where 1.64x was measured; scaled by that miss "
-    "(1.64/1.87) this row would be 30.4 (1.16). Which term is short (NCCL below the link rate "
-    "at 25-50 MB messages, half-width GEMMs, the 2019 stack's separate bias adds) is not "
-    "determined; not explained",
+    "table5/baseline-40b": "MP 32 over 2 nodes: the published figure implies its TP "
+    "all-reduces ran at 8 GB/s of bus bandwidth, against 33 for MP 64 over 4 nodes and 51-55 for "
+    "MP 128 over 8 (table below); a ring's traffic per node does not depend on the node count, so "
+    "no link figure fits both; hypothesis: memory pressure (20 GB of model states a GPU at MP 32, "
+    "the most of any baseline); not explained",
+    "table5/baseline-60b": "MP 64 over 4 nodes: the published figure implies 33 GB/s of TP bus "
+    "bandwidth where the datasheet's 8 EDR NICs give 100 GB/s a node and the MP-128 rows imply "
+    "51-55 (table below); a cluster-measured bandwidth would be a second constant for the "
+    "device; within 25 % needs 0.6 s more than the model's 3.4 s step; not explained",
+    "table5/baseline-1.5b": "just over (1.254; 0.01 s more step would do): MP 2 in one node, TP "
+    "is 0.10 s of the 3.36 s step and the published figure implies 0.96 s for it (16 GB/s on a "
+    "150 GB/s NVSwitch, table below), so the gap is not the all-reduce. On Megatron-LM's own "
+    "Table 8 (last table) the model predicts 1.79x on 2 GPUs where 1.64x was measured; scaled by "
+    "that miss this row would be 30.2 (1.15). Which unsplit work of the 2019 stack is missing is "
+    "not determined; not explained",
     "table5/zero-170b": "hypothesis: memory pressure -- the dry run measures 35.0 GB a rank, "
     "above 32 (docs/dry_run.md), so the paper's run held less than ours and ran at its limit, "
-    "where the caching allocator frees and re-allocates; within 25 % needs 2.9 s more than the "
-    "model's 38.2 s step; the model has no allocator term",
-    "table10/baseline-1.38b": "torch DDP at batch 1, a 0.43 s step. Not the bucket latency: "
-    "timed as DDP runs it (25 MB of fp16 gradients a bucket, 13.1 M elements, overlapped "
-    "behind backward: zero.overlap_comm true, zero.reduce_bucket_size 13107200) the row gives "
-    "24.0 (1.33). Kernel-launch gaps are not modelled: at batch 1 an element-wise kernel "
-    "moves 3 MB, about 3.5 µs at HBM speed, less than launching it takes; not explained",
-    "table10/zero-12b": "just over; hypothesis: memory pressure (the dry run measures 31.4 GB of "
-    "32); the paper's 8B-13B decline follows the batch (8, 6, 4, 4, 2), which the model "
-    "reproduces only through DP communication",
+    "where the caching allocator frees and re-allocates; the paper's figure falls from 38.6 "
+    "(100B, batch 32) to 20.9 (170B, batch 12), the model's from 35.4 to 30.6; within 25 % needs "
+    "6.0 s more than the model's 35.1 s step; the model has no allocator term",
+    "table6/zero-60b-64gpus": "60B on 64 GPUs at batch 16, Table 6's smallest: the published "
+    "figure needs a 19.8 s step where the model gives 15.2 s (DP 2.1 s, TP 1.7 s exposed); within "
+    "25 % needs 0.6 s more. Hypothesis: memory pressure, weaker than for 170B -- the dry run "
+    "measures 29.5 GB of 32 (docs/dry_run.md), the most of Table 6's four runs (24.9-28.9 GB "
+    "for the others); not explained",
+    "table10/baseline-1.38b": "torch DDP at batch 1, a 0.43 s step; the paper's 18.1 needs "
+    "0.60 s. The gradient all-reduce is 0.05 s of fp16, all of it exposed here; the GEMMs' "
+    "waves are counted (at batch 1 the 1536-wide projections fill 48 of 80 SMs). Kernel-launch "
+    "gaps are not modelled: at batch 1 an element-wise kernel moves 3 MB, about 3.5 µs at HBM "
+    "speed, less than launching it takes; not explained",
+    "table10/zero-12b": "hypothesis: memory pressure (the dry run measures 31.4 GB of 32); the "
+    "paper's 8B-13B decline follows the batch (8, 6, 4, 4, 2), which the model reproduces only "
+    "through DP communication; within 25 % needs 0.7 s more than the model's 9.1 s step",
     "table10/zero-13b": "hypothesis: memory pressure, as 12B, at batch 2 (31.4 GB of 32): the "
-    "paper's 21.2 needs a 10.2 s step where the model gives 5.6 s, of which its whole DP "
-    "communication is 1.0 s; no term of a run that fits explains 4.6 s",
+    "paper's 21.2 needs a 10.2 s step where the model gives 5.4 s, of which its whole DP "
+    "communication is 0.7 s; no term of a run that fits explains 4.7 s",
 }

@@ -27,6 +27,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from zerotron.estimate import step_model  # noqa: E402
+from zerotron.estimate.comm_volumes import analytic_comm, group_ranks  # noqa: E402
+from zerotron.estimate.step_time import collective_time, group_span  # noqa: E402
 from zerotron.estimate.hardware import H100_DGX, V100_DGX2  # noqa: E402
 from zerotron.model.config import GPTConfig  # noqa: E402
 from zerotron.config.cli import parse_config  # noqa: E402
@@ -34,7 +36,8 @@ from zerotron.config.run_config import RunConfig  # noqa: E402
 from zerotron.training.setup_run import validate_model  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "scripts" / "bench"))
-from step_time_notes import INTRO, MEGATRON_NOTE, MP_SCALING_NOTE, NOTES, TOLERANCE  # noqa: E402
+from step_time_notes import (INTRO, IMPLIED_TP_NOTE, MEGATRON_NOTE, MP_SCALING_NOTE,  # noqa: E402
+                             NOTES, TOLERANCE)
 
 CONFIGS = ROOT / "configs" / "zero100b"
 GPT_175B = GPTConfig(num_layers=96, hidden_size=12288, num_heads=96, vocab_size=50257,
@@ -115,6 +118,42 @@ def mp_scaling_table(rows: list[dict]) -> str:
              "|---|---|---|---|---|"]
     lines += [f"| {r['mp']} | {r['paper']:.2f} | {r['predicted']:.2f} | "
               f"{r['predicted'] / r['paper']:.2f} | {r['step_s']:.3f} |" for r in rows]
+    return "\n".join(lines)
+
+
+def implied_tp_rows(rows: list[dict]) -> list[dict]:
+    """For each Megatron-LM baseline of Table 5, what its published TFLOPs say its TP all-reduces
+    took: the published step (the model's step scaled by predicted/published) less every other
+    term of the model, and the bus bandwidth that leaves the ring once its latency is paid."""
+    out = []
+    for r in rows:
+        if not (r["table"] == "table5" and "baseline" in r["name"] and r["tp"] > 1):
+            continue
+        cfg = parse_config(["--config", str(ROOT / r["config"])], world_size=r["gpus"])
+        cfg.validate(r["gpus"])
+        ar = analytic_comm(cfg, validate_model(cfg))["all_reduce/tp"]
+        span = group_span(group_ranks(cfg.parallel.tp, 1, cfg.parallel.dp)["tp"],
+                          V100_DGX2.gpus_per_node)
+        latency, _ = collective_time("all_reduce", ar["calls"], ar["bytes"], span, V100_DGX2.link())
+        p = r["pred"]
+        step = p["step_s"] * r["predicted"] / r["paper"]
+        implied = step - (p["step_s"] - p["exposed_s"]["tp"])
+        moved = (span.size - 1) / span.size * ar["bytes"]  # what each ring edge carries
+        out.append({"name": r["name"], "tp": r["tp"], "nodes": span.nodes, "step": step,
+                    "model_step": p["step_s"], "model_tp": p["exposed_s"]["tp"],
+                    "latency": latency, "implied": implied,
+                    "bus_gbps": moved / (implied - latency) / 1e9 if implied > latency else None})
+    return out
+
+
+def implied_tp_table(rows: list[dict]) -> str:
+    lines = ["| setup | MP | nodes | published step s | model step s | model TP s (latency) | "
+             "implied TP s | implied TP bus GB/s |", "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['name']} | {r['tp']} | {r['nodes']} | {r['step']:.2f} | "
+              f"{r['model_step']:.2f} | {r['model_tp']:.2f} ({r['latency']:.2f}) | "
+              f"{r['implied']:.2f} | "
+              + ("latency alone exceeds it" if r["bus_gbps"] is None else f"{r['bus_gbps']:.1f}")
+              + " |" for r in rows]
     return "\n".join(lines)
 
 
@@ -205,6 +244,8 @@ def main(argv=None) -> str:
         within = sum(abs(r["predicted"] / r["paper"] - 1) <= TOLERANCE for r in sub)
         parts += [f"## {title}", "", table(sub, "TFLOPs/GPU", TOLERANCE), "",
                   f"{within} of {len(sub)} rows within {TOLERANCE:.0%}. {ranking(sub)}", ""]
+    parts += ["## What the MP baselines' published figures imply for their TP all-reduces", "",
+              IMPLIED_TP_NOTE, "", implied_tp_table(implied_tp_rows(rows)), ""]
     parts += ["## Megatron-core on H100 (README): GPT-175B strong scaling", "", MEGATRON_NOTE, "",
               table(mega, "MFU %", 0.20), "",
               "## Megatron-LM Table 8: MP inside one node (a check, not a target)", "",

@@ -24,10 +24,14 @@ and plan (``parallelize_gpt``):
    (``s3+nvme``, files under ``--nvme-path``), stage 3's partition in host memory
    (``s3+param-cpu``), fp16 with loss scaling (``s2+fp16``), ZeRO++'s int8 quantization
    (``s3+qwZ+qgZ``) and the debug sequence check (``s1+debug``), under the same checks.
-3. **pinned host<->device bandwidth** (what Pa+cpu and offload move): at least 5 GiB/s each way.
+3. **two processes on the one GPU** (row ``2proc``, ``gpu_check_pair.py``): TP 2 and stage-0
+   DP 2 over a gloo group handed the device's tensors, each against one process, fp32 rtol 1e-4:
+   the collectives, the TP all-reduces and ZeRO's gradient all-reduce run on the device.
+4. **pinned host<->device bandwidth** (what Pa+cpu and offload move): at least 5 GiB/s each way.
 
-With one GPU the DP degree is 1, so every collective returns before reaching NCCL; the stages
-show their overheads, not their savings, and NCCL is not exercised (that needs two GPUs).
+In the single-process rows the DP degree is 1, so every collective returns before reaching a
+group; the stages show their overheads, not their savings. NCCL itself is not exercised: it
+refuses two ranks on one GPU, so that needs two GPUs.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ import statistics
 import sys
 import time
 import warnings
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -55,6 +60,9 @@ from zerotron.config.run_config import RunConfig
 from zerotron.training.parallelize import parallelize_gpt
 from zerotron.training.step import run_step
 from zerotron.zero.optimizer import DTYPES
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: scripts.checks
+from scripts.checks.gpu_check_pair import pair_row  # noqa: E402
 
 ROWS = [  # name, zero stage, activation checkpointing, Pa+cpu, optimizer CPU offload, others
     *((f"s{s}", s, False, False, False, {}) for s in range(4)),
@@ -217,8 +225,9 @@ def main(argv=None) -> int:
     p.add_argument("--peak-tflops", type=positive_float, default=None, help="override the device table (model.flops)")
     p.add_argument("--nvme-path", default=os.path.join(".cache", "zerotron", "gpu_check_nvme"),
                    help="directory for the s3+nvme row's optimizer files (node-local NVMe)")
-    p.add_argument("--only", nargs="*", choices=[r[0] for r in ROWS], metavar="ROW",
-                   help=f"run only these of {[r[0] for r in ROWS]} (parity always runs)")
+    row_names = [r[0] for r in ROWS] + ["2proc"]
+    p.add_argument("--only", nargs="*", choices=row_names, metavar="ROW",
+                   help=f"run only these of {row_names} (parity always runs)")
     args = p.parse_args(argv)
     if args.tiny:  # tiny sizes as the defaults: a size flag given beside --tiny still holds
         p.set_defaults(layers=2, hidden=64, heads=4, seq=32, vocab=512, micro_batch=2, warmup=1, steps=1)
@@ -273,6 +282,18 @@ def main(argv=None) -> int:
         print(f"{row_name:<16}{r['step_s']:>8.3f}{r['tflops']:>9.2f}{fmt(r['mfu'], 7, '.1%')}{fmt(r['hfu'], 7, '.1%')}"
               f"{fmt(r['peak_GB'], 10, '.2f')}{fmt(model_gb, 10, '.2f')}{r['sdpa']:>11}{r['losses'][-1]:>9.4f}",
               flush=True)
+    if not args.only or "2proc" in args.only:  # two ranks on this one device, over gloo
+        sizes = dict(num_layers=2, hidden_size=small.hidden_size, num_heads=4,
+                     vocab_size=small.vocab_size, seq_length=small.seq_length)
+        pair, bad = pair_row(device, sizes, max(2, args.steps), args.micro, args.micro_batch,
+                             os.path.join(os.path.dirname(args.nvme_path), "gpu_check_store"))
+        failures += bad
+        if pair:
+            blank = " " * (9 + 7 + 7 + 10 + 10 + 11)  # the columns a pair has no figure for
+            print(f"{'2proc tp2+dp2':<16}{pair['seconds']:>8.1f}{blank}{pair['tp2'][-1]:>9.4f}"
+                  f"  gloo on {pair['device']}: worst rel. diff to one process "
+                  f"tp2 {pair['tp2_worst']:.1e}, dp2 {pair['dp2_worst']:.1e}"
+                  " (step s: the pair's runs)", flush=True)
     if device.type == "cuda":
         bw = bandwidth(device, 1024)
         print(f"[gpu_check] pinned copies: host->device {bw['h2d']:.1f} GiB/s, device->host {bw['d2h']:.1f} GiB/s")

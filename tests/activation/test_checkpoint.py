@@ -291,11 +291,12 @@ def _train(run_dir, cache, log_interval):
 
     from tests.training.test_trainer import make_config
     from zerotron.parallel.runtime import init_distributed
+    from zerotron.training.build_run import build_run
     from zerotron.training.trainer import Trainer
 
     flags = ["--tp", "2", "--checkpoint-activations", "--activation_checkpointing.partition_activations", "true",
              "--log-interval", str(log_interval), "--train-steps", "4"]
-    Trainer(make_config(run_dir, cache, *flags).validate(dist.get_world_size()), init_distributed()).train()
+    Trainer(build_run(make_config(run_dir, cache, *flags).validate(dist.get_world_size()), init_distributed())).train()
 
 
 def test_logged_pa_allgather_bytes_are_per_step_whatever_the_log_interval(zerotron_cache, tmp_path):

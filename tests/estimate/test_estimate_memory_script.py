@@ -44,7 +44,9 @@ def test_tiny_config_breakdown_uses_the_given_world_and_readable_units(capsys):
     section = text[text.index("Breakdown per GPU"):text.index("largest GPT")]
     assert "tiny on 4 GPUs, MP 2 x DP 2" in section
     assert not ZERO_VALUE.search(section), section
-    assert re.search(r"params_total\s+\d+\.\d\d K", section) and re.search(r"total\s+\d+\.\d\d MB", section)
+    assert re.search(r"params_total\s+\d+\.\d\d K", section) and re.search(r"fixed_buffers\s+\d+\.\d\d MB", section)
+    # TP 2 x DP 2 on NCCL: tp, dp, world communicators of 3 x 24 x 9.19 MiB or 2 x 24 x 9.19 MiB
+    assert re.search(r"nccl_communicators\s+1\.62 GB", section) and re.search(r"\stotal\s+1\.6\d GB", section)
 
 
 def test_a_config_that_fixes_dp_gives_its_own_world(capsys, tmp_path):

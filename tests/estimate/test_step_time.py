@@ -8,6 +8,8 @@
 * Overlap: TP never hidden, the gradient reduce-scatter hidden up to the backward window, the
   stage 1-2 all-gather never; exposed communication never exceeds the total.
 * Monotonicity: more bandwidth or a higher efficiency never makes a step slower.
+* Latency by hop: a ring over several nodes pays the network's latency only on the hops that
+  cross a node boundary (NCCL's cost model), a chained reduce on every hop once it leaves a node.
 """
 
 import json
@@ -155,3 +157,21 @@ def test_bad_input_names_the_fix():
         predict_step(1.0, {"tp": {"calls": 1, "bytes": 1}}, {"tp": [0, 1]}, overlap={"tp": 2.0})
     with pytest.raises(ValueError, match="inter_node_gbps"):
         LinkModel(inter_node_gbps=0)
+
+
+def test_ring_latency_counts_each_hop_on_its_link():
+    """Baseline-170B's TP ring, 256 GPUs over 16 DGX-2s: a pass is 255 hops, 15 of them between
+    nodes (10 us) and 240 on NVSwitch (5 us); an all-reduce makes two passes."""
+    tp = group_span(range(256), 16)
+    assert (tp.nodes, tp.members_per_node) == (16, 16)
+    lat, _ = collective_time("all_reduce", 3, 1e6, tp, LINK)
+    assert lat == pytest.approx(3 * 2 * (15 * 10e-6 + 240 * 5e-6))
+    lat, _ = collective_time("reduce_scatter", 1, 1e6, tp, LINK)
+    assert lat == pytest.approx(15 * 10e-6 + 240 * 5e-6)
+    # one member per node: every hop crosses nodes; one node: every hop on NVSwitch
+    assert collective_time("all_gather", 1, 1e6, group_span(range(0, 400, 16), 16), LINK)[0] == \
+        pytest.approx(24 * 10e-6)
+    assert collective_time("all_gather", 1, 1e6, group_span(range(16), 16), LINK)[0] == \
+        pytest.approx(15 * 5e-6)
+    # a chained reduce spanning nodes: NCCL times every hop at the network's latency
+    assert collective_time("reduce", 1, 1e6, tp, LINK)[0] == pytest.approx(255 * 10e-6)

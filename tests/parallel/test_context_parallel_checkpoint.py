@@ -22,7 +22,9 @@ STEPS, BATCH = 4, 4
 
 
 def check_resume(tmp):
-    from zerotron.checkpoint.distributed import load_checkpoint, save_checkpoint
+    from zerotron.checkpoint.checkpointer import Checkpointer, RunIdentity
+    from zerotron.checkpoint.distributed import load_checkpoint
+    from zerotron.config.run_config import CheckpointSection
     from zerotron.zero import ZeroConfig, ZeroOptimizer
 
     torch.set_num_threads(1)
@@ -53,8 +55,9 @@ def check_resume(tmp):
 
     grid, model, opt = build(2)
     train(grid, model, opt, batches[:2])
-    path = save_checkpoint(str(tmp), 2, model, opt, grid, consumed_samples=2 * BATCH,
-                           model_config={}, run_config={}, rng_states={}, run_id="cp")
+    saver = Checkpointer(CheckpointSection(save=str(tmp)), grid, opt.device, RunIdentity("cp"))
+    saver.track(model, opt, {})
+    path = saver.save(2, consumed_samples=2 * BATCH)
     want = train(grid, model, opt, batches[2:])
     errors = {}
     for cp in (1, 4):

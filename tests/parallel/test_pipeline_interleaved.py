@@ -269,7 +269,9 @@ def test_tp2_pp2_v2_dp2_and_tp2_pp4_v2_equal_the_single_process_run():
 def check_checkpoint_reshards(tmp):
     from zerotron.parallel import Grid, ParallelDims
     from zerotron.parallel import collectives as C
-    from zerotron.checkpoint.distributed import load_checkpoint, save_checkpoint
+    from zerotron.checkpoint.checkpointer import Checkpointer, RunIdentity
+    from zerotron.checkpoint.distributed import load_checkpoint
+    from zerotron.config.run_config import CheckpointSection
 
     mcfg = make_cfg(4)
     steps = 4
@@ -305,8 +307,10 @@ def check_checkpoint_reshards(tmp):
 
     grid, plan, data = layout(2, 2, 2)
     first = losses(grid, plan, data[:2])
-    path = save_checkpoint(str(tmp), 2, plan.model, plan.optimizer, grid, consumed_samples=16,
-                           model_config={}, run_config={}, rng_states={}, run_id="interleaved")
+    saver = Checkpointer(CheckpointSection(save=str(tmp)), grid, plan.optimizer.device,
+                         RunIdentity("interleaved"))
+    saver.track(plan.model, plan.optimizer, {})
+    path = saver.save(2, consumed_samples=16)
     results = {"pp2 v2": torch.cat([first, losses(grid, plan, data[2:])])}
     for name, (pp, v, m) in {"pp1": (1, 1, 1), "pp4 v1": (4, 1, 4)}.items():
         grid, plan, data = layout(pp, v, m)

@@ -110,12 +110,13 @@ def _sigterm_at_step_3(run_dir, cache, ck):
 
     from tests.training.test_trainer import make_config
     from zerotron.parallel.runtime import init_distributed
+    from zerotron.training.build_run import build_run
     from zerotron.training.trainer import Trainer
 
     os.environ.update(ZEROTRON_FAULT="hold_writer@step=2", ZEROTRON_FAULT_STALL_S="2")
     cfg = make_config(run_dir, cache, "--save", ck, "--save-interval", "2",
                       "--checkpoint.async_save", "true").validate(dist.get_world_size())
-    trainer = Trainer(cfg, init_distributed())
+    trainer = Trainer(build_run(cfg, init_distributed()))
     step = trainer.train_step
 
     def preempted_step():

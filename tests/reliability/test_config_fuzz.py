@@ -125,10 +125,11 @@ def one_step(cfg: RunConfig) -> float:
     import torch.distributed as dist
 
     from zerotron.parallel.runtime import init_distributed
+    from zerotron.training.build_run import build_run
     from zerotron.training.trainer import Trainer
 
     cfg.validate(dist.get_world_size())
-    trainer = Trainer(cfg, init_distributed())
+    trainer = Trainer(build_run(cfg, init_distributed()))
     loss = float(trainer.train_step()["loss"])
     trainer.grid.close()
     return loss

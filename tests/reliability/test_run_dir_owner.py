@@ -72,10 +72,11 @@ def full_run_dir(run_dir, cache) -> str:
 
     from tests.training.test_trainer import make_config
     from zerotron.parallel.runtime import init_distributed
+    from zerotron.training.build_run import build_run
     from zerotron.training.trainer import Trainer, TrainingStopped
 
     cfg = make_config(run_dir, cache, "--log-interval", "1", "--train-steps", "3")
-    trainer = Trainer(cfg.validate(dist.get_world_size()), init_distributed())
+    trainer = Trainer(build_run(cfg.validate(dist.get_world_size()), init_distributed()))
 
     class FullDisk:
         def write(self, text):

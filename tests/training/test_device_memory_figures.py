@@ -18,10 +18,11 @@ def tracked_device(run_dir, cache):
     import torch.distributed as dist
 
     from zerotron.parallel.runtime import init_distributed
+    from zerotron.training.build_run import build_run
     from zerotron.training.trainer import Trainer
 
     cfg = make_config(run_dir, cache, "--zero.stage", "2", "--zero.offload_optimizer_device", "cpu")
-    trainer = Trainer(cfg.validate(dist.get_world_size()), init_distributed())
+    trainer = Trainer(build_run(cfg.validate(dist.get_world_size()), init_distributed()))
     trainer.train_step()
     return trainer.memory.tracker.device_type, trainer.env.device.type
 

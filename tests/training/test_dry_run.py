@@ -86,6 +86,9 @@ def test_tp2_pp2_dp2(tmp_path, precision, stage):
         assert e["host_syncs_per_step"] == sum(want.values())
         assert e["host_tensor_bytes_per_step"] == 0
         assert e["fits"] and 0 < e["peak_bytes"] < 32e9
+        # on the (fake) GPU each group is an NCCL communicator; the embedding pair is the pp group
+        assert e["nccl_groups"] == {"tp": 2, "dp": 2, "pp": 2, "mp": 4, "world": 8}
+        assert 1e9 < e["nccl_communicators"] < 32e9 - e["peak_bytes"]  # in ``fits``
         for category in ("parameters", "gradients", "optimizer_states"):
             assert e["by_category"][category] > 0
     meta = json.loads((tmp_path / "tiny-8gpus" / "checkpoint" / "rank_00007.json").read_text())

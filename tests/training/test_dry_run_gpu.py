@@ -35,6 +35,8 @@ def test_h100_preset_prediction_adds_up(tmp_path, capsys):
     assert p["tflops_per_gpu"] == pytest.approx(p["flops_per_gpu"] / p["step_s"] / 1e12, rel=1e-12)
     assert p["compute_s"] == pytest.approx(p["gemm_s"] + p["attention_s"] + p["elementwise_s"])
     assert e["fits"] and e["peak_bytes"] < 80e9
+    # rank 3's groups (TP 2 x DP 2); a CPU dry run is a gloo run: no NCCL buffers
+    assert e["nccl_groups"] == {"tp": 2, "dp": 2, "world": 4} and e["nccl_communicators"] == 0
 
 
 @pytest.mark.parametrize("flags,message", [
@@ -42,6 +44,7 @@ def test_h100_preset_prediction_adds_up(tmp_path, capsys):
     (["--efficiency", "1.5"], "--efficiency 1.5: a fraction of peak in (0, 1]"),
     (["--gpus-per-node", "0"], "--gpus-per-node: Hardware.gpus_per_node=0: must be > 0"),
     (["--hbm-gbps", "-1"], "--hbm-gbps: Hardware.hbm_gbps=-1.0: must be > 0"),
+    (["--sm-count", "-1"], "--sm-count: Hardware.sm_count=-1: must be >= 0"),
 ])
 def test_bad_hardware_flag_exits_2(tmp_path, capsys, flags, message):
     with pytest.raises(SystemExit) as exit_:

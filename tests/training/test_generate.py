@@ -74,7 +74,8 @@ def build_references(tmp: str) -> dict:
 
     from zerotron.model.gpt import GPT
     from zerotron.parallel import Grid, ParallelDims
-    from zerotron.checkpoint.distributed import save_checkpoint
+    from zerotron.checkpoint.checkpointer import Checkpointer, RunIdentity
+    from zerotron.config.run_config import CheckpointSection
     from zerotron.zero import ZeroConfig, ZeroOptimizer
 
     tok_dir = bpe_tokenizer_dir(Path(tmp) / "tokenizer")
@@ -112,9 +113,10 @@ def build_references(tmp: str) -> dict:
         grid = Grid(ParallelDims(), 0, 1)
         opt = ZeroOptimizer(ours, grid, ZeroConfig(stage=1))
         model_meta = {**dataclasses.asdict(cfg), "architecture": cfg.architecture}
-        path = save_checkpoint(f"{tmp}/{family}", 0, ours, opt, grid, consumed_samples=0,
-                               model_config=model_meta, run_config={}, rng_states={},
-                               run_id=family, tokenizer=str(tok_dir))
+        saver = Checkpointer(CheckpointSection(save=f"{tmp}/{family}"), grid, opt.device,
+                             RunIdentity(family, tokenizer=str(tok_dir)))
+        saver.track(ours, opt, model_meta)
+        path = saver.save(0, consumed_samples=0)
         out[family] = {"greedy": greedy, "--load": str(path), "--hf": str(hf_dir),
                        "text_ids": hf_tok.encode(TEXT)}
     out["gpt2"] = gpt2_through_the_export(tmp, tok_dir)
@@ -131,7 +133,8 @@ def gpt2_through_the_export(tmp: str, tok_dir: Path) -> dict:
     from zerotron.model import GPTConfig
     from zerotron.model.gpt import GPT
     from zerotron.parallel import Grid, ParallelDims
-    from zerotron.checkpoint.distributed import save_checkpoint
+    from zerotron.checkpoint.checkpointer import Checkpointer, RunIdentity
+    from zerotron.config.run_config import CheckpointSection
     from zerotron.zero import ZeroConfig, ZeroOptimizer
 
     source = AutoTokenizer.from_pretrained(str(tok_dir))
@@ -144,9 +147,10 @@ def gpt2_through_the_export(tmp: str, tok_dir: Path) -> dict:
             p.mul_(10 if name.endswith("qkv.weight") else 20 if name.endswith("fc2.weight") else 1)
     opt = ZeroOptimizer(model, grid, ZeroConfig(stage=1))
     meta = {**dataclasses.asdict(cfg), "architecture": cfg.architecture}
-    path = save_checkpoint(f"{tmp}/gpt2", 0, model, opt, grid, consumed_samples=0,
-                           model_config=meta, run_config={}, rng_states={}, run_id="gpt2",
-                           tokenizer=str(tok_dir))
+    saver = Checkpointer(CheckpointSection(save=f"{tmp}/gpt2"), grid, opt.device,
+                         RunIdentity("gpt2", tokenizer=str(tok_dir)))
+    saver.track(model, opt, meta)
+    path = saver.save(0, consumed_samples=0)
     assert (path / "tokenizer" / "tokenizer.json").is_file()  # the checkpoint keeps its own copy
     out = f"{tmp}/gpt2-hf"
     assert convert_checkpoint.main([str(path), "--hf", out]) == 0

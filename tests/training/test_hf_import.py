@@ -43,6 +43,7 @@ def import_and_save(dirs: dict, root: str, cache: str) -> list[str]:
 
     from tests.training.test_trainer import make_config
     from zerotron.parallel.runtime import init_distributed
+    from zerotron.training.build_run import build_run
     from zerotron.training.trainer import Trainer
 
     saved = []
@@ -50,7 +51,7 @@ def import_and_save(dirs: dict, root: str, cache: str) -> list[str]:
         ck = f"{root}/{family}/ck"
         cfg = make_config(f"{root}/{family}", cache, "--init-from-hf", directory, "--tp", "2",
                           "--pp", "2", "--zero-stage", "1", "--train-steps", "0", "--save", ck)
-        trainer = Trainer(cfg.validate(dist.get_world_size()), init_distributed())
+        trainer = Trainer(build_run(cfg.validate(dist.get_world_size()), init_distributed()))
         trainer.train()
         saved.append(ck)
     return saved

@@ -57,6 +57,7 @@ def _windows_around_slow_breaks(run_dir, cache, pause_s):
     from tests.training.test_trainer import make_config
     from zerotron.parallel.runtime import init_distributed
     from zerotron.training import metrics
+    from zerotron.training.build_run import build_run
     from zerotron.training.trainer import Trainer
 
     skipped = [0.0]  # seconds the pauses have added to the metrics' clock
@@ -67,7 +68,7 @@ def _windows_around_slow_breaks(run_dir, cache, pause_s):
 
     cfg = make_config(run_dir, cache, "--tp", "2", "--train-steps", "3", "--log-interval", "1",
                       "--eval-interval", "1", "--logging.eval_steps", "1").validate(dist.get_world_size())
-    trainer = Trainer(cfg, init_distributed())
+    trainer = Trainer(build_run(cfg, init_distributed()))
     evaluate = trainer.evaluate
     trainer.evaluate = lambda: (pause(), evaluate())[1]
     pause()

@@ -27,6 +27,7 @@ def counted_run(run_dir, cache, checkpointing: bool, *extra: str):
     from torch.utils.flop_counter import FlopCounterMode
 
     from zerotron.parallel.runtime import init_distributed
+    from zerotron.training.build_run import build_run
     from zerotron.training.trainer import Trainer
 
     flags = ["--train-steps", "3", "--log-interval", "1", "--logging.peak_tflops", str(PEAK),
@@ -34,7 +35,7 @@ def counted_run(run_dir, cache, checkpointing: bool, *extra: str):
     flags += ["--checkpoint-activations"] if checkpointing else []
     flags += list(extra)
     cfg = make_config(run_dir, cache, *flags).validate(dist.get_world_size())
-    trainer = Trainer(cfg, init_distributed())
+    trainer = Trainer(build_run(cfg, init_distributed()))
     assert trainer.mcfg.padded_vocab_size(1) != trainer.mcfg.vocab_size
     with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
         trainer.train_step()

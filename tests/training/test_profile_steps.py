@@ -14,10 +14,11 @@ def profiled_run(run_dir, cache):
     import torch.distributed as dist
 
     from zerotron.parallel.runtime import init_distributed
+    from zerotron.training.build_run import build_run
     from zerotron.training.trainer import Trainer
 
     cfg = make_config(run_dir, cache, "--profile-steps", "3", "4", "--train-steps", "5")
-    trainer = Trainer(cfg.validate(dist.get_world_size()), init_distributed())
+    trainer = Trainer(build_run(cfg.validate(dist.get_world_size()), init_distributed()))
     trainer.train()
     return str(trainer.profiler.trace)
 

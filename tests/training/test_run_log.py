@@ -33,6 +33,7 @@ def _run(cache: str, tmp: str, name: str, *flags) -> dict:
     from zerotron.estimate import memory_model
     from zerotron.parallel.runtime import init_distributed
     from zerotron.config.cli import parse_config
+    from zerotron.training.build_run import build_run
     from zerotron.training.trainer import Trainer
 
     base = ["--config", str(ROOT / "configs" / "tiny.yaml"), "--tp", "1", "--seq-length", "16",
@@ -42,7 +43,7 @@ def _run(cache: str, tmp: str, name: str, *flags) -> dict:
     cfg = parse_config(base + list(flags)).validate(dist.get_world_size())
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        trainer = Trainer(cfg, init_distributed())
+        trainer = Trainer(build_run(cfg, init_distributed()))
         try:
             trainer.train()
         finally:

@@ -12,11 +12,12 @@ def run_with_slow_rank(run_dir, cache):
     import torch.distributed as dist
 
     from zerotron.parallel.runtime import init_distributed
+    from zerotron.training.build_run import build_run
     from zerotron.training.trainer import Trainer
 
     os.environ.update(ZEROTRON_FAULT="slow@rank=1", ZEROTRON_FAULT_SLOW_S="0.4")
     cfg = make_config(run_dir, cache, "--train-steps", "4")
-    last = Trainer(cfg.validate(dist.get_world_size()), init_distributed()).train()
+    last = Trainer(build_run(cfg.validate(dist.get_world_size()), init_distributed())).train()
     return {k: last[k] for k in ("straggler_ranks", "busy_s_median", "busy_s_max")}
 
 

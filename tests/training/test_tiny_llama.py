@@ -32,6 +32,7 @@ def run_llama(run_dir, cache, steps, flags):
 
     from zerotron.parallel.runtime import init_distributed
     from zerotron.config.cli import last_wins, parse_config
+    from zerotron.training.build_run import build_run
     from zerotron.training.trainer import Trainer
 
     base = ["--config", str(ROOT / "configs" / "tiny-llama.yaml"), "--seq-length", "32",
@@ -40,7 +41,7 @@ def run_llama(run_dir, cache, steps, flags):
             "--run-dir", str(run_dir), "--data.cache_dir", cache, "--save", "none",
             "--optimizer.warmup_steps", "5", "--tp", "1", "--precision", "fp64"]
     cfg = parse_config(last_wins(base + [str(f) for f in flags])).validate(dist.get_world_size())
-    trainer = Trainer(cfg, init_distributed())
+    trainer = Trainer(build_run(cfg, init_distributed()))
     assert trainer.mcfg.architecture == "llama"
     assert {p.dtype for p in trainer.model.parameters()} == {torch.float64}
     return [float(trainer.train_step()["loss"]) for _ in range(steps)]
@@ -99,13 +100,14 @@ def run_yaml_as_is(run_dir, cache, steps):
 
     from zerotron.parallel.runtime import init_distributed
     from zerotron.config.cli import parse_config
+    from zerotron.training.build_run import build_run
     from zerotron.training.trainer import Trainer
 
     argv = ["--config", str(ROOT / "configs" / "tiny-llama.yaml"), "--train-steps", str(steps),
             "--wandb-mode", "disabled", "--eval-interval", "0", "--run-dir", str(run_dir),
             "--data.cache_dir", cache, "--save", str(run_dir / "checkpoints")]
     cfg = parse_config(argv).validate(dist.get_world_size())
-    trainer = Trainer(cfg, init_distributed())
+    trainer = Trainer(build_run(cfg, init_distributed()))
     m = trainer.mcfg
     assert m.reset_attention_mask and m.reset_position_ids
     assert m.eod_token_id == 2  # the built-in tokenizer's

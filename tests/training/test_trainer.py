@@ -43,10 +43,11 @@ def run_steps(run_dir, cache, steps, flags, kill_rank_at=None):
     import torch.distributed as dist
 
     from zerotron.parallel.runtime import init_distributed
+    from zerotron.training.build_run import build_run
     from zerotron.training.trainer import Trainer
 
     cfg = make_config(run_dir, cache, *flags).validate(dist.get_world_size())
-    trainer = Trainer(cfg, init_distributed())
+    trainer = Trainer(build_run(cfg, init_distributed()))
     if cfg.training.precision == "fp64":  # the float64 tier is only one if the model really is float64
         assert {p.dtype for p in trainer.model.parameters()} == {torch.float64}
         assert trainer.opt.master_dtype == torch.float64
@@ -215,7 +216,7 @@ def killed_deleting_the_replaced_checkpoint(run_dir, cache, flags):
     """``run_steps``, killed (``kill -9``) part-way through deleting the step_00000010 it saves again."""
     import shutil
 
-    from zerotron.checkpoint import distributed as checkpoint
+    from zerotron.checkpoint import write as checkpoint
 
     def rmtree(path, *args, **kwargs):
         path = Path(path)
@@ -246,11 +247,12 @@ def sigterm_on_rank0_at_step_5(run_dir, cache, ck):
     import torch.distributed as dist
 
     from zerotron.parallel.runtime import init_distributed
+    from zerotron.training.build_run import build_run
     from zerotron.training.trainer import Trainer
 
     cfg = make_config(run_dir, cache, "--tp", "2", "--zero-stage", "2", "--save", ck, "--save-interval", "0",
                       "--log-interval", "1").validate(dist.get_world_size())
-    trainer = Trainer(cfg, init_distributed())
+    trainer = Trainer(build_run(cfg, init_distributed()))
     step = trainer.train_step
 
     def preempted_step():
@@ -278,11 +280,12 @@ def pipeline_16bit(run_dir, cache, precision):
     import torch.distributed as dist
 
     from zerotron.parallel.runtime import init_distributed
+    from zerotron.training.build_run import build_run
     from zerotron.training.trainer import Trainer
 
     cfg = make_config(run_dir, cache, "--pp", "2", "--zero-stage", "1", "--precision", precision,
                       "--eval-interval", "2", "--logging.eval_steps", "1").validate(dist.get_world_size())
-    trainer = Trainer(cfg, init_distributed())
+    trainer = Trainer(build_run(cfg, init_distributed()))
     losses = [float(trainer.train_step()["loss"]) for _ in range(4)]
     return losses, trainer.evaluate()["eval_loss"]
 

@@ -42,6 +42,7 @@ import warnings
 import torch
 
 from zerotron.activation.config import ActivationCheckpointConfig
+from zerotron.activation.selective import apply_selective_recompute
 from zerotron.activation.store import CheckpointStore
 from zerotron.parallel import host_sync
 from zerotron.parallel.rng import capture_rng, restore_rng
@@ -173,8 +174,6 @@ def apply_activation_checkpointing(model, grid, cfg: ActivationCheckpointConfig,
         raise ValueError(f"microbatches_in_flight={microbatches_in_flight!r}: must be a positive integer "
                          f"(forwards alive before their backward; 1 without pipelining)")
     if cfg.recompute_granularity == "selective":
-        from zerotron.activation.selective import apply_selective_recompute
-
         apply_selective_recompute(model)
     if not cfg.checkpoint_activations:
         return None

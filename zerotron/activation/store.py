@@ -11,7 +11,10 @@ recompute in backward:
 * **Pa+cpu** / CPU offload (§6.1, §4.2.1): the kept piece (the whole checkpoint without Pa)
   goes to host memory after forward and comes back before recompute. On CUDA the host memory is
   pinned and the copies run on a side stream; while chunk i is recomputed the copy of chunk i-1
-  is already in flight, which the paper's arithmetic-intensity argument says hides it.
+  is already in flight, which the paper's arithmetic-intensity argument says hides it. The
+  pinned pieces are allocated pinned (never pinned from a pageable copy) and counted at the
+  caching host allocator's power-of-two blocks (``host_sync.pinned_rounding``), the host RAM
+  they really hold: a piece of 1.1 GiB holds 2 GiB.
 * **MD** (§6.3): checkpoints are copied into slots of one buffer allocated once
   (``number_checkpoints`` slots of b·s·h/tp elements), so these long-lived tensors do not
   interleave with short-lived ones and fragment memory.
@@ -40,14 +43,17 @@ class ActivationAccounting:
         self.peak = {"device": 0, "host": 0}
         self.checkpoints = self.peak_checkpoints = 0
         self.gathered_elements = self.gathered_bytes = 0
+        self.pinned_rounding = 0  # of the live host pieces: host RAM beyond their size
 
-    def add(self, placement: str, nbytes: int, count: int = 1) -> None:
+    def add(self, placement: str, nbytes: int, count: int = 1, rounding: int = 0) -> None:
+        self.pinned_rounding += rounding
         self.live[placement] += nbytes
         self.peak[placement] = max(self.peak[placement], self.live[placement])
         self.checkpoints += count
         self.peak_checkpoints = max(self.peak_checkpoints, self.checkpoints)
 
-    def sub(self, placement: str, nbytes: int, count: int = 1) -> None:
+    def sub(self, placement: str, nbytes: int, count: int = 1, rounding: int = 0) -> None:
+        self.pinned_rounding -= rounding
         self.live[placement] -= nbytes
         self.checkpoints -= count
 
@@ -90,7 +96,11 @@ class Saved:
     def __init__(self, store, data, slot, shape, numel, device, placement):
         self.store, self.data, self.slot = store, data, slot
         self.shape, self.numel, self.device, self.placement = shape, numel, device, placement
-        self.nbytes = data.numel() * data.element_size()
+        # a pinned host piece holds its allocator block, rounded up to a power of two; an MD slot
+        # is a view of one buffer whose rounding ``CheckpointStore.report`` counts once
+        rounding = host_sync.pinned_rounding([data]) if placement == "host" and slot is None else 0
+        self.nbytes = data.numel() * data.element_size() + rounding
+        self.pinned_rounding = rounding
         self.ready = None          # CUDA event: the copy into ``data`` is done
         self.on_device = None      # prefetched device copy of a host piece
         self.released = False
@@ -164,7 +174,7 @@ class CheckpointStore:
         if self.offload and self._side is not None:
             saved.ready = torch.cuda.Event()
             saved.ready.record(self._side)
-        self.acct.add(saved.placement, saved.nbytes)
+        self.acct.add(saved.placement, saved.nbytes, rounding=saved.pinned_rounding)
         self._live = [r for r in self._live if r() is not None] + [weakref.ref(saved)]
         return saved
 
@@ -183,7 +193,7 @@ class CheckpointStore:
             saved.on_device = saved.data.to(saved.device, non_blocking=True)
             saved.ready = torch.cuda.Event()
             saved.ready.record()
-        self.acct.add("device", saved.nbytes, count=0)
+        self.acct.add("device", saved.nbytes - saved.pinned_rounding, count=0)
 
     def _piece_on_device(self, saved: Saved) -> torch.Tensor:
         if not self.offload or saved.device.type == "cpu":
@@ -226,9 +236,9 @@ class CheckpointStore:
         if saved.released:
             return
         saved.released = True
-        self.acct.sub(saved.placement, saved.nbytes)
+        self.acct.sub(saved.placement, saved.nbytes, rounding=saved.pinned_rounding)
         if saved.on_device is not None:
-            self.acct.sub("device", saved.nbytes, count=0)
+            self.acct.sub("device", saved.nbytes - saved.pinned_rounding, count=0)
         if saved.slot is not None:  # the buffer is only ever replaced while every slot is free
             self.buffer.give_back(saved.slot)
         saved.data = saved.on_device = None
@@ -237,6 +247,7 @@ class CheckpointStore:
     def report(self) -> dict:
         a = self.acct
         md = self.buffer.nbytes if self.buffer is not None else 0
+        md_rounding = host_sync.pinned_rounding([self.buffer.flat]) if self.buffer is not None else 0
         md_place = ("host" if self.offload else "device") if self.buffer is not None else None
         slot_bytes = self.buffer.slot_numel * self.buffer.flat.element_size() if self.buffer is not None else 0
         gather = self.gather_buf.numel() * self.gather_buf.element_size() if self.gather_buf is not None else 0
@@ -249,7 +260,9 @@ class CheckpointStore:
             "peak_saved_host_bytes": a.peak["host"],
             "pa_allgather_elements": a.gathered_elements,
             "pa_allgather_bytes": a.gathered_bytes,
-            "md_buffer_bytes": md,
+            "md_buffer_bytes": md + md_rounding,  # a pinned MD buffer at its allocator block
+            # host RAM the pinned pieces and MD buffer hold beyond their size (in the figures above)
+            "pinned_rounding": a.pinned_rounding + md_rounding,
             "md_buffer_placement": md_place,
             "fixed_buffers": {"pa_gather_bytes": gather, "md_slot_bytes": slot_bytes},
         }

@@ -3,12 +3,12 @@
 Every rank writes its own shard, so a full disk (``ENOSPC``) or a quota hits some ranks and not
 others. Were the failing rank to raise alone, the others would wait in the save's next barrier
 until the collective timeout and then blame it as "dead or frozen" -- true of the process, false
-of the cause. So each step of a save ends in ``agree``: an all-reduce of every rank's ``errno``
-(0: written) in place of the barrier that stood there. A non-zero entry makes every rank raise
-the same ``CheckpointWriteError`` -- "disk full on rank 3" -- and rank 0 removes the partial
-``.tmp`` directory (giving back what the failed write took). The checkpoint before it is still
-the newest complete one (nothing is pruned before a commit), so the same command resumes from it
-once there is room.
+of the cause. So each step of a save ends in ``agree``: every rank's ``errno`` (0: written)
+reaches every rank (``parallel/agreement.every_rank_reports``) in place of a barrier. A non-zero
+entry makes every rank raise the same ``CheckpointWriteError`` -- "disk full on rank 3" -- and
+rank 0 removes the partial ``.tmp`` directory (giving back what the failed write took). The
+checkpoint before it is still the newest complete one (nothing is pruned before a commit), so the
+same command resumes from it once there is room.
 """
 
 from __future__ import annotations
@@ -20,8 +20,7 @@ from pathlib import Path
 
 import torch
 
-from zerotron.parallel import collectives as C
-from zerotron.parallel import host_sync
+from zerotron.parallel.agreement import every_rank_reports
 from zerotron.checkpoint.files import CheckpointError, complete_checkpoints
 
 UNKNOWN = -1  # an OSError without an errno
@@ -40,14 +39,9 @@ def cause(code: int) -> str:
 def agree(error: OSError | None, grid, device: torch.device, tmp: Path, step: int) -> None:
     """Collective: every rank passes its write's ``OSError`` (None: written). Returns when no rank
     failed; otherwise rank 0 removes ``tmp`` and every rank raises ``CheckpointWriteError``."""
-    codes = torch.zeros(grid.world_size, dtype=torch.int64, device=device)
-    if error is not None:
-        codes[grid.rank] = error.errno or UNKNOWN
-    if grid.world_size > 1:
-        C.all_reduce(codes, grid.world_group, op="sum")  # each rank fills only its own entry
-    values = host_sync.read(codes, "checkpoint", placeholder=[0] * grid.world_size)
-    values = values if isinstance(values, list) else [values]
-    failed = {r: int(v) for r, v in enumerate(values) if v}
+    own = {grid.rank: (error.errno or UNKNOWN) if error is not None else 0}
+    values = every_rank_reports(own, grid.world_size, grid, device, "checkpoint")
+    failed = {r: v for r, v in enumerate(values) if v}
     if not failed:
         return
     if grid.rank == 0:

@@ -2,9 +2,9 @@
 memory; a writer thread serialises, hashes and fsyncs it while training goes on.
 
 As Megatron's ``--async-save`` and torchtitan's DCP ``async_save``. The collective parts of a save
-stay on the main thread, where every rank issues them in the same order: opening the ``.tmp``
-directory (``checkpoint.open_checkpoint``) at the save step, and the commit
-(``checkpoint.commit_checkpoint``: every rank's write agreed, metadata.json, the atomic rename,
+stay on the main thread (``checkpointer.py``), where every rank issues them in the same order:
+opening the ``.tmp`` directory (``write.open_checkpoint``) at the save step, and the commit
+(``write.commit_checkpoint``: every rank's write agreed, metadata.json, the atomic rename,
 pruning) once every writer is done -- noticed at a step boundary, or waited for before the next
 save, at the last one, on SIGTERM and on ``TrainingStopped``. The writer thread issues no
 collective: gloo and NCCL need every rank's collectives in one order, which a thread racing the
@@ -21,9 +21,8 @@ from pathlib import Path
 
 import torch
 
-from zerotron.parallel import host_sync
-from zerotron.checkpoint import distributed as ckpt
-from zerotron.parallel import faults
+from zerotron.parallel import faults, host_sync
+from zerotron.checkpoint.write import write_own_shard
 
 ALIGN = 64  # bytes: each tensor's view into the staging buffer starts at a multiple of this
 
@@ -59,7 +58,8 @@ class HostStaging:
 
 @dataclass
 class PendingSave:
-    """A save whose shard the writer thread holds; committed by ``BackgroundWriter.finish``."""
+    """A save whose shard the writer thread holds; committed once ``BackgroundWriter.wait`` hands
+    it back."""
 
     step: int
     tmp: Path
@@ -72,18 +72,8 @@ class PendingSave:
     thread: threading.Thread | None = None
 
 
-@dataclass
-class Committed:
-    """What a finished save reports to ``metrics.jsonl``."""
-
-    path: Path
-    step: int
-    started: float  # time.perf_counter() when the save step began
-    blocking_s: float  # seconds the loop stood still for it before the call that committed it
-
-
 class BackgroundWriter:
-    """At most one save in flight per rank; every rank calls ``start`` and ``finish`` alike."""
+    """At most one save in flight per rank; every rank calls ``start`` and ``wait`` alike."""
 
     def __init__(self, grid, device: torch.device):
         self.grid, self.device = grid, device
@@ -94,16 +84,12 @@ class BackgroundWriter:
         """None: no save in flight; else whether this rank's writer is still at work."""
         return None if self.pending is None else not self.pending.done.is_set()
 
-    def start(self, save: str, step: int, model, opt, *, rng_states: dict[str, torch.Tensor],
-              run_id: str, **header_fields) -> Path:
-        """Collective: open the checkpoint, copy this rank's shard to host memory, hand it to a
-        writer thread and return (the checkpoint's final directory, not yet committed)."""
+    def start(self, tmp: Path, step: int, tensors: dict[str, torch.Tensor], meta: dict,
+              header: dict, started: float) -> None:
+        """Not collective: copy this rank's shard (``tensors``, placed by ``meta``) to host memory
+        and hand it to a writer thread; ``started``: when the save step began."""
         if self.pending is not None:
-            raise RuntimeError("a save is in flight; finish() it first")  # the callers' contract
-        started = time.perf_counter()
-        tmp = ckpt.open_checkpoint(save, step, self.grid, run_id, self.device)
-        tensors, meta, state = ckpt.shard_contents(model, opt, self.grid, rng_states)
-        header = ckpt.checkpoint_header(step, opt, self.grid, state, run_id=run_id, **header_fields)
+            raise RuntimeError("a save is in flight; wait() for it first")  # the callers' contract
         host = self.staging.copy(tensors)
         ready = host_sync.event() if host_sync.pinned(self.device) else None
         if ready is not None:
@@ -113,7 +99,6 @@ class BackgroundWriter:
                                           name=f"checkpoint-writer-{step}", daemon=False)
         self.pending = pending
         pending.thread.start()
-        return ckpt.step_dir(save, step)
 
     def _write(self, pending: PendingSave, host: dict, meta: dict, ready) -> None:
         """The writer thread: serialise, hash and fsync this rank's shard; no collective here."""
@@ -121,25 +106,23 @@ class BackgroundWriter:
             if ready is not None:
                 ready.synchronize()
             faults.hit("hold_writer", pending.step, self.grid.rank)  # test hook: a write in flight
-            pending.error = ckpt.write_own_shard(pending.tmp, pending.step, self.grid, host, meta)
+            pending.error = write_own_shard(pending.tmp, pending.step, self.grid, host, meta)
             faults.hit("kill_in_writer", pending.step, self.grid.rank)  # test hook: uncommitted
-        except BaseException as e:  # noqa: BLE001 - re-raised on the main thread by finish()
+        except BaseException as e:  # noqa: BLE001 - re-raised on the main thread by wait()
             pending.crashed = e
         finally:
             pending.done.set()
 
-    def finish(self, save: str, *, keep_last: int, tokenizer: str | None) -> Committed | None:
-        """Collective: wait for this rank's writer, then commit the checkpoint as a synchronous
-        save does (a write error on any rank raises on every rank). None: nothing in flight."""
+    def wait(self) -> PendingSave | None:
+        """Not collective: wait for this rank's writer and hand its save over for the commit
+        (None: nothing in flight); a crash of the writer is raised here, on the main thread."""
         pending, self.pending = self.pending, None
         if pending is None:
             return None
         pending.thread.join()
         if pending.crashed is not None:  # a bug, not an OSError: as in a synchronous save, this
             raise pending.crashed  # rank raises and the others name it at their next collective
-        path = ckpt.commit_checkpoint(save, pending.tmp, pending.error, self.grid, self.device,
-                                      pending.header, keep_last=keep_last, tokenizer=tokenizer)
-        return Committed(path, pending.step, pending.started, pending.blocking_s)
+        return pending
 
     def abandon(self) -> int | None:
         """Not collective (the run is failing): let the writer finish its file and leave the

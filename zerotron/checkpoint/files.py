@@ -219,7 +219,7 @@ def prune(save: str | Path, keep_last: int, run_id: str, current_step: int) -> N
     the same directory (one this run continued from, say) are never deleted. This run's
     checkpoints newer than ``current_step`` (left when it was resumed from an earlier one) are
     kept too; each is replaced when the run saves that step again. A ``step_XXXXXXXX.replaced``
-    (``save_checkpoint`` moves a step directory it saves again aside) is debris of such a save.
+    (``write.commit_checkpoint`` moves a step directory it saves again aside) is debris of such a save.
     """
     mine = [p for p in complete_checkpoints(save) if owner(p) == run_id and step_of(p) <= current_step]
     for old in mine[:-keep_last] if keep_last > 0 else []:

@@ -183,27 +183,28 @@ def load_hf_weights(directory: str, family: str, model, opt, grid, mcfg) -> None
     opt.load_partition_state(read_fn, step=0)
 
 
-def start_run(trainer) -> dict:
-    """The trainer's ``--init-from-hf``: import unless a checkpoint is resumed (a restarted job
-    continues its own); returns ``{"hf_model_type": ...}`` for metadata.json ({} for none), which
-    ``convert_checkpoint.py --hf`` reads to write the same transformers class back."""
+def start_run(run) -> dict:
+    """A run's ``--init-from-hf`` (``training/build_run.py: load``): import unless a checkpoint
+    is resumed (a restarted job continues its own); returns ``{"hf_model_type": ...}`` for
+    metadata.json ({} for none), which ``convert_checkpoint.py --hf`` reads to write the same
+    transformers class back."""
     from zerotron.checkpoint.files import read_metadata
     from zerotron.config.hf_config import read_hf_config
 
-    cfg = trainer.cfg
-    if trainer.resume.path is not None:
+    cfg, resumed = run.cfg, run.checkpointer.plan.path
+    if resumed is not None:
         if cfg.checkpoint.init_from_hf:
-            trainer.log(f"[hf] checkpoint.init_from_hf={cfg.checkpoint.init_from_hf} is not read: "
-                        f"the run continues {trainer.resume.path}")
-        saved = read_metadata(trainer.resume.path).get("model", {}).get("hf_model_type")
+            run.log(f"[hf] checkpoint.init_from_hf={cfg.checkpoint.init_from_hf} is not read: "
+                    f"the run continues {resumed}")
+        saved = read_metadata(resumed).get("model", {}).get("hf_model_type")
         return {"hf_model_type": saved} if saved else {}
     if not cfg.checkpoint.init_from_hf:
         return {}
-    hf = read_hf_config(cfg.checkpoint.init_from_hf, trainer.mcfg.seq_length)
-    load_hf_weights(cfg.checkpoint.init_from_hf, hf.model_type, trainer.model, trainer.opt,
-                    trainer.grid, trainer.mcfg)
-    trainer.log(f"[hf] initialised from {cfg.checkpoint.init_from_hf} ({hf.architecture}); "
-                f"optimizer fresh at step 0")
+    hf = read_hf_config(cfg.checkpoint.init_from_hf, run.mcfg.seq_length)
+    load_hf_weights(cfg.checkpoint.init_from_hf, hf.model_type, run.model, run.opt,
+                    run.grid, run.mcfg)
+    run.log(f"[hf] initialised from {cfg.checkpoint.init_from_hf} ({hf.architecture}); "
+            f"optimizer fresh at step 0")
     return {"hf_model_type": hf.model_type}
 
 

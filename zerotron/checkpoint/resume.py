@@ -34,13 +34,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
-
-from zerotron.parallel import collectives as C
+from zerotron.parallel.agreement import every_rank_reports
 from zerotron.checkpoint.files import (LOAD_EARLIER, CheckpointError, check_checkpoint_path,
                                              complete_checkpoints, owner, read_metadata, resolve_load_path,
                                              sha256_file, step_of)
-from zerotron.checkpoint.run_lock import RunLock, RunLockError
 from zerotron.checkpoint.resume_schedule import (DECAY_END, SCHEDULE, decay_end, is_schedule,
                                               refusal, restretched)
 
@@ -94,54 +91,7 @@ def _fields(diffs) -> str:
     return ", ".join(f"{k}={old!r} in the checkpoint, {new!r} in this run" for k, old, new in diffs)
 
 
-# collective helpers ---------------------------------------------------------------------------------
-def share(text: str, grid, device) -> str:
-    """Rank 0's ``text`` on every rank (two broadcasts: length, then UTF-8 bytes)."""
-    data = text.encode() if grid.rank == 0 else b""
-    n = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    C.broadcast(n, 0, grid.world_group)
-    if int(n.item()) == 0:
-        return ""
-    buf = (torch.tensor(list(data), dtype=torch.uint8, device=device) if grid.rank == 0
-           else torch.empty(int(n.item()), dtype=torch.uint8, device=device))
-    C.broadcast(buf, 0, grid.world_group)
-    return bytes(buf.cpu().tolist()).decode()
-
-
-def take_locks(cfg, rid: str, grid, device, log: Callable[[str], None]) -> list[RunLock | None]:
-    """The run directory's lock, then the checkpoint directory's (when set): one owner for each."""
-    locks = [take_lock(cfg.logging.run_dir, rid, grid, device, log, "logging.run_dir")]
-    save, run_dir = cfg.checkpoint.save, Path(cfg.logging.run_dir).resolve()
-    try:  # one lock file serves both when they are the same directory
-        if save and Path(save).resolve() != run_dir:
-            locks.append(take_lock(save, rid, grid, device, log))
-    except BaseException:
-        if locks[0] is not None:
-            locks[0].release()
-        raise
-    return locks
-
-
-def take_lock(save: str, rid: str, grid, device, log: Callable[[str], None],
-              field: str = "checkpoint.save") -> RunLock | None:
-    """Rank 0 takes ``save``'s lock; every rank raises ``RunLockError`` (with rank 0's message) if it
-    cannot. Returns the lock on rank 0, None elsewhere."""
-    lock, status = None, ""
-    if grid.rank == 0:
-        try:
-            lock = RunLock.acquire(save, rid, field=field)
-            status = "ok:" + (lock.note or "")
-        except RunLockError as e:
-            status = "refused:" + str(e)
-    status = share(status, grid, device)
-    kind, _, text = status.partition(":")
-    if kind == "refused":
-        raise RunLockError(text)
-    if text:
-        log(f"[checkpoint] {text}")
-    return lock
-
-
+# verification -------------------------------------------------------------------------------------
 def verify(path: Path, grid, device) -> tuple[str | None, dict | None]:
     """``(problem or None, metadata)`` of checkpoint ``path``; each rank hashes every world_size-th shard."""
     try:
@@ -154,12 +104,10 @@ def verify(path: Path, grid, device) -> tuple[str | None, dict | None]:
         return f"{path}/metadata.json does not list its shards' checksums", None
     if not files:
         return f"{path}/metadata.json lists no shards", None
-    status = torch.zeros(len(files), dtype=torch.int64, device=device)
-    for i in range(grid.rank, len(files), grid.world_size):
-        f = path / files[i]
-        status[i] = 1 if not f.is_file() else (2 if sha256_file(f) != expected[i] else 0)
-    C.all_reduce(status, grid.world_group, op="max")
-    bad = [(f, int(s)) for f, s in zip(files, status.tolist()) if s]
+    own = {i: 1 if not (path / files[i]).is_file() else 2 if sha256_file(path / files[i]) != expected[i] else 0
+           for i in range(grid.rank, len(files), grid.world_size)}  # this rank's share of the hashing
+    status = every_rank_reports(own, len(files), grid, device, "verify")
+    bad = [(f, s) for f, s in zip(files, status) if s]
     if not bad:
         return None, meta
     text = "; ".join(f"shard {f} is " + ("missing" if s == 1 else "corrupt (its SHA-256 does not match "

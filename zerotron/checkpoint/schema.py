@@ -61,7 +61,7 @@ def canonical(meta: dict) -> bytes:
 
 def seal(meta: dict) -> dict:
     """``meta`` as JSON will read it back (tuples as lists, keys as strings), its checksum added:
-    what ``save_checkpoint`` writes."""
+    what ``write.commit_checkpoint`` writes."""
     plain = json.loads(json.dumps(meta))
     return {**plain, SEAL: hashlib.sha256(canonical(plain)).hexdigest()}
 
@@ -184,7 +184,7 @@ def _check_layout(layout: dict, path: Path) -> dict:
 def _check_model(model: dict, tp: int, path: Path) -> None:
     """Every ``GPTConfig`` field present is rebuilt and validated as the run's own config is;
     fields this zerotron does not know are left to the comparison with the run's model. An empty
-    section is a library caller's save that named no model (``save_checkpoint(model_config={})``):
+    section is a library caller's save that named no model (``Checkpointer.track(model, opt, {})``):
     the shapes in ``params`` are still checked against the model it loads into."""
     from zerotron.model.config import GPTConfig
 

@@ -38,9 +38,10 @@ micro-batch, s the sequence (s/cp on a CP rank), h the hidden size, L the layers
   reduce-scatter copies its bucket. Which of these coincide is ``working_memory.step_working_bytes``.
 * **on a CPU device** (``Setup.device``) the host is the device: Pa+cpu's host checkpoints are
   in ``before_margin`` too (on a GPU they are host memory, reported as ``checkpoints_host``).
-* **RNG snapshots**: each checkpoint keeps the generator states its recompute replays; on a CPU
-  device (``Setup.device``) they are 5056 bytes each (``working_memory.rng_snapshot_bytes``), on
-  a GPU host memory.
+* **RNG snapshots**: each checkpoint keeps the generator states its recompute replays: 5056 bytes
+  each on a CPU device (``working_memory.rng_snapshot_bytes``), host memory on a GPU.
+* **NCCL communicators** (``estimate/nccl_memory.py``): each group's buffers, outside torch's
+  allocator: in ``total``, not in ``before_margin``; 0 on gloo.
 * **gathered parameters** (stage 3, §5.3): the root unit, the running block, the blocks the
   prefetch window holds ahead and the persistent small parameters, 16-bit, each unit sized by
   the group it all-gathers; the persistent group's own gradient buffer is a fixed buffer
@@ -63,6 +64,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from zerotron.estimate.context_parallel import local_setup
+from zerotron.estimate.nccl_memory import communicator_bytes
 from zerotron.estimate.pipeline_memory import (checkpoints_alive, kept_input_bytes,
                                                layers_in_flight, stage_params)
 from zerotron.estimate.stage3_memory import (block_param_numels, forward_head_gathered_bytes,
@@ -85,9 +87,8 @@ C_CONFIGS: dict[str, dict] = {
     "C5": dict(stage=2, partition_activations=True, cpu_checkpointing=True),
 }
 
-# (hidden, heads) of the GPT-2 family the paper trains (Tables 4, 5, 10). Its deepest model has
-# 212 layers; ``max_model`` stops at 256 so a configuration that frees the device of activations
-# (Pa+cpu) is not credited with a 3,000-layer, 1920-wide model nobody would train.
+# (hidden, heads) of the paper's GPT-2 family (Tables 4, 5, 10; at most 212 layers): ``max_model``
+# stops at 256 so Pa+cpu is not credited with a 3,000-layer, 1920-wide model nobody would train.
 GPT_FAMILY = [(1536, 16), (1600, 16), (1920, 16), (2304, 24), (3072, 24), (4096, 32), (6144, 32), (8192, 64)]
 MAX_FAMILY_LAYERS = 256
 
@@ -127,13 +128,14 @@ class Setup:
     persistence_threshold: int = int(1e5)
     backend: str = "nccl"  # the DP collectives' library: gloo (a CPU run) copies what it reduce-scatters
     device: str = "cuda"  # where activations live: "cpu" (the host is the device) also holds RNG snapshots
-    # the pipeline (``estimate/pipeline_memory.py``): stages, which one this setup is (0 holds the
-    # embedding, pp - 1 the head), model chunks per rank, schedule and micro-batches per step
-    pp: int = 1
+    # the pipeline (``estimate/pipeline_memory.py``): stages, this setup's stage (0 holds the
+    pp: int = 1  # embedding, pp - 1 the head), model chunks per rank, schedule, micro-batches
     pipeline_rank: int = 0
     virtual_stages: int = 1
     pipeline_schedule: str = "1f1b"
     microbatches: int = 1
+    hpz_partition_size: int = 1  # ZeRO++ hpZ / qgZ node-local groups: their NCCL communicators
+    qgz_node_size: int = 1
 
     def with_config(self, name: str, **overrides) -> "Setup":
         """This setup under ZeRO configuration ``name`` (C1..C5, Table 3), CB + MD on."""
@@ -161,17 +163,14 @@ def setup_from_run_config(cfg, model: GPTConfig, gpus: int, backend: str = "nccl
     with a pipeline the stage ``pipeline_rank`` (the trainer's and the dry run's own)."""
     z, ac, t, par = cfg.zero, cfg.activation_checkpointing, cfg.training, cfg.parallel
     if z.optimizer_offload != "none" or z.offload_param_device != "none":
-        raise ValueError("the memory model covers runs without ZeRO-Offload/Infinity (the "
-                         "paper's setups); this run has zero.offload_optimizer_device="
-                         f"{z.optimizer_offload}, zero.offload_param_device="
+        raise ValueError("the memory model covers runs without ZeRO-Offload/Infinity (the paper's setups); this "
+                         f"run has zero.offload_optimizer_device={z.optimizer_offload}, zero.offload_param_device="
                          f"{z.offload_param_device}")
     if not 0 <= pipeline_rank < par.pp:
-        raise ValueError(f"pipeline_rank={pipeline_rank}: a stage of parallel.pp={par.pp} is in "
-                         f"[0, {par.pp - 1}]")
+        raise ValueError(f"pipeline_rank={pipeline_rank}: a stage of parallel.pp={par.pp} is in [0, {par.pp - 1}]")
     mp = par.tp * par.pp * par.cp
     if gpus % mp:
-        raise ValueError(f"gpus={gpus} is not divisible by tp x cp x pp = {mp}; "
-                         f"use a multiple of it")
+        raise ValueError(f"gpus={gpus} is not divisible by tp x cp x pp = {mp}; use a multiple of it")
     return Setup(model, tp=par.tp, dp=gpus // mp, cp=par.cp, micro_batch=t.micro_batch_size, stage=z.stage,
                  checkpoint_activations=ac.checkpoint_activations, checkpoint_every=ac.checkpoint_every,
                  partition_activations=ac.partition_activations, cpu_checkpointing=ac.cpu_checkpointing,
@@ -185,7 +184,8 @@ def setup_from_run_config(cfg, model: GPTConfig, gpus: int, backend: str = "nccl
                  persistence_threshold=z.stage3_param_persistence_threshold,
                  backend=backend, device=device, pp=par.pp, pipeline_rank=pipeline_rank,
                  virtual_stages=par.virtual_stages, pipeline_schedule=par.pipeline_schedule,
-                 microbatches=cfg.num_microbatches)
+                 microbatches=cfg.num_microbatches, hpz_partition_size=z.zero_hpz_partition_size,
+                 qgz_node_size=z.qgz_node_size if z.zero_quantized_gradients else 1)
 
 
 def fullest_stage_setup(cfg, model: GPTConfig, gpus: int, backend: str = "nccl",
@@ -193,14 +193,12 @@ def fullest_stage_setup(cfg, model: GPTConfig, gpus: int, backend: str = "nccl",
     """``setup_from_run_config`` at the pipeline stage the model says holds the most (the first
     holds the most activations, the last the head); the only one without a pipeline. A figure
     for a whole run (the banner's, the fit check's) is its fullest rank's."""
-    setups = [setup_from_run_config(cfg, model, gpus, backend, device, r)
-              for r in range(cfg.parallel.pp)]
+    setups = [setup_from_run_config(cfg, model, gpus, backend, device, r) for r in range(cfg.parallel.pp)]
     return max(setups, key=lambda s: estimate(s)["before_margin"])
 
 
 def largest_param(cfg: GPTConfig, tp: int = 1) -> int:
-    """Elements of the largest parameter one TP rank holds: its word-embedding slice or a split GEMM
-    (what a bucket size of 0 -- DeepSpeed's one parameter at a time -- comes to)."""
+    """Elements of the largest parameter one TP rank holds (a bucket size of 0 comes to it)."""
     h, fc1 = cfg.hidden_size, (2 if cfg.gated else 1) * cfg.ffn_size
     return max(cfg.padded_vocab_size(tp) * h // tp, (h + 2 * cfg.kv_size) * h // tp, h * fc1 // tp)
 
@@ -285,6 +283,7 @@ def estimate(setup: Setup) -> dict:
     rng = rng_snapshot_bytes(setup, snapshots)
     host_on_device = ckpt["host"] if setup.device == "cpu" else 0  # a CPU run's host checkpoints are in its memory
     used = states + ckpt["device"] + host_on_device + working + fixed + pa_gather + gathered + rng
+    nccl = communicator_bytes(setup)["bytes"]  # not torch's: outside the margin the allocator needs
     return {
         "params_total": cfg.exact_num_params(t),
         "params_per_rank": psi,
@@ -298,13 +297,14 @@ def estimate(setup: Setup) -> dict:
         "fragmentation_margin": setup.margin,
         "accounted": states + ckpt["device"] + fixed + pa_gather,
         "before_margin": used,
-        "total": used / (1 - setup.margin),
+        "nccl_communicators": nccl,
+        "total": used / (1 - setup.margin) + nccl,
     }
 
 
 def fits(setup: Setup, device_bytes: float, accounted_only: bool = False, basis: str | None = None) -> bool:
-    """``basis``: which sum must fit -- ``total`` (with the fragmentation margin, the default),
-    ``accounted`` (``accounted_only``) or ``before_margin`` (what a live-storage tracker measures)."""
+    """``basis``: the sum that must fit: ``total`` (margin and NCCL, the default), ``accounted``
+    (``accounted_only``) or ``before_margin`` (what a live-storage tracker measures)."""
     e = estimate(setup)
     return e[basis or ("accounted" if accounted_only else "total")] <= device_bytes
 

@@ -3,7 +3,8 @@ pipeline bubble and host copies, each its own term.
 
     step = compute + bubble + exposed communication + optimizer + host copies
 
-* **compute** (``estimate.kernels``): per micro-batch and layer, every GEMM by its roofline,
+* **compute** (``estimate.kernels``): per micro-batch and layer, every GEMM by its roofline
+  in whole waves of tiles (``kernels.wave_quantization``),
   the attention core by its kernel, element-wise and normalisation kernels by their HBM bytes;
   backward's GEMMs are twice the forward's, its element-wise bytes twice too; full recompute runs
   the forward once more ([Z] §6.1), selective recompute the attention core (Korthikanti et al.
@@ -17,7 +18,8 @@ pipeline bubble and host copies, each its own term.
   which has no backward left to hide behind, and at stage 3 the first unit's gather of each
   forward and backward pass, which has nothing ahead of it to run behind. A preset whose stack
   reduces stage 2's gradients per owner rank (``Hardware.grad_reduce``, the paper's DeepSpeed)
-  has them timed as those reduces (``per_rank_reduces``).
+  has them timed as those reduces (``per_rank_reduces``); one that sends the model's 16-bit
+  gradients (``Hardware.grad_dtype``) has their bytes so (``model_dtype_gradients``).
 * **bubble**: 1F1B idles (p − 1) micro-batch slots of forward + backward per step, so the
   bubble is (p − 1)/(m + p − 1) of the pipelined time (Narayanan et al. 2021 §2.2); with v
   interleaved chunks per rank each slot is 1/v as long.
@@ -90,13 +92,14 @@ def micro_batch_compute(cfg, mcfg: GPTConfig, hw: Hardware) -> dict[str, float]:
     core_again = 1 if ac.recompute_granularity == "selective" else 0  # attention core, once more
 
     def roof(g):
-        return kernels.gemm_seconds(g, peak, eff, hbm, elem)
+        return kernels.gemm_seconds(g, peak, eff, hbm, elem, hw.sm_count)
 
     fwd = kernels.layer_gemms(mcfg, tokens, tp)
     gemm = sum(roof(g) for g in fwd) * forwards + sum(roof(x) for g in fwd for x in g.backward())
     # a CP rank's queries against every key of the sequence: 1/cp of the s x s scores, balanced
     # by the two-chunk layout
-    attn = kernels.attention_core_seconds(mcfg, b, s, tp, hw.attention, peak, eff, hbm, elem) / cp
+    attn = kernels.attention_core_seconds(mcfg, b, s, tp, hw.attention, peak, eff, hbm, elem,
+                                          hw.sm_count) / cp
     attention = attn * (forwards + core_again + 2)  # backward: 2 GEMMs per GEMM, twice the streams
     sp = cfg.parallel.sequence_parallel
     moved = kernels.layer_elementwise_elements(mcfg, tokens, tp, sp) * elem
@@ -183,6 +186,28 @@ def per_rank_reduces(comm: dict, overlap: dict, dp: int, passes: int) -> dict:
     return out
 
 
+# the collectives that carry gradients (the rest carry parameters, activations or scalars)
+GRADIENT_KEYS = ("all_reduce/dp", "all_reduce/dp_cp", "reduce_scatter/dp", "reduce_scatter/dp_cp",
+                 "all_reduce/embedding")
+
+
+def model_dtype_gradients(comm: dict, cfg) -> dict:
+    """The gradient collectives as a stack that sends the model's 16-bit gradients carries them.
+
+    zerotron accumulates and reduces a 16-bit run's gradients in ``zero.grad_accum_dtype``
+    (fp32); the stacks the ZeRO paper measured sent the fp16 ``param.grad`` itself: DeepSpeed's
+    stage 2 reduces its fp16 bucket (``allreduce_always_fp32`` off), Megatron-LM 2019's DDP
+    all-reduces the flattened fp16 gradients (``--fp32-allreduce`` off), and so does torch DDP
+    on an fp16 model. Their bytes shrink by 16-bit ÷ accumulation bytes; the calls stay (a
+    loss or norm scalar riding on the same key shrinks with them, a few bytes)."""
+    precision = cfg.training.precision
+    share = DTYPE_BYTES[precision] / DTYPE_BYTES[cfg.zero.grad_accum(precision)]
+    if share == 1:
+        return comm
+    return {k: {**v, "bytes": v["bytes"] * share} if k in GRADIENT_KEYS else v
+            for k, v in comm.items()}
+
+
 def predict(cfg, mcfg: GPTConfig, world_size: int, hw: Hardware, comm: dict | None = None,
             ranks: dict[str, list[int]] | None = None,
             overlap: dict[str, float] | None = None) -> StepBreakdown:
@@ -217,6 +242,8 @@ def predict(cfg, mcfg: GPTConfig, world_size: int, hw: Hardware, comm: dict | No
         units = math.ceil(mcfg.num_layers / par.pp) + 1
         for key in ("all_gather/dp", "all_gather/dp_inner", "all_gather/dp_cp"):
             overlap[key] = overlap.get(key, 0.0) * (1 - 1 / units)
+    if hw.grad_dtype == "model":
+        comm = model_dtype_gradients(comm, cfg)
     if hw.grad_reduce == "per_rank_reduce" and cfg.zero.stage == 2:
         passes = m if par.pp > 1 else 1  # Pos+g under a pipeline reduces every micro-batch
         comm = per_rank_reduces(comm, overlap, len(ranks.get("dp", [0])), passes)

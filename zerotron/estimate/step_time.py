@@ -22,11 +22,15 @@ node's c/m groups share its NICs and each crossing gets m·inter/c (NCCL spreads
 several channels to use all the NICs; the sum is what counts). The intra-node hops of the same
 ring run at NVSwitch speed and cap B.
 
-**Time of a collective** (α the per-step latency, intra or inter-node; bytes as recorded):
+**Time of a collective** (bytes as recorded; α_intra, α_inter the per-hop latencies on
+NVLink/NVSwitch and between nodes; a pass is n − 1 hops, k − 1 of them between nodes when the
+group spans k nodes -- ``ring_pass_latency``, NCCL's own cost model):
 
-    ring (all_reduce, reduce_scatter, all_gather):  t = calls·steps·α + (n−1)/n · bytes / B
-        steps = 2(n−1) for all_reduce, n−1 for reduce_scatter and all_gather
-    broadcast, reduce (pipelined chain, every link carries the tensor): t = calls·(n−1)·α + bytes / B
+    ring (all_reduce, reduce_scatter, all_gather):
+        t = calls·passes·((k−1)·α_inter + (n−k)·α_intra) + (n−1)/n · bytes / B
+        passes = 2 for all_reduce, 1 for reduce_scatter and all_gather
+    broadcast, reduce (pipelined chain, every link carries the tensor):
+        t = calls·(n−1)·α + bytes / B, α = α_inter on every hop once the chain leaves a node
     all_to_all (recorded as the (n−1)/n that leaves the rank): every member sends across nodes,
         so t = calls·(n−1)·α + bytes · max(1/intra, (n−m)/(n−1) · c/inter) (1/intra on one node)
     send/recv (1F1B posts them together, ``parallel.p2p.batch``; links are full duplex):
@@ -81,9 +85,9 @@ class LinkModel:
     * ``inter_node_gbps`` = 100: per node, shared by its GPUs. §10.1 gives "800 Gbps internode
       communication bandwidth": 8 EDR InfiniBand adapters × 100 Gb/s (12.5 GB/s each, §10.2)
       = 800 Gb/s = 100 GB/s per node, as Megatron-LM states for the same machines (§5).
-    * ``intra_latency_us`` = 5, ``inter_latency_us`` = 10: per ring step, the order of NCCL's
-      small-message latency on NVLink and on InfiniBand. Assumptions; they only matter for
-      messages well under a megabyte.
+    * ``intra_latency_us`` = 5, ``inter_latency_us`` = 10: per ring hop, the order of NCCL's
+      small-message latency on NVLink and on InfiniBand. Assumptions; they matter for messages
+      well under a megabyte and for long rings (a TP ring of 256 makes 510 hops an all-reduce).
     """
 
     gpus_per_node: int = 16
@@ -134,18 +138,37 @@ def ring_bandwidth(span: GroupSpan, link: LinkModel, concurrent: int | None = No
     return min(intra, span.members_per_node * link.inter_node_gbps * GB / c)
 
 
+def ring_pass_latency(span: GroupSpan, link: LinkModel, chain: bool = False) -> float:
+    """Seconds of latency one pass of n − 1 hops around the group's ring adds.
+
+    A ring that visits each node's members in a row crosses a node boundary on k − 1 of a
+    pass's hops (k nodes) and stays on NVLink/NVSwitch for the other n − k, each hop adding
+    its own link's latency: NCCL's cost model (``src/graph/tuning.cc``, ``ncclTopoTuneModel``:
+    (nsteps − nInterSteps)·intraLat + nInterSteps·interLat, nInterSteps = nNodes − 1 a pass).
+    A TP ring of 256 over 16 DGX-2s thus waits on 15 network hops and 240 NVSwitch hops a pass,
+    not 255 network hops. A pipelined ``chain`` (reduce, broadcast) NCCL times at the network
+    latency on every hop once it leaves the node, and so does this."""
+    if span.intra_node:
+        return (span.size - 1) * link.intra_latency_us * 1e-6
+    if chain:
+        return (span.size - 1) * link.inter_latency_us * 1e-6
+    inter_hops, intra_hops = span.nodes - 1, span.size - span.nodes
+    return (inter_hops * link.inter_latency_us + intra_hops * link.intra_latency_us) * 1e-6
+
+
 def collective_time(op: str, calls: int, nbytes: float, span: GroupSpan, link: LinkModel,
                     concurrent: int | None = None) -> tuple[float, float]:
     """``(latency_s, bandwidth_s)`` of ``calls`` collectives ``op`` moving ``nbytes`` as recorded."""
     n = span.size
     if n == 1:
         return 0.0, 0.0
-    alpha = (link.intra_latency_us if span.intra_node else link.inter_latency_us) * 1e-6
     if op in P2P_OPS:
+        alpha = (link.intra_latency_us if span.intra_node else link.inter_latency_us) * 1e-6
         return calls * alpha, nbytes / ring_bandwidth(span, link, concurrent)
     if op not in RING_STEPS:
-        raise ValueError(f"collective_time: unknown op {op!r}; use one of {sorted(RING_STEPS) + list(P2P_OPS)}")
-    latency = calls * RING_STEPS[op] * (n - 1) * alpha
+        raise ValueError(f"collective_time: unknown op {op!r}; "
+                         f"use one of {sorted(RING_STEPS) + list(P2P_OPS)}")
+    latency = calls * RING_STEPS[op] * ring_pass_latency(span, link, chain=op in CHAIN_OPS)
     if op == "all_to_all":
         per_byte = 1 / (link.intra_node_gbps * GB)
         if not span.intra_node:

@@ -25,7 +25,7 @@ from zerotron.model.config import GPTConfig
 from zerotron.model.gpt import GPT
 from zerotron.parallel import collectives as C
 from zerotron.parallel.grid import Grid
-from zerotron.parallel.pipeline import StepOutput, train_step
+from zerotron.parallel.pipeline import StepOutput, eval_step, train_step
 
 
 def split_layers(num_layers: int, pp: int, layers_per_stage: Sequence[int] | None = None,
@@ -123,20 +123,38 @@ def pipeline_step(model: GPT, microbatches: Sequence, optimizer=None, schedule: 
     Nothing is read on the host: ``out.loss`` is a device tensor (``parallel.host_sync``).
     ``memory``, ``free_outputs``: see ``parallel.pipeline.train_step``.
     """
+    shape, dtype, device = stage_wire(model, microbatches, micro_batch_size, "pipeline_step")
+    return train_step(model, microbatches, model.grid, shape, schedule=schedule,
+                      optimizer=optimizer, after_backward=lambda: sync_embedding_grads(model, optimizer),
+                      dtype=dtype, device=device, memory=memory, free_outputs=free_outputs)
+
+
+def pipeline_eval(model: GPT, microbatches: Sequence, micro_batch_size: int | None = None) -> torch.Tensor:
+    """Forward only of ``microbatches`` through the pipeline (``parallel.pipeline.eval_step``),
+    on the same wire as ``pipeline_step``; the mean loss, a 0-dim float64 device tensor, on
+    every stage."""
+    shape, dtype, device = stage_wire(model, microbatches, micro_batch_size, "pipeline_eval")
+    return eval_step(model, microbatches, model.grid, shape, dtype=dtype, device=device)
+
+
+def stage_wire(model: GPT, microbatches: Sequence, micro_batch_size: int | None,
+               caller: str) -> tuple[tuple[int, ...], torch.dtype, torch.device]:
+    """What passes between stages, the one derivation training and evaluation share: the hidden
+    state's shape for this micro-batch size (``[s/t, b, h]`` with sequence parallelism), the
+    parameters' dtype and device. The micro-batch size is read from the first tensor given when
+    ``micro_batch_size`` is None; every micro-batch must be ``(b, seq_length)``."""
     b = micro_batch_size
     if b is None:
         sample = next((t for t in microbatches[0] if t is not None), None) if len(microbatches) else None
         if sample is None:
-            raise ValueError("pipeline_step: cannot infer the micro-batch size from micro-batches of None; "
+            raise ValueError(f"{caller}: cannot infer the micro-batch size from micro-batches of None; "
                              "pass micro_batch_size")
         b = sample.shape[0]
     seq = model.config.seq_length
     for ids, labels in microbatches:
         for name, t in (("token_ids", ids), ("labels", labels)):
             if t is not None and tuple(t.shape) != (b, seq):
-                raise ValueError(f"pipeline_step: {name} shape {tuple(t.shape)} != (micro_batch_size, seq_length)"
+                raise ValueError(f"{caller}: {name} shape {tuple(t.shape)} != (micro_batch_size, seq_length)"
                                  f" = ({b}, {seq}); every micro-batch must have the same shape")
     first = next(model.parameters())  # not model.dtype: ZeroOptimizer casts parameters to 16-bit in place
-    return train_step(model, microbatches, model.grid, model.hidden_shape(b), schedule=schedule,
-                      optimizer=optimizer, after_backward=lambda: sync_embedding_grads(model, optimizer),
-                      dtype=first.dtype, device=first.device, memory=memory, free_outputs=free_outputs)
+    return model.hidden_shape(b), first.dtype, first.device

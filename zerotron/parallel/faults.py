@@ -7,15 +7,15 @@ Off unless ``ZEROTRON_FAULT`` is set, and then a single string compare per call 
 Points (each fires once, on the matching rank -- every rank when ``@rank`` is absent -- at the
 matching step -- any step when ``@step`` is absent):
 
-* ``kill_after_shard``   checkpoint.save_checkpoint: this rank's shard is written, the checkpoint
+* ``kill_after_shard``   checkpoint/write.py: this rank's shard is written, the checkpoint
                          is not yet committed -> ``os._exit(9)`` (a writer crash mid-checkpoint)
-* ``kill_before_commit`` checkpoint.save_checkpoint: metadata.json written, ``.tmp`` not renamed
+* ``kill_before_commit`` checkpoint/write.py: metadata.json written, ``.tmp`` not renamed
 * ``hold_writer``        async_save's writer thread, before it writes: waits as ``pause`` does, while
                          the loop trains on -- a background write in flight for a drill to kill -9
 * ``kill_in_writer``     async_save's writer thread (checkpoint.async_save): this rank's shard and its
                          sidecar are written, the checkpoint is not committed, the loop trains on
                          -> ``os._exit(9)`` from that thread (a rank killed during a background save)
-* ``enospc``             checkpoint.save_checkpoint: this rank's shard write raises ``OSError(ENOSPC)``,
+* ``enospc``             checkpoint/write.py: this rank's shard write raises ``OSError(ENOSPC)``,
                          as a full disk of this rank's node alone would (the ranks of one host share
                          a file system: a real full disk cannot single out one of them)
 * ``kill``               trainer, start of a step -> ``os._exit(9)`` (a rank dies, like kill -9)

@@ -42,6 +42,7 @@ from zerotron.parallel import host_sync
 from zerotron.parallel.blame import blame
 from zerotron.parallel.runtime import collective_device, nccl_semantics, serves
 from zerotron.parallel.signal_wakeup import SignalWakeup
+from zerotron.parallel.stream_ops import StreamQueues
 
 DESCRIPTOR_BYTES = 512
 EXIT_COLLECTIVE_FAILED = 3  # scripts/pretrain_gpt.py's exit status for a dead or stuck peer
@@ -81,7 +82,7 @@ class _Op:
 
     ``links`` are ``(counter key, member ranks, sequence number)``: whom it waits for. ``probe``
     tells completion: None while the issuing call still blocks, else a torch Work (or a list of
-    them) or a CUDA event recorded after a synchronous NCCL call."""
+    them); a synchronous NCCL call's op waits in its stream's queue instead (``stream_ops.py``)."""
 
     links: list = field(default_factory=list)
     desc: str = ""
@@ -95,9 +96,8 @@ class _Op:
         if self.probe is None or self.failed:
             return False
         try:
-            if isinstance(self.probe, list):
-                return all(w.is_completed() for w in self.probe)
-            return bool(self.probe.query() if isinstance(self.probe, torch.cuda.Event) else self.probe.is_completed())
+            works = self.probe if isinstance(self.probe, list) else [self.probe]
+            return all(w.is_completed() for w in works)
         except Exception:  # noqa: BLE001 - a failed work is the waiting thread's to report
             return True
 
@@ -119,7 +119,8 @@ class Health:
         self.verdict: dict | None = None
         self._lock, self._diagnosing = threading.Lock(), threading.Lock()
         self._current: _Op | None = None
-        self._inflight: list[_Op] = []
+        self._inflight: dict[int, _Op] = {}  # by id(probe), id(op) before it has one: O(1) in, out
+        self._on_streams = StreamQueues()  # synchronous CUDA ops, told done by one event per check
         self._prune_at = 256
         self._verdict_op: _Op | None = None  # the op whose diagnosis ``verdict`` publishes
         self._store = self._default_store()
@@ -191,7 +192,7 @@ class Health:
         with self._lock:
             if self._current is None:
                 self._current = _Op()
-                self._inflight.append(self._current)
+                self._inflight[id(self._current)] = self._current
             self._current.links.append((key, members, self.counts[key]))
             self._current.desc = self.last
         if self.check_sequence and group.size > 1 and op not in ("send", "recv"):  # p2p is not group-wide
@@ -200,18 +201,17 @@ class Health:
     def issued(self, work=None, tensor: torch.Tensor | None = None) -> None:
         """The launch since ``before`` returned: ``work`` (async; a list for a p2p batch) is in
         flight until it completes; a synchronous call is done, except on CUDA, where it is done
-        when the stream reaches it (an event recorded now)."""
+        when the stream passes it (its stream's queue: ``stream_ops.py``, no event of its own)."""
         with self._lock:
             op, self._current = self._current, None
             if op is None:
                 return
+            del self._inflight[id(op)]
             if work is not None:
                 op.probe = work
-            elif tensor is not None and tensor.is_cuda and self.timeout_s and (event := host_sync.event()) is not None:
-                op.probe = event
-                event.record()
-            else:
-                self._inflight.remove(op)
+                self._inflight[id(work)] = op
+            elif tensor is not None and tensor.is_cuda and self.timeout_s and not host_sync.simulated():
+                self._on_streams.add(op, tensor.device)
             if len(self._inflight) > self._prune_at:  # without a heartbeat thread nobody prunes
                 self._pending()  # O(n): next time only once the list has doubled (amortized O(1))
                 self._prune_at = max(256, 2 * len(self._inflight))
@@ -221,16 +221,17 @@ class Health:
         forget its op now, not at the next prune -- a torch Work keeps its tensors alive, and a
         pipeline's sent outputs and received activations must go when they are done with."""
         with self._lock:
-            self._inflight = [op for op in self._inflight if op.probe is not probe]
+            self._inflight.pop(id(probe), None)
 
     def _pending(self) -> list[_Op]:
         """Ops still in flight, oldest first; completed ones are dropped (call under the lock),
         and a published verdict with them: its op finished after all, so it blamed nobody."""
-        self._inflight = [op for op in self._inflight if not op.done()]
+        self._inflight = {key: op for key, op in self._inflight.items() if not op.done()}
+        live = list(self._inflight.values()) + self._on_streams.pending()
         vop = self._verdict_op
-        if vop is not None and not vop.failed and vop not in self._inflight:
+        if vop is not None and not vop.failed and vop not in live:
             self._verdict_op = self.verdict = None
-        return list(self._inflight)
+        return sorted(live, key=lambda op: op.t0)
 
     def _check(self, op, group, shape, dtype, site, tensor) -> None:
         signature = f"{op}|{group.name}|{shape}|{dtype}"
@@ -300,13 +301,14 @@ class Health:
         """The op a failure on ``group`` belongs to, marked failed (kept in flight), and where."""
         key = group.name
         with self._lock:  # the oldest op on the group: the one waited for (async ones complete in order)
-            candidates = ([self._current] if self._current else []) + self._inflight
+            candidates = [*([self._current] if self._current else []), *self._inflight.values(),
+                          *self._on_streams.queued()]
         ours = lambda o: [(k, n) for k, _, n in o.links if k == key or k.startswith(key + ":")]  # noqa: E731
         failed = next((o for o in candidates if ours(o)), None)
         if failed is None:
             failed = _Op([(key, tuple(group.ranks), self.counts.get(key, 0))])
             with self._lock:
-                self._inflight.append(failed)
+                self._inflight[id(failed)] = failed
         seqs = ", ".join(f"its collective #{n}" if k == key else f"transfer {k} #{n}" for k, n in ours(failed))
         where = f"{op} on group {key} ({seqs}) at {call_site()}"
         failed.desc, failed.failed = failed.desc or where, True

@@ -20,6 +20,11 @@ tp_rank; the sequence-parallel region = TP-region + 2**20 (no collision below a 
 or TP ranks). ``get_states()`` / ``set_states()`` snapshot every stream (CPU, and CUDA when it is
 initialised) so activation recompute (ZeRO-R Pa, Megatron's checkpointing, selective recompute)
 replays exactly the same masks, and checkpoints can resume the streams.
+
+This module is the one home of the run's RNG snapshots: recompute takes and puts back its own
+(``capture_rng`` / ``restore_rng``: ``activation/checkpoint.py``, ``activation/selective.py``), a
+checkpoint keeps its own (``checkpoint_states``) and a resume puts them back or, when the layout
+changed, reseeds (``resume_streams``); no other module reads or sets a generator's state.
 """
 
 from __future__ import annotations
@@ -182,3 +187,14 @@ def restore_checkpoint_states(rng: TPRNG, states: dict, device: torch.device) ->
     if "torch_cuda" in states:
         torch.cuda.set_rng_state(states.pop("torch_cuda"), device)
     rng.set_states({k[len("model/"):]: v for k, v in states.items() if k.startswith("model/")})
+
+
+def resume_streams(rng: TPRNG, states: dict | None, seed: int, grid, device: torch.device) -> None:
+    """Put the streams where a resumed run continues: the checkpoint's own (``checkpoint_states``)
+    when it was written with this layout, else (``states`` is None) freshly seeded from ``seed``,
+    since another layout's per-rank streams cannot carry over (the caller passes the run's seed plus
+    the step, so a resume point does not replay the first step's masks)."""
+    if states is None:
+        rng.seed(seed, grid)
+        return
+    restore_checkpoint_states(rng, states, device)

@@ -18,6 +18,10 @@ from zerotron.testing.drill_job import VICTIM, Job, Row, complete_steps
 from zerotron.testing.drill_run import BASE_STEPS, JOB_S, LOADED, SAVED, Drill, now, wait_step
 
 SLACK_S = 10.0  # a frozen rank must be named within the collective timeout + this
+FAULTED_STEPS = 60  # a faulted run is stopped long before its end
+# its resume runs only to the newest checkpoint + 4: along the faulted run's decay, which ends at
+# FAULTED_STEPS (a resume that moved the end would be refused: checkpoint/resume_schedule.py)
+KEEP_DECAY = ("--optimizer.schedule_steps", str(FAULTED_STEPS))
 
 
 def _await_survivors(d: Drill, job: Job, t_fault: float) -> None:
@@ -53,7 +57,7 @@ def _judge(d: Drill, job: Job, code: int, victim: int, t_fault: float, frozen: b
 def signal_rank(d: Drill, name: str, sig: int) -> Row:
     """``sig`` (SIGKILL or SIGSTOP) to rank 1 from outside, right after the step-4 checkpoint."""
     save = d.root / name / "ck"
-    job = d.job(d.argv(name, 60, save))
+    job = d.job(d.argv(name, FAULTED_STEPS, save))
     if job.wait_for(SAVED.format(4), JOB_S) is None or wait_step(job, 5, 60) is None:
         job.kill()
         return Row(f"DRILL FAILED: the job never reached step 5 (exit {job.wait(10)})", None, "-", "-", False)
@@ -68,14 +72,15 @@ def signal_rank(d: Drill, name: str, sig: int) -> Row:
             except ProcessLookupError:
                 break
     code = job.wait(120)
-    return _judge(d, job, code, VICTIM, t_fault, sig == signal.SIGSTOP, name, save, None)
+    return _judge(d, job, code, VICTIM, t_fault, sig == signal.SIGSTOP, name, save, None,
+                  KEEP_DECAY)
 
 
 def stall_rank(d: Drill, name: str = "stall") -> Row:
     """Rank 1 stops issuing collectives at step 6 while its heartbeat goes on: "alive but stuck"."""
     save = d.root / name / "ck"
     stall_s = d.timeout_s + SLACK_S + 30
-    job = d.job(d.argv(name, 60, save), {"ZEROTRON_FAULT": f"stall@step=6@rank={VICTIM}",
+    job = d.job(d.argv(name, FAULTED_STEPS, save), {"ZEROTRON_FAULT": f"stall@step=6@rank={VICTIM}",
                                          "ZEROTRON_FAULT_STALL_S": f"{stall_s:g}"})
     t_fault = job.wait_for(r"\[fault\] rank \d+: injected stall", JOB_S)
     if t_fault is None:
@@ -87,7 +92,7 @@ def stall_rank(d: Drill, name: str = "stall") -> Row:
     except (RuntimeError, ProcessLookupError):
         pass
     code = job.wait(120)
-    return _judge(d, job, code, VICTIM, t_fault, True, name, save, None)
+    return _judge(d, job, code, VICTIM, t_fault, True, name, save, None, KEEP_DECAY)
 
 
 def crash_in_save(d: Drill, name: str, fault: str, victim: int) -> Row:

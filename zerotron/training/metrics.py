@@ -162,6 +162,19 @@ class MetricsLogger:
             self.message(f"[metrics] {moved} record(s) of {self.run_dir / 'metrics.jsonl'} past step {start_step} "
                          f"(steps this run trains again, or another run's) moved to {SUPERSEDED}")
 
+    def keep_config(self, config: dict[str, Any]) -> None:
+        """Write the run config as ``config.yaml`` beside ``metrics.jsonl`` (the writing rank); a
+        full or read-only run directory sets ``failed``, on which every rank stops naming it."""
+        if not self.enabled:
+            return
+        import yaml
+
+        path = self.run_dir / "config.yaml"
+        try:
+            path.write_text(yaml.safe_dump(config, sort_keys=False))
+        except OSError as e:
+            self.failed = self.failed or cannot_write(path, e, self.run_dir)
+
     def log(self, record: dict[str, Any], suffix: str = "") -> None:
         """Write ``record``; its console line ends with ``suffix`` (the run log's elapsed time and ETA)."""
         if not self.enabled:
@@ -180,7 +193,7 @@ class MetricsLogger:
             self._wandb.log(flat, step=record["step"])
         if self._tb is not None:
             self._tb.log(flat, record["step"])
-        if "checkpoint_total_s" in record:  # a committed save (checkpoint/saves.py): the console
+        if "checkpoint_total_s" in record:  # a committed save (checkpoint/checkpointer.py): the console
             return  # has said "[checkpoint] saved"; its seconds are for the file and the trackers
         if "eval_loss" in record:
             self.message(f"eval at step {record['step']}/{self.total_steps} | loss {record['eval_loss']:.4f} | ppl {record['eval_ppl']:.2f}")

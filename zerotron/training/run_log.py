@@ -130,13 +130,15 @@ class RunLog:
         if isinstance(e, str):
             return f"predicted memory per rank: not modelled ({e})"
         host = f", checkpoints on host {mib(e['checkpoints_host'])}" if e["checkpoints_host"] else ""
+        nccl = (f" and {mib(e['nccl_communicators'])} of NCCL communicators"
+                if e["nccl_communicators"] else "")  # outside torch's allocator: not in the margin
         terms = (("gathered parameters", "gathered_params"), ("RNG states", "rng_states"))
         rest = "".join(f" + {name} {mib(e[key])}" for name, key in terms
                        if e[key] >= 0.05 * 2**20)  # what rounds to 0.0 MiB is left out
         return (f"predicted memory per rank: {mib(e['before_margin'])} = model states {mib(e['model_states'])} + "
                 f"activations {mib(e['checkpoints_device'])} + working {mib(e['working'])} + buffers "
                 f"{mib(e['fixed_buffers'])}{rest}{host}; {mib(e['total'])} with the "
-                f"{e['fragmentation_margin']:.0%} fragmentation margin (estimate/memory_model.py)")
+                f"{e['fragmentation_margin']:.0%} fragmentation margin{nccl} (estimate/memory_model.py)")
 
     def _data_line(self) -> str:
         d, data, lg = self.cfg.data, self.t.data, self.cfg.logging
@@ -149,7 +151,7 @@ class RunLog:
         return f"data: {source} | tokenizer {data.tokenizer_path} | {evals}"
 
     def _checkpoint_line(self) -> str:
-        c, r = self.cfg.checkpoint, self.t.resume
+        c, r = self.cfg.checkpoint, self.t.checkpointer.plan
         start = f"resuming at step {self.start_step} from {r.path}" if r.path is not None else "starting from step 0"
         if not c.save:
             return f"checkpoints: none (checkpoint.save is not set) | {start}"

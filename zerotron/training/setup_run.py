@@ -1,4 +1,5 @@
-"""Build what a run needs from its validated config: grid, tokenizer, data, model, optimizer.
+"""A run's checks before any process group (``before_any_group``, ``preflight``), and the pieces
+``build_run.py`` assembles after it: the grid, the token files and tokenizer, the model's config.
 
 Kept apart from the loop so tests and benchmarks can build the same pieces. Everything that can
 fail on bad input (config, tokenizer, token files) fails here, on every rank, before the first
@@ -32,20 +33,18 @@ def prepare_data(cfg: RunConfig, grid: Grid, device) -> DataBundle:
     """Token files and tokenizer: the built-in corpus (rank 0 builds, the others wait for its
     outcome, so a build that fails stops every rank with rank 0's reason) or the user's."""
     from zerotron.data import build_default_corpus
-    from zerotron.checkpoint.resume import share
+    from zerotron.parallel.agreement import rank0_decides
 
     d = cfg.data
     if not d.data_path:
-        failure = ""
-        if grid.rank == 0:
+        def build() -> None:  # rank 0 builds; the others wait for its outcome, then read it
             try:
                 build_default_corpus(d.cache_dir, vocab_size=d.default_corpus_vocab, tokenizer=d.tokenizer)
             except (OSError, ValueError) as e:
-                failure = (f"the built-in corpus could not be built in data.cache_dir={d.cache_dir} with "
-                           f"data.default_corpus_vocab={d.default_corpus_vocab} (the default is 1024): {e}")
-        failure = share(failure, grid, device)  # also the barrier: the others read what rank 0 built
-        if failure:
-            raise ConfigError(failure)
+                raise ConfigError(f"the built-in corpus could not be built in data.cache_dir={d.cache_dir} with "
+                                  f"data.default_corpus_vocab={d.default_corpus_vocab} (the default is 1024): "
+                                  f"{e}") from None
+        rank0_decides(build, grid, device, failures=(ConfigError,))
         train, tok_path, evals = build_default_corpus(d.cache_dir, vocab_size=d.default_corpus_vocab,
                                                       tokenizer=d.tokenizer)
         bundle = DataBundle([train], None, [evals], tok_path, 0)
@@ -206,6 +205,19 @@ def validate_model(cfg: RunConfig, vocab_size: int | None = None):
     except (TypeError, ValueError) as e:
         raise ConfigError(str(e)) from None
     return mcfg
+
+
+def before_any_group(cfg: RunConfig) -> None:
+    """What a run checks on every rank before ``init_process_group``, in order: the config
+    (``RunConfig.validate``), then ``preflight``; rank 0 then says the settings that have no
+    effect in this run (``config/inert.py``). Raises ``ConfigError`` (exit 2)."""
+    from zerotron.config.inert import no_effect
+
+    cfg.validate(int(os.environ.get("WORLD_SIZE", 1)))
+    preflight(cfg)  # model shape, pipeline split, ZeRO settings, the user's token files
+    if int(os.environ.get("RANK", 0)) == 0:
+        for line in no_effect(cfg):
+            print(f"[config] {line}", flush=True)
 
 
 def preflight(cfg: RunConfig) -> None:

@@ -70,3 +70,23 @@ def run_step(model, optimizer, batches: Sequence, grid, schedule: str = "1f1b", 
     with mem.phase("step"):
         info = optimizer.step()
     return StepResult(total, info)
+
+
+@torch.no_grad()
+def eval_step(model, batches: Sequence, grid) -> torch.Tensor:
+    """Forward only of ``batches`` (as ``run_step``'s): the mean loss over this rank's
+    micro-batches, a 0-dim float64 device tensor, not read on the host. With a pipeline
+    (``grid.pp_size > 1``) it runs the schedule's forward order on the wire ``pipeline_step``
+    derives (``model.stages.stage_wire``: shape and dtype, 16-bit after the optimizer's cast),
+    and every stage gets the last stage's loss. The caller averages over DP."""
+    if not batches:
+        raise ValueError("eval_step: no micro-batches (training.global_batch_size / micro_batch_size / dp >= 1)")
+    if grid.pp_size > 1:
+        from zerotron.model.stages import pipeline_eval
+
+        return pipeline_eval(model, list(batches))
+    total = None
+    for x, y in batches:
+        part = model(x, labels=y).to(torch.float64)
+        total = part if total is None else total + part
+    return total / len(batches)

@@ -1,18 +1,19 @@
 """The pretraining loop: micro-batches accumulated to the global batch, schedule, eval, logging,
 checkpoints and a graceful stop on SIGTERM (checkpoint, then exit) for preemptible clusters.
 
-Before any work the run takes its run and checkpoint directories' locks and decides which
-checkpoint it continues from (``resume.py``), so a refused or finished run stops in seconds.
+It loops over a ``Run`` that ``build_run.py`` put together (grid, the Checkpointer with its
+locks and resume plan, data, model, optimizer, loaders, the loaded checkpoint); what it builds
+itself are the loop's meters (throughput, memory peaks, stragglers, profiler) and its logs. It
+saves through the Run's ``Checkpointer`` (``checkpoint/checkpointer.py``).
 
 The step (``training.step.run_step``) reads nothing on the host, nor does the trainer: the loss
 stays on the device, a non-finite one is remembered there (``_watch_loss``) and read at the log
 interval, before a checkpoint and at a stop; a logged step's metrics are read in one go. Left per
-step: the SIGTERM agreement (``_stop_agreed``) and fp16's overflow decision (``host_sync``).
+step: fp16's overflow decision (``host_sync``); the SIGTERM agreement is ``stop_cadence.py``'s.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import signal
 from pathlib import Path
@@ -22,21 +23,15 @@ import torch
 from zerotron.parallel import collectives as C
 from zerotron.parallel import faults, host_sync
 from zerotron.parallel import rng as rng_streams
-from zerotron.parallel.runtime import DistEnv
-from zerotron.checkpoint import distributed as ckpt, hf_import, resume
-from zerotron.training.batches import BatchLoader
-from zerotron.config.run_config import RunConfig
 from zerotron.training.metrics import CommWindow, MetricsLogger, PeakWindow, Throughput, host_values
 from zerotron.training.phase_times import PhaseTimes
 from zerotron.training.profiling import StepProfiler
 from zerotron.zero.lr_schedule import betas_at, lr_at
 from zerotron.training.stragglers import StragglerWatch
-from zerotron.training.parallelize import parallelize_gpt
 from zerotron.training.run_log import RunLog
-from zerotron.checkpoint.saves import Saves
-from zerotron.training.setup_run import build_grid, model_config, prepare_data
-from zerotron.training.step import run_step
-from zerotron.training.step_memory import StepMemory
+from zerotron.training.build_run import Run
+from zerotron.training.step import eval_step, run_step
+from zerotron.training.stop_cadence import StopCadence, host_read_step
 
 
 class TrainingStopped(RuntimeError):
@@ -44,95 +39,41 @@ class TrainingStopped(RuntimeError):
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig, env: DistEnv):
-        self.cfg, self.env = cfg, env
-        self.grid = grid = build_grid(cfg)
-        self.run_id = resume.run_id(cfg)
-        self.locks = []
-        try:  # the run and checkpoint directories ours, the checkpoint to continue known
-            self.locks = resume.take_locks(cfg, self.run_id, grid, env.device, self.log)
-            self.resume = resume.plan_resume(cfg, grid, env.device, self.log)
-            self._build(cfg, env, grid)
-        except BaseException:
-            self.release_lock()
-            grid.close()
-            raise
+    """The loop over a built ``Run`` (``build_run.py``): steps, evaluation, logs, saves, stops."""
 
-    def _build(self, cfg: RunConfig, env: DistEnv, grid) -> None:
-        from zerotron.data import GPTDataset, prepare_dataset_index
-
-        self.data = prepare_data(cfg, grid, env.device)
-        if self.resume.path is not None:
-            resume.check_tokenizer(self.resume.path, self.data.tokenizer_path, cfg)
-        self.mcfg = model_config(cfg, self.data.vocab_size, self.data.tokenizer_path)
+    def __init__(self, run: Run):
+        cfg, env, grid = run.cfg, run.env, run.grid
+        self.run, self.cfg, self.env, self.grid, self.mcfg = run, cfg, env, grid, run.mcfg
+        self.model, self.opt, self.activations = run.model, run.opt, run.activations
+        self.memory = run.memory  # StepMemory: measured the construction; now one step a log
+        self.data, self.checkpointer, self.eval_ds = run.data, run.checkpointer, run.eval_ds
+        self.batches, self.eval_batches = run.batches, run.eval_batches
+        self.step, self.consumed = run.step, run.consumed
         t, lg, dev = cfg.training, cfg.logging, env.device
-        self.memory, self.peaks = StepMemory(lg.log_interval, dev.type), PeakWindow(dev)
+        self.peaks = PeakWindow(dev)
         self.profiler = StepProfiler(lg.profile_steps, lg.run_dir, grid.rank, dev)
         self.stragglers = StragglerWatch(grid, dev, lg.straggler_factor)
         self.phases = PhaseTimes(self.memory, env.device) if lg.wall_clock_breakdown else None
-        with self.memory.construction():
-            plan = parallelize_gpt(cfg, self.mcfg, grid, device=env.device)
-        self.model, self.opt, self.activations = plan.model, plan.optimizer, plan.activations
-        self.memory.register(self.opt)
-        # from the checkpoint's count on: train_steps x G falls short after a resume that shrank G
-        num_samples = self.resume.consumed + max(1, t.train_steps - self.resume.step) * t.global_batch_size
-        ds_args = dict(seq_length=self.mcfg.seq_length, seed=t.seed, cache_dir=cfg.data.cache_dir)
-        if grid.rank == 0:  # the sample index is built once and cached; the others wait, then read it
-            prepare_dataset_index(self.data.train_prefixes, self.data.train_weights, num_samples=num_samples, **ds_args)
-        C.barrier(grid.world_group)
-        self.train_ds = GPTDataset(self.data.train_prefixes, self.data.train_weights, num_samples=num_samples, **ds_args)
-        self.eval_ds = None
-        if self.data.eval_prefixes and cfg.logging.eval_interval > 0:
-            n_eval = cfg.logging.eval_steps * t.global_batch_size
-            if grid.rank == 0:
-                prepare_dataset_index(self.data.eval_prefixes, None, num_samples=n_eval, **ds_args)
-            C.barrier(grid.world_group)
-            self.eval_ds = GPTDataset(self.data.eval_prefixes, None, num_samples=n_eval, **ds_args)
-        self.batches, self.eval_batches = (
-            BatchLoader(ds, t.micro_batch_size, t.global_batch_size, cfg.num_microbatches, grid.dp_rank,
-                        grid.dp_size, env.device, depth=cfg.data.prefetch, vocab_size=self.data.vocab_size)
-            if ds is not None else None for ds in (self.train_ds, self.eval_ds))
-        self.step, self.consumed, self.hf_label = 0, 0, hf_import.start_run(self)  # --init-from-hf
-        if self.resume.path is not None:
-            state = ckpt.load_checkpoint(str(self.resume.path), self.model, self.opt, grid,
-                                         model_config=self.model_config_dict(), log=self.log,
-                                         verified=self.resume.verified)
-            self.step, self.consumed = state["step"], state["consumed_samples"]
-            self._restore_rng(state["rng"])
         self.throughput = Throughput.of_run(cfg, self.mcfg, grid.world_size, env.device)
         self.run_log = RunLog(self)  # prints the banner (training/run_log.py)
         self.logger = MetricsLogger(lg.run_dir, self.run_log.tracked_config(), grid.rank == 0,
                                     lg.wandb_mode, lg.wandb_project, t.train_steps, self.step,
                                     lg.tensorboard)
-        self.saves = Saves(self)  # synchronous, or in the background (checkpoint.async_save)
+        self.logger.keep_config(cfg.to_dict())  # config.yaml beside metrics.jsonl (rank 0)
+        self.checkpointer.report_to(self.logger.log, self.run_log.saved)  # each save's record
         self._stop_requested = self.stopped = self._writes_done = False
+        self.stop_cadence = StopCadence()  # which steps agree on a stop (stop_cadence.py)
         # first step whose loss was non-finite (-1: none yet) and that loss, kept on the device
         self._bad_step = torch.full((), -1.0, dtype=torch.float64, device=env.device)
         self._bad_loss = torch.zeros((), dtype=torch.float64, device=env.device)
         self._bad_norm = torch.zeros((), dtype=torch.float64, device=env.device)
         signal.signal(signal.SIGTERM, lambda signum, frame: setattr(self, "_stop_requested", True))
 
-    def release_lock(self) -> None:
-        """Give the run and checkpoint directories back (rank 0; safe after a failed collective)."""
-        for lock in self.locks:
-            if lock is not None:
-                lock.release()
-
     def log(self, text: str) -> None:
-        if self.grid.rank == 0:
-            print(text, flush=True)
-
-    def model_config_dict(self) -> dict:  # with the family (gpt2 | llama), for metadata.json
-        return {**dataclasses.asdict(self.mcfg), "architecture": self.mcfg.architecture, **self.hf_label}
+        self.run.log(text)
 
     def _rng_states(self) -> dict[str, torch.Tensor]:
         return rng_streams.checkpoint_states(self.model.rng, self.env.device)
-
-    def _restore_rng(self, rng: dict | None) -> None:
-        if rng is None:  # another layout: per-rank streams cannot carry over; reseed from the step
-            self.model.rng.seed(self.cfg.training.seed + self.step, self.grid)
-            return
-        rng_streams.restore_checkpoint_states(self.model.rng, rng, self.env.device)
 
     def _dp_mean(self, value: torch.Tensor) -> torch.Tensor:
         """Mean over DP x CP (a CP rank's loss is its share x cp), a 0-dim float64 device tensor."""
@@ -226,46 +167,34 @@ class Trainer:
             self._check_finite()
         return {"loss": loss, "lr": lr, "beta1": betas[0], **info}
 
-    @torch.no_grad()
     def evaluate(self) -> dict:
-        from zerotron.parallel.pipeline import eval_step
-
+        """``logging.eval_steps`` global batches of the eval set, forward only (``step.eval_step``)."""
         self.model.eval()
-        total, count = torch.zeros((), dtype=torch.float64, device=self.env.device), 0
-        t = self.cfg.training
-        for k in range(self.cfg.logging.eval_steps):
-            data = self.eval_batches.get(k * t.global_batch_size)
-            if self.grid.pp_size > 1:
-                shape = self.model.hidden_shape(t.micro_batch_size)  # [s/t, b, h] with sequence parallelism
-                dtype = next(self.model.parameters()).dtype  # 16-bit after the optimizer cast them
-                total = total + eval_step(self.model, data, self.grid, shape, dtype=dtype, device=self.env.device)
-                count += 1
-            else:
-                for x, y in data:
-                    total = total + self.model(x, labels=y).to(torch.float64)
-                    count += 1
+        total = torch.zeros((), dtype=torch.float64, device=self.env.device)
+        steps, batch = self.cfg.logging.eval_steps, self.cfg.training.global_batch_size
+        for k in range(steps):
+            total = total + eval_step(self.model, self.eval_batches.get(k * batch), self.grid)
         self.model.train()
-        loss = host_sync.read(self._dp_mean(total / count), "eval", placeholder=0.0)  # once per evaluation
+        loss = host_sync.read(self._dp_mean(total / steps), "eval", placeholder=0.0)  # once per evaluation
         return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
 
     def save(self, wait: bool = True) -> Path:
         """Write a checkpoint of this step (``wait=False`` with async_save: start writing it in the
-        background, ``checkpoint/saves.py``); a run whose loss went non-finite raises instead."""
+        background, ``checkpoint/checkpointer.py``); a run whose loss went non-finite raises instead."""
         self._check_finite()
-        return self.saves.save(wait)
+        return self.checkpointer.save(self.step, consumed_samples=self.consumed,
+                                      rng_states=self._rng_states(), wait=wait)
 
     def _stop_agreed(self) -> bool:
-        """Whether any rank got SIGTERM: the one host read of a bf16/fp32 step (``"stop"``). Its
-        flag also carries rank 0's failure to write the run directory (every rank names that) and,
-        with a background save in flight, whether every rank's writer is done (``_writes_done``):
-        a commit every rank then makes at the same step (async_save.py)."""
-        writing = self.saves.writing()  # None on every rank alike: no background save in flight
+        """Whether any rank got SIGTERM, agreed at the steps ``stop_cadence`` picks (read ``"stop"``);
+        the flag also carries rank 0's failure to write the run dir and, with a background save in
+        flight, whether every writer is done (``_writes_done``): all commit at the same step."""
+        writing = self.checkpointer.writing()  # None on every rank alike: no background save in flight
+        if not self.stop_cadence.due(host_read_step(self.cfg, self.step, writing is not None)):
+            return False
         stop = 2.0 if self.logger.failed else float(self._stop_requested)
-        flag = torch.tensor([stop] + ([] if writing is None else [float(writing)]), device=self.env.device)
-        C.all_reduce(flag, self.grid.world_group, op="max")
-        got = host_sync.read(flag, "stop", placeholder=0.0 if writing is None else [0.0, 0.0])
-        got = got if isinstance(got, list) else [got]
-        self._writes_done = writing is not None and got[1] == 0
+        got = self.stop_cadence.agree(self.grid.world_group, self.env.device, stop, writing)
+        self._writes_done = writing is not None and got[2] == 0
         if got[0] >= 2:
             run_dir = self.cfg.logging.run_dir
             raise TrainingStopped(self.logger.failed or f"rank 0 cannot write logging.run_dir={run_dir}")
@@ -297,15 +226,13 @@ class Trainer:
             self.run_log.summary(last, self.stopped)
             return last
         except TrainingStopped:  # raised on every rank at the same point: a save in flight commits
-            self.saves.finish()
+            self.checkpointer.finish(self.step)
             raise
         finally:
-            self.saves.abandon()  # any other error: the writer finishes its file, nothing commits
+            self.checkpointer.abandon()  # any other error: the writer finishes its file, nothing commits
             self.logger.close()
-            self.release_lock()
-            for loader in (self.batches, self.eval_batches):
-                if loader is not None:
-                    loader.close()
+            self.run.release_lock()  # the Checkpointer's locks
+            self.run.close_loaders()
 
     def _loop(self) -> dict:
         t, lg, c = self.cfg.training, self.cfg.logging, self.cfg.checkpoint
@@ -331,7 +258,7 @@ class Trainer:
             path = None
             if self._writes_done:  # every rank's background write is done: commit it now
                 with self.throughput.paused(), self.comm.excluded():
-                    self.saves.finish()
+                    self.checkpointer.finish(self.step)
             if c.save and ((c.save_interval and self.step % c.save_interval == 0) or stop
                            or self.step == t.train_steps):
                 with self.throughput.paused(), self.comm.excluded():
@@ -345,5 +272,5 @@ class Trainer:
                 break
         if c.save and t.train_steps == 0:  # --init-from-hf DIR --train-steps 0: the imported model
             self.save()
-        self.saves.finish()  # a run whose last step saves nothing still commits the one in flight
+        self.checkpointer.finish(self.step)  # a run whose last step saves nothing still commits the one in flight
         return last

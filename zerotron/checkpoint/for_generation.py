@@ -3,7 +3,7 @@ its tokenizer, and the prompt's ids.
 
 Why from the checkpoint's fp32 masters: they are the weights the run trained (a 16-bit run's
 working copy is their rounding), saved in any TP x PP x DP layout and resharded here by the
-loader the trainer uses (``checkpoint._Assembler``), so a checkpoint written at TP 2 x PP 2
+loader the trainer uses (``distributed._Assembler``), so a checkpoint written at TP 2 x PP 2
 generates at TP 1 or TP 4 alike. A transformers directory is read by ``--init-from-hf``'s plan
 (``hf_weights``, ``hf_import``): each rank reads only its rows of the safetensors files.
 """
