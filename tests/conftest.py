@@ -16,15 +16,28 @@ directory; built in a forked process, because the pytest process must not start 
 threads before the tests fork their ranks. Each test still gets its own run and checkpoint
 directories (``tmp_path``). ``overlap`` (``tests.harness.Overlap``): fault drills that overlap
 their idle waits.
+
+Hypothesis runs derandomized (the ``zerotron`` profile): each property test draws the same
+examples on every run, so a run's verdict does not depend on the draw, and no example database
+is written; its other files (a cache of the constants it reads from our sources) go under
+pytest's base temp directory, not into the checkout's ``.hypothesis/``. ``--hypothesis-profile
+fuzz`` draws afresh each run, to search.
 """
 
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
+from hypothesis import settings
+from hypothesis.configuration import set_hypothesis_home_dir
 
 from tests.harness import Overlap, spawn
+
+settings.register_profile("zerotron", derandomize=True, database=None)
+settings.register_profile("fuzz", database=None)
+settings.load_profile("zerotron")  # before the test modules' @settings read it as their default
 
 
 def _build(cache: str) -> None:
@@ -32,6 +45,30 @@ def _build(cache: str) -> None:
     from zerotron.config.run_config import DataSection
 
     build_default_corpus(cache, vocab_size=DataSection.default_corpus_vocab)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def system_temp_dir(tmp_path_factory):
+    """The system temp dir of the tests, of the ranks they fork and of the programs they start
+    (torchrun's ``torchelastic_*`` logs, wandb's folders, the launcher's rendezvous files) is a
+    folder under pytest's base temp dir: a rank killed or ended by ``os._exit`` leaves its debris
+    there, which pytest removes a few runs later, not in the machine's ``/tmp``."""
+    path = tmp_path_factory.getbasetemp() / "tmp"
+    path.mkdir(exist_ok=True)
+    before = os.environ.get("TMPDIR"), tempfile.tempdir
+    os.environ["TMPDIR"] = tempfile.tempdir = str(path)
+    yield
+    if before[0] is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = before[0]
+    tempfile.tempdir = before[1]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def hypothesis_home(tmp_path_factory) -> None:
+    """Hypothesis' own files in this run's temp directory, not in the checkout."""
+    set_hypothesis_home_dir(str(tmp_path_factory.getbasetemp() / "hypothesis"))
 
 
 @pytest.fixture(scope="session")

@@ -4,17 +4,24 @@ leaves nothing partial behind."""
 from __future__ import annotations
 
 import os
-import time
 
+import zerotron.data.default_corpus as default_corpus
 from zerotron.data import GPTDataset, IndexedTokenDataset, Tokenizer, build_default_corpus
 
 
-def test_default_corpus(tmp_path):
+def test_default_corpus(tmp_path, monkeypatch):
     cache = str(tmp_path / "cache")
     train, model, evals = build_default_corpus(cache, vocab_size=1024, seed=7)
-    t = time.perf_counter()
+
+    def rebuilt(*args, **kwargs):
+        raise AssertionError("the cached corpus was harvested or its tokenizer trained again")
+
+    # cached: no harvesting, no training -- held by the build's own steps, not by a wall clock
+    # (0.1 s, which a descheduled process on a loaded machine can exceed without doing either)
+    monkeypatch.setattr(default_corpus, "harvest_stdlib_texts", rebuilt)
+    monkeypatch.setattr(default_corpus, "train_tokenizer", rebuilt)
     assert build_default_corpus(cache, vocab_size=1024, seed=7) == (train, model, evals)
-    assert time.perf_counter() - t < 0.1  # cached: no harvesting, no training
+    monkeypatch.undo()
     (entry,) = os.listdir(cache)  # one finished directory, no temporary debris
     assert sorted(os.listdir(os.path.join(cache, entry))) == [
         "eval.bin", "eval.idx", "tokenizer.model", "tokenizer.vocab", "train.bin", "train.idx"]

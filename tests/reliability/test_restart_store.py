@@ -9,7 +9,6 @@ attempt under ``zerotron/restart_<n>/``; the drill's ``restart`` scenario runs i
 from __future__ import annotations
 
 import datetime
-import socket
 
 import pytest
 import torch.distributed as dist
@@ -17,17 +16,13 @@ import torch.distributed as dist
 from zerotron.parallel import runtime
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def agent_store(monkeypatch):
     """A TCPStore server standing in for torchrun's, holding a key of attempt 0."""
-    port = _free_port()
-    server = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=10))
+    # port 0: the OS gives one and the server holds it (a port found free, released and bound
+    # again could be taken meanwhile)
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=10))
+    port = server.port
     server.set("default_pg/0//0", "address of attempt 0")
     for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True",
                        "GROUP_WORLD_SIZE": "1", "TORCHELASTIC_RESTART_COUNT": "1"}.items():

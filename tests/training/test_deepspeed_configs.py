@@ -19,7 +19,6 @@ import io
 import json
 import math
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -44,20 +43,30 @@ FLAGS = {"hf_zero2_auto": ["--log-interval", "1"],
          "hf_tests_zero3": ["--log-interval", "1", "--optimizer.min_lr", "0.0003"]}  # WarmupLR never reads it
 
 
-def run_all(tmp: str, cache: str, ports: list[int]) -> dict:
+def run_all(tmp: str, cache: str) -> dict:
     """On each rank: every config through pretrain_gpt's ``main``; ``{name: (code, stdout, stderr)}``.
-    Each ``main`` joins its own group the way torchrun's ranks do (env rendezvous on its own port,
-    after both ranks' pre-flight checks), so the launcher's group is left first."""
+    Each ``main`` joins its own group the way torchrun's ranks do: an env rendezvous on the agent's
+    store (``TORCHELASTIC_USE_AGENT_STORE``), which rank 0 hosts here on a port the OS gave it and
+    holds for the whole loop -- a port picked free and released beforehand could be taken by
+    another process in the minutes before its config's turn. Config i joins as torchrun's restart
+    i would, under the store prefix that ``runtime._restart_store`` gives restart i, so no group
+    reads an earlier one's addresses. The launcher's group is left first."""
+    import torch
     import torch.distributed as dist
 
     from scripts.pretrain_gpt import main
 
+    agent = dist.TCPStore("127.0.0.1", 0, is_master=True) if dist.get_rank() == 0 else None
+    port = torch.tensor([agent.port if agent else 0])
+    dist.broadcast(port, 0)
     dist.barrier()
     dist.destroy_process_group()
     os.chdir(tmp)  # relative paths of the configs (nvme_path) and the runs land in the test's directory
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(int(port)),
+                      TORCHELASTIC_USE_AGENT_STORE="True")
     out = {}
-    for name, port in zip(NAMES, ports):
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    for restart, name in enumerate(NAMES):
+        os.environ["TORCHELASTIC_RESTART_COUNT"] = str(restart)
         argv = ["--config", f"{tmp}/base.yaml", "--deepspeed-config", str(CONFIGS / f"{name}.json"),
                 "--run-dir", f"runs/{name}", "--data.cache_dir", cache, *FLAGS.get(name, [])]
         stdout, stderr = io.StringIO(), io.StringIO()
@@ -67,22 +76,11 @@ def run_all(tmp: str, cache: str, ports: list[int]) -> dict:
     return out
 
 
-def free_ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, zerotron_cache):
     tmp = tmp_path_factory.mktemp("ds")
     (tmp / "base.yaml").write_text(BASE_YAML)
-    results = spawn(run_all, 2, str(tmp), zerotron_cache, free_ports(len(NAMES)), timeout=300,
-                    collective_timeout=60)
+    results = spawn(run_all, 2, str(tmp), zerotron_cache, timeout=300, collective_timeout=60)
     for name in NAMES:
         codes = [res[name][0] for res in results]
         assert codes == [0, 0], f"{name} exited {codes}: " + " | ".join(

@@ -15,6 +15,7 @@ import glob
 import io
 import os
 import re
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -60,6 +61,10 @@ def _both(cache: str, tmp: str) -> list[dict]:
     for var in ("WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR", "XDG_CACHE_HOME", "WANDB_DIR"):
         os.environ.pop(var, None)
     os.environ["HOME"] = f"{tmp}/home"
+    # wandb's temporary folders (wandb-media, wandb-artifacts), which a rank's os._exit never
+    # removes, go into the test's directory rather than the system's
+    os.environ["TMPDIR"] = tempfile.tempdir = f"{tmp}/tmp"
+    os.makedirs(tempfile.tempdir, exist_ok=True)
     tb = ["--logging.tensorboard", "true"] if _has_tensorboard() else []
     return [_run(cache, tmp, "dp", "--save", f"{tmp}/ck", "--wandb-mode", "offline", *tb),
             _run(cache, tmp, "pp", "--pp", "2", "--save", "none", "--wandb-mode", "disabled", "--precision", "bf16",
