@@ -62,10 +62,12 @@ def test_a_hung_rank_times_out_and_is_named():
     with Ranks(one_rank_hangs, 2) as ranks:
         assert ranks.conns[1].poll(120), "rank 1 never answered"  # read by wait() below
         start = time.monotonic()
-        with pytest.raises(RankFailure, match=r"timed out after 3s; rank\(s\) \[0\] never"):
+        with pytest.raises(RankFailure, match=r"timed out after 3s; rank\(s\) \[0\] never") as info:
             ranks.wait(timeout=3)
         waited = time.monotonic() - start
     assert 3 <= waited < 15, waited
+    stack = str(info.value).split("--- rank 0 was still running, at ---")[-1]  # where it hangs
+    assert "in one_rank_hangs" in stack and "rank 1 was still" not in str(info.value), info.value
 
 
 def test_results_come_back_in_rank_order():

@@ -19,12 +19,20 @@ import gc
 import multiprocessing as mp
 import os
 import pickle
+import signal
 import tempfile
 import time
 import traceback
 from typing import Any, Callable
 
 DEFAULT_TIMEOUT_S = 120.0
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
 
 
 class RankFailure(RuntimeError):
@@ -35,7 +43,11 @@ def _worker(rank: int, world_size: int, store_path: str, conn, collective_timeou
             fn: Callable, args: tuple, kwargs: dict) -> None:
     try:
         import datetime
+        import faulthandler
+        import signal
 
+        stacks = open(_stack_file(store_path, rank), "w")  # faulthandler keeps it open
+        faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)  # read by _stacks
         import torch
         import torch.distributed as dist
 
@@ -63,6 +75,10 @@ def _worker(rank: int, world_size: int, store_path: str, conn, collective_timeou
     finally:
         conn.close()
         os._exit(0)  # skip pytest's atexit hooks inherited through fork
+
+
+def _stack_file(store_path: str, rank: int) -> str:
+    return os.path.join(os.path.dirname(store_path), f"stack.{rank}")
 
 
 def _preload() -> None:
@@ -137,7 +153,7 @@ class Ranks:
             if time.monotonic() > deadline:
                 missing = sorted(set(range(world_size)) - set(results) - set(errors))
                 raise RankFailure(f"timed out after {timeout:.0f}s; rank(s) {missing} never finished "
-                                  f"(a hang: mismatched or missing collective?)")
+                                  f"(a hang: mismatched or missing collective?)" + self._stacks(missing))
             for rank, conn in enumerate(conns):
                 if rank in results or rank in errors:
                     continue
@@ -156,8 +172,32 @@ class Ranks:
                         errors[rank] = f"rank {rank} died with exit code {procs[rank].exitcode}"
         if errors:
             text = "\n".join(f"--- rank {r} failed ---\n{msg}" for r, msg in sorted(errors.items()))
-            raise RankFailure(f"{len(errors)} rank(s) failed: {sorted(errors)}\n{text}")
+            silent = sorted(set(range(world_size)) - set(results) - set(errors))
+            raise RankFailure(f"{len(errors)} rank(s) failed: {sorted(errors)}\n{text}"
+                              + self._stacks(silent))
         return [results[r] for r in range(world_size)]
+
+    def _stacks(self, ranks: list[int], wait_s: float = 2.0) -> str:
+        """Where each of ``ranks`` (alive, not answered) is now: every thread's Python stack, by
+        faulthandler on SIGUSR1 -- also inside C code, such as a rendezvous or a lock inherited
+        through the fork -- so a hang that shows once under load names its cause in the report."""
+        alive = [r for r in ranks if self.procs[r].is_alive()]
+        for r in alive:
+            os.kill(self.procs[r].pid, signal.SIGUSR1)
+        paths = {r: _stack_file(os.path.join(self._tmp, "store"), r) for r in alive}
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline and not all(_size(p) for p in paths.values()):
+            time.sleep(0.02)
+        time.sleep(0.05)  # the dump is a few writes: let the last land
+        parts = []
+        for r, path in paths.items():
+            try:
+                with open(path) as f:
+                    stack = f.read()[:3000]  # most recent call first
+            except OSError:
+                continue
+            parts.append(f"\n--- rank {r} was still running, at ---\n{stack}" if stack else "")
+        return "".join(parts)
 
     def close(self) -> None:
         for p in self.procs:
