@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     from zerotron.training.build_run import build_run
     from zerotron.training.trainer import Trainer, TrainingStopped
 
-    env = init_distributed(deterministic=cfg.training.deterministic)  # before any CUDA op
+    env = init_distributed()
     run = trainer = None
 
     def close() -> None:  # the checkpoint directory's lock, the heartbeat thread, then the process group

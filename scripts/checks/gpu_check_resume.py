@@ -42,7 +42,7 @@ def _train(argv: list[str], save_at: int | None) -> tuple[list[float], dict]:
     from zerotron.training.trainer import Trainer
 
     cfg = parse_config(last_wins(argv)).validate(1)
-    run = build_run(cfg, init_distributed(deterministic=True))  # before this run's first CUDA op
+    run = build_run(cfg, init_distributed())  # deterministic kernels: build_run, before the model
     try:
         trainer, losses = Trainer(run), []
         while trainer.step < cfg.training.train_steps:

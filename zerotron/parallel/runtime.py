@@ -203,15 +203,13 @@ def use_deterministic_kernels() -> None:
     torch.backends.cuda.enable_cudnn_sdp(False)  # whatever a user's sdpa_kernel order says
 
 
-def init_distributed(timeout_s: float | None = None, deterministic: bool = False) -> DistEnv:
+def init_distributed(timeout_s: float | None = None) -> DistEnv:
     """Start (or join) the default process group from torchrun/SLURM-style env variables.
 
     Without ``RANK``/``WORLD_SIZE`` (plain ``python script.py``) it starts a group of one so the
-    same code path runs single-process. ``deterministic``: ``use_deterministic_kernels`` first,
-    before this process's first CUDA op.
+    same code path runs single-process. It runs no GEMM and makes no cuBLAS handle, so
+    ``use_deterministic_kernels`` may come after it (``build_run`` calls it, before the model).
     """
-    if deterministic:
-        use_deterministic_kernels()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = pick_device(local_rank)
     backend = pick_backend(device)

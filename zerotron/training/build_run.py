@@ -79,7 +79,7 @@ class Run:
 def build_run(cfg: RunConfig, env: DistEnv) -> Run:
     """Set the run up, step by step (the module docstring). Collective: every rank calls it.
     On any failure the locks are given back and the grid closed before the error goes on."""
-    if cfg.training.deterministic:  # again for a launcher's own group (init_distributed did it)
+    if cfg.training.deterministic:  # here, whoever started the process group
         use_deterministic_kernels()  # before the model's first CUDA op
     run = Run(cfg, env, build_grid(cfg))
     if env.device.type == "cuda" and not cfg.training.deterministic:
