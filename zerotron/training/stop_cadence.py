@@ -25,6 +25,7 @@ import torch
 
 from zerotron.parallel import collectives as C
 from zerotron.parallel import host_sync
+from zerotron.training.step_events import evaluates, logs, saves
 
 MAX_STEPS_BETWEEN = 10_000  # a dry run's placeholder step time of 0 s: still agree now and then
 
@@ -69,9 +70,6 @@ class StopCadence:
 
 
 def host_read_step(cfg, step: int, writing: bool) -> bool:
-    """Whether ``step`` reads the host anyway (``Trainer._loop``): a log, eval or save step, the
+    """Whether ``step`` reads the host anyway (``step_events``): a log, eval or save step, the
     last step, or a background save in flight, whose commit the agreement decides."""
-    t, lg, c = cfg.training, cfg.logging, cfg.checkpoint
-    return (writing or step % lg.log_interval == 0 or step >= t.train_steps
-            or bool(lg.eval_interval and step % lg.eval_interval == 0)
-            or bool(c.save and c.save_interval and step % c.save_interval == 0))
+    return writing or logs(cfg, step) or evaluates(cfg, step) or saves(cfg, step)

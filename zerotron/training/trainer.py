@@ -31,6 +31,7 @@ from zerotron.training.stragglers import StragglerWatch
 from zerotron.training.run_log import RunLog
 from zerotron.training.build_run import Run
 from zerotron.training.step import eval_step, run_step
+from zerotron.training import step_events
 from zerotron.training.stop_cadence import StopCadence, host_read_step
 
 
@@ -163,7 +164,7 @@ class Trainer:
         self._check_overflow_storm(info, loss)  # stop instead of skipping steps forever
         self.step += 1
         self.consumed += t.global_batch_size
-        if self.step % max(1, cfg.logging.log_interval) == 0 or self.step == t.train_steps:
+        if step_events.logs(cfg, self.step):
             self._check_finite()
         return {"loss": loss, "lr": lr, "beta1": betas[0], **info}
 
@@ -235,7 +236,7 @@ class Trainer:
             self.run.close_loaders()
 
     def _loop(self) -> dict:
-        t, lg, c = self.cfg.training, self.cfg.logging, self.cfg.checkpoint
+        t, c = self.cfg.training, self.cfg.checkpoint
         last, window = {}, 0
         self.comm = CommWindow(self.grid.stats)  # both windows start with the loop
         self.throughput.restart()
@@ -246,10 +247,10 @@ class Trainer:
             self.throughput.step()
             self.logger.progress()
             window += 1
-            if self.step % lg.log_interval == 0 or self.step == t.train_steps:
+            if step_events.logs(self.cfg, self.step):
                 last, window = self._record(out, window), 0
                 self.logger.log(last, self.run_log.logged(last))
-            if self.eval_ds is not None and lg.eval_interval and self.step % lg.eval_interval == 0:
+            if self.eval_ds is not None and step_events.evaluates(self.cfg, self.step):
                 with self.throughput.paused(), self.comm.excluded():
                     ev = self.evaluate()
                 self.logger.log({"step": self.step, **ev})
@@ -259,8 +260,7 @@ class Trainer:
             if self._writes_done:  # every rank's background write is done: commit it now
                 with self.throughput.paused(), self.comm.excluded():
                     self.checkpointer.finish(self.step)
-            if c.save and ((c.save_interval and self.step % c.save_interval == 0) or stop
-                           or self.step == t.train_steps):
+            if step_events.saves(self.cfg, self.step) or (c.save and stop):
                 with self.throughput.paused(), self.comm.excluded():
                     path = self.save(wait=stop or self.step == t.train_steps)
             if stop:
