@@ -286,6 +286,7 @@ def main(argv=None) -> int:
         print(f"{row_name:<16}{r['step_s']:>8.3f}{r['tflops']:>9.2f}{fmt(r['mfu'], 7, '.1%')}{fmt(r['hfu'], 7, '.1%')}"
               f"{fmt(r['peak_GB'], 10, '.2f')}{fmt(model_gb, 10, '.2f')}{r['sdpa']:>11}{r['losses'][-1]:>9.4f}",
               flush=True)
+    blank = " " * (9 + 7 + 7 + 10 + 10 + 11)  # the columns the 2proc and resume rows leave empty
     if not args.only or "2proc" in args.only:  # two ranks on this one device, over gloo
         sizes = dict(num_layers=2, hidden_size=small.hidden_size, num_heads=4,
                      vocab_size=small.vocab_size, seq_length=small.seq_length)
@@ -293,7 +294,6 @@ def main(argv=None) -> int:
                              os.path.join(os.path.dirname(args.nvme_path), "gpu_check_store"))
         failures += bad
         if pair:
-            blank = " " * (9 + 7 + 7 + 10 + 10 + 11)  # the columns a pair has no figure for
             print(f"{'2proc tp2+dp2':<16}{pair['seconds']:>8.1f}{blank}{pair['tp2'][-1]:>9.4f}"
                   f"  gloo on {pair['device']}: worst rel. diff to one process "
                   f"tp2 {pair['tp2_worst']:.1e}, dp2 {pair['dp2_worst']:.1e}"
@@ -304,7 +304,7 @@ def main(argv=None) -> int:
         failures += bad
         if res:
             same, steps = "DIFFER" if bad else "bit-identical", len(res["full"])
-            print(f"{'resume':<16}{res['seconds']:>8.1f}{' ' * 54}{res['full'][-1]:>9.4f}  "
+            print(f"{'resume':<16}{res['seconds']:>8.1f}{blank}{res['full'][-1]:>9.4f}  "
                   f"training.deterministic on {device.type}: steps "
                   f"{steps - len(res['resumed']) + 1}-{steps} resumed and final weights {same} "
                   "(step s: both runs)", flush=True)
