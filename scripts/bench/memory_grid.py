@@ -4,7 +4,8 @@ each prefetch window of ``--windows``: 1, 2 and 4 units ahead, and the trainer's
 (window unset, i.e. one unit, and the default persistence threshold).
 
     .venv/bin/python scripts/bench/memory_grid.py              # 42 rows, ~6 min on 2 cores, no bf16
-    .venv/bin/python scripts/bench/memory_grid.py --windows 2  # 24 rows, ~3 min (the test's)
+    .venv/bin/python scripts/bench/memory_grid.py --windows 2  # 24 rows, ~3 min
+    .venv/bin/python scripts/bench/memory_grid.py --windows 2 --hidden 128  # the test's, 40 s
     .venv/bin/python scripts/bench/memory_grid.py --json       # one object per configuration
 
 Each configuration is built by ``parallelize_gpt`` from a ``RunConfig`` on 4 gloo ranks and

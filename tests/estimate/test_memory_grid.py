@@ -19,12 +19,14 @@ def _script():
 
 
 # 24 configurations x 2 bf16 steps on 4 ranks sharing the one CPU their xdist worker is pinned
-# to: ~40 CPU-s where the CPU has bf16 instructions, ~320 CPU-s where torch emulates them (an AMD
-# EPYC without AVX512-BF16: a 256x768x256 bf16 matmul takes 86 ms there, fp32 1.2 ms). The
-# suite's 300 s default would fail the second kind of machine on speed alone.
+# to, at hidden 128 (the script's default is 256): where torch emulates bf16 (an AMD EPYC without
+# AVX512-BF16: a 256x768x256 bf16 matmul takes 50 ms there, fp32 1.7 ms) hidden 256 took 233 s
+# of the suite's 10 minutes, hidden 128 takes 40 s. Activations are still 15 % of the peak
+# (checkpointing off against on, TP 2 x DP 2, stage 0), three times the tolerance.
 @pytest.mark.timeout(900)
 def test_the_grid_is_within_five_percent(capsys, tmp_path):
-    code = _script().main(["--tolerance", "0.05", "--windows", "2", "--out", str(tmp_path)])
+    code = _script().main(["--tolerance", "0.05", "--windows", "2", "--hidden", "128",
+                           "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert "24 of 24 within 5%" in out, out
     assert code == 0

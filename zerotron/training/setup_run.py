@@ -15,7 +15,6 @@ from pathlib import Path
 
 
 from zerotron.parallel import Grid
-from zerotron.parallel import collectives as C
 from zerotron.parallel.context_parallel import check_context_parallel
 from zerotron.config.run_config import ConfigError, RunConfig
 

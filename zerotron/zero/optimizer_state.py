@@ -18,6 +18,7 @@ from __future__ import annotations
 import bisect
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from zerotron.parallel import host_sync
 from zerotron.zero.clip import apply_coef
@@ -126,9 +127,10 @@ def coef_for(coef: torch.Tensor | float, device: torch.device) -> torch.Tensor |
 def _joined(views: list[torch.Tensor]) -> torch.Tensor | None:
     """One tensor over ``views`` when they lie back to back in one storage (else None)."""
     first = views[0]
+    storage = StorageWeakRef(first.untyped_storage())  # compares StorageImpls: fake tensors too
     end = first.storage_offset()
     for v in views:
-        if v.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() or v.storage_offset() != end:
+        if StorageWeakRef(v.untyped_storage()) != storage or v.storage_offset() != end:
             return None
         end += v.numel()
     return first.as_strided((end - first.storage_offset(),), (1,))
