@@ -14,8 +14,8 @@ Every row below is predicted from datasheet numbers (`zerotron/estimate/hardware
 tuned constant per device, the fraction of peak a large GEMM reaches: V100 0.456, set so that
 Megatron-LM's published one-GPU run (1.2B, 39 TFLOPs, 30 % of peak) comes out at 30 % -- a run
 in none of these tables; H100 0.551, set on the first Megatron-core row (marked below). The
-published figures are the ZeRO paper's Figure 2-4 readings (`configs/zero100b/*` headers,
-`shared/reference/zero_paper.md`), TFLOPs counted with the recompute, and Megatron-core's
+published figures are the ZeRO paper's Figure 2-4 readings (`configs/zero100b/*` headers; arXiv
+1910.02054), TFLOPs counted with the recompute, and Megatron-core's
 README MFU. "terms" are the largest parts of the predicted step in seconds: compute (GEMMs,
 attention, element-wise), the exposed communication of the two costliest groups, the pipeline
 bubble, the optimizer step and host copies. The paper's numbers are read off bar charts, so

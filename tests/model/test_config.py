@@ -1,7 +1,8 @@
 """GPTConfig validation, vocabulary padding, presets and parameter counts (single process).
 
 Reference: the [N21] Eq. 2 formula evaluated here in floating point, the papers' shapes typed in
-from shared/reference/zero_paper.md, and the parameters an actual (tp=1) GPT allocates.
+from their tables (ZeRO Tables 4-10, Megatron-LM Table 1), and the parameters an actual (tp=1)
+GPT allocates.
 """
 
 import dataclasses

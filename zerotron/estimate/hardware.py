@@ -1,9 +1,9 @@
 """The GPUs and nodes the step-time model runs on: datasheet numbers, plus one tuned constant.
 
 Each preset is a node of a real machine. Peak FLOP/s, SM count, memory, HBM, NVLink,
-InfiniBand, PCIe and host-memory bandwidths are datasheet numbers (``shared/reference/modern_gpt.md``; the ZeRO paper
-§10.1-10.2 for the DGX-2). Two entries are not: the per-step latencies, assumptions of the order
-of NCCL's small-message latency (they matter only for small messages or very long rings), and
+InfiniBand, PCIe and host-memory bandwidths are datasheet numbers (NVIDIA's V100, H100, DGX-2
+and DGX H100 datasheets; the ZeRO paper §10.1-10.2 for the DGX-2 cluster). Two entries are not:
+the per-step latencies, assumptions of the order of NCCL's small-message latency (they matter only for small messages or very long rings), and
 ``gemm_efficiency``, the one tuned constant. ``attention``, ``grad_reduce`` and ``grad_dtype``
 name the software stack modelled:
 

@@ -12,7 +12,7 @@ Sources:
 * ``megatron-*``: Megatron-LM Table 1 (weak scaling, 96 hidden per head) and Table 2's 355M.
 
 * Llama family (``llama3.*``, ``qwen2.5-*``, ``mistral-7b``): the published ``config.json`` shapes
-  (``shared/reference/modern_gpt.md``), sequence length the pretraining context (Llama-3 and
+  (each model's Hugging Face ``config.json``), sequence length the pretraining context (Llama-3 and
   Mistral 8192, Qwen2.5 4096); ``tiny-llama`` the CPU-sized one of ``configs/tiny-llama.yaml``.
 
 The papers do not state the sequence length of these runs; 1024 (the only one [Z] names, §6.1,

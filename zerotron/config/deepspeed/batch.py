@@ -3,7 +3,7 @@ gradient_accumulation_steps x dp``, any two determining the third (``DeepSpeedCo
 _set_batch_related_parameters``), a contradiction an error that shows the arithmetic.
 
 ``dp`` is the data-parallel size (DeepSpeed's ``world_size`` with an ``mpu``): the world over
-``parallel.tp x parallel.pp``, known only once the command line is read, which is why the triple
+``parallel.tp x parallel.cp x parallel.pp``, known only once the command line is read, which is why the triple
 is resolved last. ``"auto"`` is the run config's value (the Hugging Face Trainer's convention),
 except ``train_batch_size: "auto"`` beside a micro batch and an accumulation count of which one at
 least is a number: that is their product with dp, the Trainer's own rule
@@ -62,7 +62,7 @@ def resolve(ds: dict, cfg, dp: int, flagged: set[str]) -> tuple[dict, list[str]]
     if micro < 1 or ga < 1 or batch != micro * ga * dp:
         raise DeepSpeedKeyError(
             f"{BATCH} != {MICRO} x {GA} x dp: {batch} != {micro} x {ga} x {dp} = {micro * ga * dp} "
-            f"(given: {', '.join(f'{k}={given[k]}' for k in given)}; dp = world size / (tp x pp) = {dp}); "
+            f"(given: {', '.join(f'{k}={given[k]}' for k in given)}; dp = world size / (tp x cp x pp) = {dp}); "
             f"make them agree")
     out, derived = {}, {}
     for target, v in (("training.global_batch_size", batch), ("training.micro_batch_size", micro)):
