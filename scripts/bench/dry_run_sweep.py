@@ -110,7 +110,7 @@ def row(r: dict) -> list[str]:
 
 def table(results: list[dict]) -> str:
     head = ["setup", "GPUs", "measured peak GB", "model GB", "measured / model (first / last rank)",
-            "construction GB", "fits 32 GB (peak, no margin)", "predicted TFLOPs/GPU", "paper TFLOPs/GPU"]
+            "construction GB", "fits 32 GB (peak + NCCL, no margin)", "predicted TFLOPs/GPU", "paper TFLOPs/GPU"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(row(r)) + " |" for r in results]
     return "\n".join(lines)
