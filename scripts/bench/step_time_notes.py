@@ -86,6 +86,15 @@ is more than the published figure leaves for its TP (3.13 s, hence no bandwidth)
 figure says little about bandwidth. The two MP rows inside one node (1.5B, 8B) imply 16 and
 49 GB/s on a 150 GB/s NVSwitch: their gap is not the all-reduce."""
 
+LINK_SWEEP_NOTE = """The rows above that miss hinge on one datasheet figure more than any other: the
+network's, 100 GB/s a node (8 EDR NICs, the paper's "800 Gbps"). Below, all 33 rows are predicted
+again with that figure set from 150 down to 10 GB/s, everything else unchanged, as a
+cluster-measured NCCL bandwidth would set it -- the second constant the issue rules out. Even
+with it free, no figure brings every row within 25 %: baseline-40b comes in only where the four
+MP-128 baselines have fallen far below theirs, and zero-13b only where a dozen other rows are
+out. The published figures are not consistent with any one network, so what separates those
+runs (memory pressure is the hypothesis in the rows' notes) is not in the datasheet."""
+
 NOTES = {
     "table5/baseline-40b": "MP 32 over 2 nodes: the published figure implies its TP "
     "all-reduces ran at 8 GB/s of bus bandwidth, against 33 for MP 64 over 4 nodes and 51-55 for "

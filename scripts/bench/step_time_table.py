@@ -21,6 +21,7 @@ import json
 import re
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,8 +37,8 @@ from zerotron.config.run_config import RunConfig  # noqa: E402
 from zerotron.training.setup_run import validate_model  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "scripts" / "bench"))
-from step_time_notes import (INTRO, IMPLIED_TP_NOTE, MEGATRON_NOTE, MP_SCALING_NOTE,  # noqa: E402
-                             NOTES, TOLERANCE)
+from step_time_notes import (INTRO, IMPLIED_TP_NOTE, LINK_SWEEP_NOTE, MEGATRON_NOTE,  # noqa: E402
+                             MP_SCALING_NOTE, NOTES, TOLERANCE)
 
 CONFIGS = ROOT / "configs" / "zero100b"
 GPT_175B = GPTConfig(num_layers=96, hidden_size=12288, num_heads=96, vocab_size=50257,
@@ -53,6 +54,9 @@ MEGATRON_OVERLAP = {"reduce_scatter/dp": 1.0, "all_gather/dp": 1.0}
 GPT_1_2B = GPTConfig(num_layers=40, hidden_size=1536, num_heads=16, vocab_size=50257,
                      seq_length=1024, dropout=0.1, attention_dropout=0.1, name="gpt-1.2b")
 MEGATRON_TABLE8 = [(1, 1.0), (2, 1.64), (4, 2.34), (8, 2.98)]
+# the network figures (GB/s a node) every table row is predicted again at, the datasheet's 100 among
+# them: would a second constant, a cluster-measured network bandwidth, bring every row in?
+LINK_SWEEP_GBPS = (150, 100, 80, 65, 50, 40, 30, 25, 20, 15, 12.5, 10)
 
 
 def megatron_config(gpus: int) -> RunConfig:
@@ -72,7 +76,7 @@ def setups() -> dict[str, Path]:
             for path in sorted((CONFIGS / folder).glob("*.yaml"))}
 
 
-def paper_rows() -> list[dict]:
+def paper_rows(hw=V100_DGX2) -> list[dict]:
     out = []
     for name, path in setups().items():
         folder = name.split("/")[0]
@@ -81,7 +85,7 @@ def paper_rows() -> list[dict]:
         paper = float(re.search(r"~([\d.]+) TFLOPs/GPU", text).group(1))
         cfg = parse_config(["--config", str(path)], world_size=gpus)
         cfg.validate(gpus)
-        pred = step_model.predict(cfg, validate_model(cfg), gpus, V100_DGX2)
+        pred = step_model.predict(cfg, validate_model(cfg), gpus, hw)
         out.append({"name": name, "table": folder, "config": str(path.relative_to(ROOT)),
                     "gpus": gpus, "tp": cfg.parallel.tp, "batch": cfg.training.micro_batch_size,
                     "paper": paper, "predicted": pred.tflops_per_gpu, "pred": pred.as_dict()})
@@ -155,6 +159,30 @@ def implied_tp_table(rows: list[dict]) -> str:
               + ("latency alone exceeds it" if r["bus_gbps"] is None else f"{r['bus_gbps']:.1f}")
               + " |" for r in rows]
     return "\n".join(lines)
+
+
+def link_sweep_rows() -> list[dict]:
+    """Every table row predicted again at each of ``LINK_SWEEP_GBPS``: the rows within 25 %."""
+    out = []
+    for gbps in LINK_SWEEP_GBPS:
+        ratios = {r["name"]: r["predicted"] / r["paper"]
+                  for r in paper_rows(replace(V100_DGX2, inter_node_gbps=gbps))}
+        out.append({"gbps": gbps, "rows": len(ratios),
+                    "outside": {n: x for n, x in ratios.items() if abs(x - 1) > TOLERANCE}})
+    return out
+
+
+def link_sweep_table(rows: list[dict]) -> str:
+    best = max(r["rows"] - len(r["outside"]) for r in rows)
+    at = [r["gbps"] for r in rows if r["rows"] - len(r["outside"]) == best]
+    lines = ["| network GB/s a node | rows within 25 % | outside (ratio) |", "|---|---|---|"]
+    for r in rows:
+        gbps = f"{r['gbps']:g}" + (" (datasheet)" if r["gbps"] == V100_DGX2.inter_node_gbps else "")
+        short = sorted((n.split("/")[1], x) for n, x in r["outside"].items())
+        outside = ", ".join(f"{n} {x:.2f}" for n, x in short)
+        lines.append(f"| {gbps} | {r['rows'] - len(r['outside'])} of {r['rows']} | {outside} |")
+    return "\n".join(lines) + (f"\n\nThe most rows within 25 % at any of these figures: {best} of "
+                               f"{rows[0]['rows']}, at {' and '.join(f'{g:g}' for g in at)} GB/s.")
 
 
 def pairs(rows: list[dict], gap: float = 0.0) -> tuple[int, list[tuple[str, str]]]:
@@ -246,6 +274,8 @@ def main(argv=None) -> str:
                   f"{within} of {len(sub)} rows within {TOLERANCE:.0%}. {ranking(sub)}", ""]
     parts += ["## What the MP baselines' published figures imply for their TP all-reduces", "",
               IMPLIED_TP_NOTE, "", implied_tp_table(implied_tp_rows(rows)), ""]
+    parts += ["## Would a second constant do? Every row at other network figures", "",
+              LINK_SWEEP_NOTE, "", link_sweep_table(link_sweep_rows()), ""]
     parts += ["## Megatron-core on H100 (README): GPT-175B strong scaling", "", MEGATRON_NOTE, "",
               table(mega, "MFU %", 0.20), "",
               "## Megatron-LM Table 8: MP inside one node (a check, not a target)", "",

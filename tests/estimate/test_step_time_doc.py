@@ -37,3 +37,21 @@ def test_the_mp_scaling_table_is_the_model_now():
     want = [(str(r["mp"]), f"{r['paper']:.2f}", f"{r['predicted']:.2f}")
             for r in table.mp_scaling_rows()]
     assert shown == want
+
+
+def test_the_network_sweep_is_the_model_now():
+    """The page's second-constant table: each network figure's count of rows within 25 %, as the
+    generator computes it (the datasheet's 100 GB/s row equals the tables' own count)."""
+    spec = importlib.util.spec_from_file_location(
+        "step_time_table", ROOT / "scripts" / "bench" / "step_time_table.py")
+    table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table)
+    page = (ROOT / "docs" / "step_time.md").read_text()
+    shown = re.findall(r"^\| ([\d.]+)(?: \(datasheet\))? \| (\d+) of (\d+) \|", page, re.M)
+    rows = table.link_sweep_rows()
+    assert shown == [(f"{r['gbps']:g}", str(r["rows"] - len(r["outside"])), str(r["rows"]))
+                     for r in rows]
+    datasheet = next(r for r in rows if r["gbps"] == table.V100_DGX2.inter_node_gbps)
+    tables = table.paper_rows()
+    within = sum(abs(r["predicted"] / r["paper"] - 1) <= table.TOLERANCE for r in tables)
+    assert datasheet["rows"] - len(datasheet["outside"]) == within
