@@ -26,6 +26,7 @@ class SignalWakeup:
     def __init__(self) -> None:
         self._read_fd = None
         self._sigterm = threading.Event()
+        self._idle = threading.Event()  # never set: ``wait``'s sleep once SIGTERM is seen
         if threading.current_thread() is not threading.main_thread():
             return
         read_fd, write_fd = os.pipe()
@@ -52,7 +53,10 @@ class SignalWakeup:
 
     def wait(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for a signal; whether SIGTERM has been received (ever)."""
-        if self._read_fd is None or self._sigterm.is_set():
+        if self._sigterm.is_set():  # seen: nothing left to wait for, but a caller that polls
+            self._idle.wait(timeout_s)  # must not spin (a busy watchdog starves the training)
+            return True
+        if self._read_fd is None:
             self._sigterm.wait(timeout_s)  # nothing to read: a plain sleep
             return self._sigterm.is_set()
         ready, _, _ = select.select([self._read_fd], [], [], timeout_s)
