@@ -1,25 +1,26 @@
 """Reliability drill: inject faults into real multi-process runs (torchrun) and check nothing is lost.
 
-    .venv/bin/python scripts/drill.py                          # 25 scenarios x 4 layouts
-    # (~35 min on 2 cores for the first three; the 8-rank fourth adds more, not timed whole)
+    .venv/bin/python scripts/drill.py                          # 25 scenarios x 5 layouts
+    # (~35 min on 2 cores for the first three, ~15 min for TP 2 x CP 2; the 8-rank one more)
     .venv/bin/python scripts/drill.py --only kill9,sigstop --layouts tp2xpp2
     .venv/bin/python scripts/drill.py --only kill9,sigstop --layouts tp2xdp2,tp2xpp2 --nccl-semantics
     .venv/bin/python scripts/drill.py --list
 
-Each scenario launches ``torchrun scripts/pretrain_gpt.py`` on the tiny config in one of four
-layouts -- DP only (``--nproc`` ranks), TP 2 x DP 2 and TP 2 x PP 2 (4 ranks), TP 2 x PP 2 x DP 2
-(8 ranks: DP inside the pipeline, one micro-batch per step) -- injects one fault and records whether it was detected (named: the rank, the field, the file, the step, the
-lock holder), how long that took (fault -> the line that names it; launch -> refusal for start-up
-errors), the exit code (the workers', then torchrun's) and whether data was lost: after the
-fault the newest complete checkpoint must verify and the same command must resume from it to
-the end. The faults: a rank killed (SIGKILL), frozen (SIGSTOP) or stuck; a writer dying in the
-middle of a checkpoint; ``torchrun --max-restarts 1`` restarting itself after a kill -9 (losses
-bit-identical to an uninterrupted run); an fp16 overflow storm; a NaN loss; a full disk during a
-save (one rank's, injected with ``ZEROTRON_FAULT=enospc``, and a real one: a small tmpfs, which
-needs root); broken token files; an oversized tokenizer; a read-only save directory; bad config
-values; a second run on a held save directory or run directory; token ids past the vocabulary;
-a corrupt newest checkpoint; a resume with another lr or global batch; a run already complete;
-SIGTERM with and without a save directory.
+Each scenario launches ``torchrun scripts/pretrain_gpt.py`` on the tiny config in one of five
+layouts -- DP only (``--nproc`` ranks), TP 2 x DP 2, TP 2 x PP 2 and TP 2 x CP 2 (4 ranks; CP's
+ring exchanges inside every attention layer), TP 2 x PP 2 x DP 2 (8 ranks: DP inside the pipeline,
+one micro-batch per step) -- injects one fault and records whether it was detected (named: the
+rank, the field, the file, the step, the lock holder), how long that took (fault -> the line that
+names it; launch -> refusal for start-up errors), the exit code (the workers', then torchrun's) and
+whether data was lost: after the fault the newest complete checkpoint must verify and the same
+command must resume from it to the end. The faults: a rank killed (SIGKILL), frozen (SIGSTOP) or
+stuck; a writer dying in the middle of a checkpoint; ``torchrun --max-restarts 1`` restarting
+itself after a kill -9 (losses bit-identical to an uninterrupted run); an fp16 overflow storm; a
+NaN loss; a full disk during a save (one rank's, injected with ``ZEROTRON_FAULT=enospc``, and a
+real one: a small tmpfs, which needs root); broken token files; an oversized tokenizer; a read-only
+save directory; bad config values; a second run on a held save directory or run directory; token
+ids past the vocabulary; a corrupt newest checkpoint; a resume with another lr or global batch; a
+run already complete; SIGTERM with and without a save directory.
 Collectives time out after ``--timeout`` s (``ZEROTRON_COLLECTIVE_TIMEOUT``); a frozen rank must
 be named within that + 10 s. Prints one line per scenario as it ends, then the table; exits 1 if
 any scenario went undetected or lost data.
@@ -104,7 +105,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--nproc", type=int, default=2, help="ranks of the DP-only layout")
     ap.add_argument("--only", default="", help="comma-separated scenario names (see --list)")
-    ap.add_argument("--layouts", default="dp,tp2xdp2,tp2xpp2,tp2xpp2xdp2",
+    ap.add_argument("--layouts", default="dp,tp2xdp2,tp2xpp2,tp2xcp2,tp2xpp2xdp2",
                     help="comma-separated: dp, tp2xdp2, tp2xpp2, tp2xpp2xdp2 (8 ranks), tp2xcp2")
     ap.add_argument("--timeout", type=positive_float, default=20.0,
                     help="collective timeout, s (ZEROTRON_COLLECTIVE_TIMEOUT)")

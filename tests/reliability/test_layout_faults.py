@@ -1,9 +1,9 @@
 """A stuck rank is named in every layout through the real entry point, and the job exits 3.
 
-``scripts/pretrain_gpt.py``'s ``main`` on forked gloo ranks as TP2xDP2, TP2xPP2 (4 ranks) and
-TP2xPP2xDP2 (8) with an 8 s collective timeout; one rank stalls at the start of step 3 (its
-heartbeat keeps beating). Its TP peer waits in a TP all-reduce, the others in a DP reduction or a
-pipeline transfer -- groups that are not the world group, so without the timeout on every group
+``scripts/pretrain_gpt.py``'s ``main`` on forked gloo ranks as TP2xDP2, TP2xPP2, TP2xCP2 (4
+ranks) and TP2xPP2xDP2 (8) with an 8 s collective timeout; one rank stalls at the start of step 3
+(its heartbeat keeps beating). Its TP peer waits in a TP all-reduce, the others in a DP
+reduction, a pipeline transfer or the CP ring's exchange -- groups that are not the world group, so without the timeout on every group
 they would wait 30 minutes. The stall lasts ``timeout + 10`` s: "alive but stuck behind" in a
 survivor's error proves it named the rank before then (a rank that woke up and exited would read
 "dead").
@@ -26,6 +26,8 @@ LAYOUTS = {  # name: (flags, ranks, the rank that stalls)
     # one micro-batch: a first-stage rank's last transfers (send #n, receive #n+1) are one batch to a peer
     # that has made #n and waits for the stuck rank through a DP reduction and the other pipeline
     "tp2xpp2xdp2": (["--tp", "2", "--pp", "2"], 8, 1),
+    # ranks 2 and 3 wait for the stuck rank through the CP ring's p2p exchanges inside attention
+    "tp2xcp2": (["--tp", "2", "--cp", "2"], 4, 1),
 }
 
 

@@ -169,7 +169,8 @@ def sigterm(d: Drill, name: str, with_save: bool) -> Row:
     as scripts/slurm/pretrain_gpt.sbatch does: it would SIGKILL the ranks 30 s later): with a directory
     the message names the checkpoint written, and it resumes; without, it says none was written."""
     save = d.root / name / "ck" if with_save else None
-    job = d.job(d.argv(name, 60, save))
+    steps = 60  # stopped at 6 or 7; the resume keeps this decay (checkpoint/resume_schedule.py)
+    job = d.job(d.argv(name, steps, save))
     if wait_step(job, 6) is None:
         job.kill()
         return Row(f"DRILL FAILED: the job never reached step 6 (exit {job.wait(10)})", None, "-", "-", False)
@@ -183,7 +184,9 @@ def sigterm(d: Drill, name: str, with_save: bool) -> Row:
     if with_save:
         step = int(re.search(r"step (\d+)", written[1]).group(1)) if written else None
         true = step is not None and step in complete_steps(save)
-        lost, resumed = d.resume(name, save, (step or 0) + 2, step) if true else ("LOST: no such checkpoint", False)
+        keep = ("--optimizer.schedule_steps", str(steps))
+        lost, resumed = (d.resume(name, save, (step or 0) + 2, step, keep) if true
+                         else ("LOST: no such checkpoint", False))
         ok = true and resumed and not none
         text = (f"'checkpoint written at step {step}' (it is there, complete)" if true
                 else "NO TRUE 'checkpoint written' MESSAGE")
