@@ -33,7 +33,8 @@ def bare_launch_s(d: Drill, name: str) -> float:
 def _judge_time(took: float, bare: float) -> tuple[bool, str]:
     """Whether a refusal ``took`` s after launch is fast for what it does, and words saying so."""
     over = took - bare
-    words = f"; a bare launch (--help) took {bare:.1f} s, the refusal {over:+.1f} s more"
+    than = f"{over:.1f} s more" if over >= 0 else f"{-over:.1f} s less"  # start-up varies with load
+    words = f"; a bare launch (--help) took {bare:.1f} s, the refusal {than}"
     if over >= REFUSAL_OVER_LAUNCH_S:
         words += f" [>= {REFUSAL_OVER_LAUNCH_S:g} s over the launch]"
     return over < REFUSAL_OVER_LAUNCH_S, words
