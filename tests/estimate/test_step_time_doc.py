@@ -9,11 +9,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_every_row_of_the_page_is_the_model_now():
+def _generator():
+    """``scripts/bench/step_time_table.py`` as a module (scripts/ is not a package)."""
     spec = importlib.util.spec_from_file_location(
         "step_time_table", ROOT / "scripts" / "bench" / "step_time_table.py")
     table = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(table)
+    return table
+
+
+def test_every_row_of_the_page_is_the_model_now():
+    table = _generator()
     rows = {r["name"]: r for r in table.paper_rows() + table.megatron_rows()}
     page = (ROOT / "docs" / "step_time.md").read_text()
     # name | GPUs | MP | batch | published | predicted
@@ -28,10 +34,7 @@ def test_every_row_of_the_page_is_the_model_now():
 
 def test_the_mp_scaling_table_is_the_model_now():
     """Megatron-LM Table 8's rows on the page are the generator's (speed-ups over one GPU)."""
-    spec = importlib.util.spec_from_file_location(
-        "step_time_table", ROOT / "scripts" / "bench" / "step_time_table.py")
-    table = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(table)
+    table = _generator()
     page = (ROOT / "docs" / "step_time.md").read_text()
     shown = re.findall(r"^\| (\d) \| ([\d.]+) \| ([\d.]+) \| [\d.]+ \| [\d.]+ \|$", page, re.M)
     want = [(str(r["mp"]), f"{r['paper']:.2f}", f"{r['predicted']:.2f}")
@@ -42,10 +45,7 @@ def test_the_mp_scaling_table_is_the_model_now():
 def test_the_network_sweep_is_the_model_now():
     """The page's second-constant table: each network figure's count of rows within 25 %, as the
     generator computes it (the datasheet's 100 GB/s row equals the tables' own count)."""
-    spec = importlib.util.spec_from_file_location(
-        "step_time_table", ROOT / "scripts" / "bench" / "step_time_table.py")
-    table = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(table)
+    table = _generator()
     page = (ROOT / "docs" / "step_time.md").read_text()
     shown = re.findall(r"^\| ([\d.]+)(?: \(datasheet\))? \| (\d+) of (\d+) \|", page, re.M)
     rows = table.link_sweep_rows()
