@@ -1,10 +1,11 @@
 """A frozen (SIGSTOP) or dead rank is named by every survivor in every layout, within the timeout.
 
-Every TP, DP and PP group carries the collective timeout (not only the world group), so the
+Every TP, CP, DP and PP group carries the collective timeout (not only the world group), so the
 survivors fail instead of waiting torch's default 30 minutes; each then names the same rank,
 including survivors that only wait for it through a third rank (a DP peer stuck in its TP
-all-reduce). The step below has the traffic of a real one: a TP all-reduce per stage, the
-activation and gradient exchanged between pipeline stages, a DP all-reduce of the gradients.
+all-reduce). The step below has the traffic of a real one: the CP ring's exchange, a TP
+all-reduce per stage, the activation and gradient exchanged between pipeline stages, a DP
+all-reduce of the gradients.
 """
 
 from __future__ import annotations
@@ -29,6 +30,11 @@ UNFREEZE_S = TIMEOUT_S + 8  # the frozen rank thaws and exits after this: the su
 
 def fake_step(grid: Grid) -> None:
     x = torch.ones(8)
+    if grid.cp_size > 1:  # ring attention's K/V exchange: to the next CP rank, from the previous
+        cp, n = grid.cp_group, grid.cp_size
+        ring = [p2p.P2POp("send", x, cp.ranks[(grid.cp_rank + 1) % n]),
+                p2p.P2POp("recv", torch.empty_like(x), cp.ranks[(grid.cp_rank - 1) % n])]
+        p2p.batch(ring, cp).wait()
     pp = grid.pp_group
     if not grid.is_first_stage:  # forward: activation from the previous stage
         p2p.batch([p2p.P2POp("recv", x, grid.prev_pp_rank)], pp).wait()
@@ -42,12 +48,12 @@ def fake_step(grid: Grid) -> None:
     C.all_reduce(x, grid.dp_group)
 
 
-def drill(tp: int, pp: int, culprit: int, fault: str):
+def drill(tp: int, cp: int, pp: int, culprit: int, fault: str):
     import torch.distributed as dist
 
     from zerotron.parallel.health import CollectiveError
 
-    grid = Grid(ParallelDims(tp=tp, pp=pp))
+    grid = Grid(ParallelDims(tp=tp, cp=cp, pp=pp))
     assert grid.timeout.total_seconds() == TIMEOUT_S
     for _ in range(2):
         fake_step(grid)
@@ -62,17 +68,19 @@ def drill(tp: int, pp: int, culprit: int, fault: str):
         for _ in range(3):
             fake_step(grid)
     except CollectiveError as e:
-        return time.monotonic() - start, str(e), fault, grid.tp_size, grid.pp_size
-    return time.monotonic() - start, "no error", fault, grid.tp_size, grid.pp_size
+        return time.monotonic() - start, str(e), fault, grid.tp_size, grid.cp_size, grid.pp_size
+    return time.monotonic() - start, "no error", fault, grid.tp_size, grid.cp_size, grid.pp_size
 
 
-@pytest.mark.parametrize("tp,pp,world,culprit", [(2, 1, 4, 1), (2, 2, 4, 1), (2, 2, 8, 5)],
-                         ids=["tp2xdp2", "tp2xpp2", "tp2xpp2xdp2"])
+# TP 2 x CP 2: rank 0 waits for rank 1 on TP, rank 3 in the CP ring, rank 2 in the ring on rank 0
+@pytest.mark.parametrize("tp,cp,pp,world,culprit",
+                         [(2, 1, 1, 4, 1), (2, 1, 2, 4, 1), (2, 1, 2, 8, 5), (2, 2, 1, 4, 1)],
+                         ids=["tp2xdp2", "tp2xpp2", "tp2xpp2xdp2", "tp2xcp2"])
 @pytest.mark.parametrize("fault", ["freeze", "dead"])
-def test_every_survivor_names_the_culprit(tp, pp, world, culprit, fault, overlap, request):
+def test_every_survivor_names_the_culprit(tp, cp, pp, world, culprit, fault, overlap, request):
     def start(p):
-        return Ranks(drill, p["world"], p["tp"], p["pp"], p["culprit"], p["fault"], collective_timeout=TIMEOUT_S,
-                     may_die=(p["culprit"],))
+        return Ranks(drill, p["world"], p["tp"], p["cp"], p["pp"], p["culprit"], p["fault"],
+                     collective_timeout=TIMEOUT_S, may_die=(p["culprit"],))
 
     with overlap.ranks(request, start) as ranks:  # the next layout's drill waits out its timeout meanwhile
         res = ranks.wait(timeout=UNFREEZE_S + 60)
@@ -81,12 +89,13 @@ def test_every_survivor_names_the_culprit(tp, pp, world, culprit, fault, overlap
         if rank == culprit:
             continue
         seconds, msg, *ran = answer
-        assert ran == [fault, tp, pp], f"rank {rank} ran another case's drill: {ran}"  # Overlap's bookkeeping
+        assert ran == [fault, tp, cp, pp], f"rank {rank} ran another case's drill: {ran}"  # Overlap's bookkeeping
         blamed = set(re.findall(r"rank (\d+) (?:is dead or frozen|is alive but stuck|has no readable)", msg))
         assert blamed == {str(culprit)}, f"rank {rank}: {msg}"
         assert f"rank {culprit} is dead or frozen" in msg, f"rank {rank}: {msg}"
         assert seconds < TIMEOUT_S + 10, f"rank {rank} took {seconds:.1f}s: {msg}"
-        print(f"{fault} tp={tp} pp={pp} world={world}: rank {rank} named rank {culprit} after {seconds:.1f}s")
+        print(f"{fault} tp={tp} cp={cp} pp={pp} world={world}: rank {rank} named rank {culprit} "
+              f"after {seconds:.1f}s")
 
 
 def watchdog_without_an_error(timeout_s: float):
