@@ -10,6 +10,7 @@ import torch
 from tests.harness import spawn
 from zerotron.parallel import Grid, ParallelDims
 from zerotron.parallel import collectives as C
+from zerotron.parallel import p2p
 from zerotron.parallel.health import CollectiveError, Health
 from zerotron.testing.drill_run import NAMED
 
@@ -182,34 +183,40 @@ def test_a_peer_that_has_made_only_part_of_a_p2p_batch_is_followed():
     assert found == [(4, "rank 6 is behind on pp:2-6, waiting for: rank 4 is alive but stuck behind: it is at recv on pp:0-4 #6")]
 
 
-def fault_under_nccl_semantics(tp: int, pp: int, sig: int):
+def fault_under_nccl_semantics(tp: int, pp: int, sig: int, cp: int = 1):
     """Rank 1 is killed or frozen mid-run; no collective raises (``ZEROTRON_EMULATE_NCCL``)."""
     import signal as signals
 
     import torch.distributed as dist
 
     os.environ["ZEROTRON_EMULATE_NCCL"] = "1"
-    grid = Grid(ParallelDims(tp=tp, pp=pp))
+    grid = Grid(ParallelDims(tp=tp, cp=cp, pp=pp))
     C.all_reduce(torch.ones(1), grid.world_group)
     time.sleep(1.5)  # let every heartbeat be published once
     if dist.get_rank() == 1:
         os.kill(os.getpid(), signals.Signals(sig))
     other = grid.pp_group if pp > 1 else grid.dp_group
-    for _ in range(3):  # rank 0 waits for rank 1 on TP; ranks 2 and 3 for rank 0 on DP or PP
+    n = grid.cp_size  # CP: the ring's exchange, to the next CP rank and from the previous
+    ring = [p2p.P2POp("send", torch.ones(1), grid.cp_group.ranks[(grid.cp_rank + 1) % n]),
+            p2p.P2POp("recv", torch.empty(1), grid.cp_group.ranks[(grid.cp_rank - 1) % n])]
+    for _ in range(3):  # rank 0 waits for rank 1 on TP; ranks 2 and 3 for rank 0 on DP, PP or CP
         C.all_reduce(torch.ones(1), grid.tp_group)
-        C.all_reduce(torch.ones(1), other)
+        if n > 1:
+            p2p.batch(ring, grid.cp_group).wait()
+        else:
+            C.all_reduce(torch.ones(1), other)
     return "no error"
 
 
-@pytest.mark.parametrize("tp,pp,sig", [(2, 1, 9), (2, 2, 19)],
-                         ids=["tp2xdp2-kill9", "tp2xpp2-sigstop"])
-def test_under_nccl_semantics_the_watchdog_names_the_culprit_and_exits_3(tp, pp, sig, capfd):
+@pytest.mark.parametrize("tp,pp,sig,cp", [(2, 1, 9, 1), (2, 2, 19, 1), (2, 1, 19, 2)],
+                         ids=["tp2xdp2-kill9", "tp2xpp2-sigstop", "tp2xcp2-sigstop"])
+def test_under_nccl_semantics_the_watchdog_names_the_culprit_and_exits_3(tp, pp, sig, cp, capfd):
     """NCCL's ``wait()`` never raises on a dead or frozen peer: every survivor's own watchdog must
     name rank 1 and end the process with exit 3, within the collective timeout + 10 s."""
     from zerotron.testing.launch import Ranks
 
     timeout = 6.0
-    with Ranks(fault_under_nccl_semantics, 4, tp, pp, sig, collective_timeout=timeout,
+    with Ranks(fault_under_nccl_semantics, 4, tp, pp, sig, cp, collective_timeout=timeout,
                may_die=(0, 1, 2, 3)) as job:
         start, bound = time.monotonic(), 1.5 + timeout + 10
         survivors = [job.procs[r] for r in (0, 2, 3)]
