@@ -14,7 +14,8 @@ import re
 import signal
 
 from zerotron.testing.drill_job import Row, complete_steps, intact
-from zerotron.testing.drill_run import JOB_S, LOADED, SAVED, Drill, now, wait_step
+from zerotron.testing.drill_run import (FAULTED_STEPS, JOB_S, KEEP_DECAY, LOADED, SAVED, Drill, now,
+                                        wait_step)
 
 # A refusal in preflight may cost this much beyond a bare launch of the same layout measured at
 # the same moment. The launch itself -- torchrun's import of torch, then each worker's -- is what
@@ -170,8 +171,7 @@ def sigterm(d: Drill, name: str, with_save: bool) -> Row:
     as scripts/slurm/pretrain_gpt.sbatch does: it would SIGKILL the ranks 30 s later): with a directory
     the message names the checkpoint written, and it resumes; without, it says none was written."""
     save = d.root / name / "ck" if with_save else None
-    steps = 60  # stopped at 6 or 7; the resume keeps this decay (checkpoint/resume_schedule.py)
-    job = d.job(d.argv(name, steps, save))
+    job = d.job(d.argv(name, FAULTED_STEPS, save))  # stopped at 6 or 7
     if wait_step(job, 6) is None:
         job.kill()
         return Row(f"DRILL FAILED: the job never reached step 6 (exit {job.wait(10)})", None, "-", "-", False)
@@ -185,8 +185,7 @@ def sigterm(d: Drill, name: str, with_save: bool) -> Row:
     if with_save:
         step = int(re.search(r"step (\d+)", written[1]).group(1)) if written else None
         true = step is not None and step in complete_steps(save)
-        keep = ("--optimizer.schedule_steps", str(steps))
-        lost, resumed = (d.resume(name, save, (step or 0) + 2, step, keep) if true
+        lost, resumed = (d.resume(name, save, (step or 0) + 2, step, KEEP_DECAY) if true
                          else ("LOST: no such checkpoint", False))
         ok = true and resumed and not none
         text = (f"'checkpoint written at step {step}' (it is there, complete)" if true

@@ -15,13 +15,10 @@ import signal
 import time
 
 from zerotron.testing.drill_job import VICTIM, Job, Row, complete_steps
-from zerotron.testing.drill_run import BASE_STEPS, JOB_S, LOADED, SAVED, Drill, now, wait_step
+from zerotron.testing.drill_run import (BASE_STEPS, FAULTED_STEPS, JOB_S, KEEP_DECAY, LOADED, SAVED,
+                                        Drill, now, wait_step)
 
 SLACK_S = 10.0  # a frozen rank must be named within the collective timeout + this
-FAULTED_STEPS = 60  # a faulted run is stopped long before its end
-# its resume runs only to the newest checkpoint + 4: along the faulted run's decay, which ends at
-# FAULTED_STEPS (a resume that moved the end would be refused: checkpoint/resume_schedule.py)
-KEEP_DECAY = ("--optimizer.schedule_steps", str(FAULTED_STEPS))
 
 
 def _await_survivors(d: Drill, job: Job, t_fault: float) -> None:

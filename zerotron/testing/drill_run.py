@@ -24,6 +24,10 @@ COMMON = ("--config", "configs/tiny.yaml", "--micro-batch-size", "2", "--global-
           "--seq-length", "64", "--log-interval", "1", "--eval-interval", "0", "--wandb-mode", "disabled",
           "--optimizer.warmup_steps", "2", "--save-interval", "4")
 BASE_STEPS = 12
+FAULTED_STEPS = 60  # a faulted (or SIGTERMed) run is stopped long before its end
+# its resume runs only a few steps past the newest checkpoint: along the faulted run's decay, which
+# ends at FAULTED_STEPS (a resume that moved the end would be refused: checkpoint/resume_schedule.py)
+KEEP_DECAY = ("--optimizer.schedule_steps", str(FAULTED_STEPS))
 NAMED = r"rank (\d+) (?:is dead or frozen|is alive but stuck behind|has no readable heartbeat)"
 SAVED = r"\[checkpoint\] saved \S*step_{:08d}"
 LOADED = r"\[checkpoint\] loaded \S+ \(step (\d+)"
