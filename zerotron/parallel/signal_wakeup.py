@@ -17,6 +17,7 @@ import os
 import select
 import signal
 import threading
+import time
 
 _SHARED: SignalWakeup | None = None  # the process's one descriptor (a signal is per process)
 _SHARED_LOCK = threading.Lock()
@@ -26,7 +27,6 @@ class SignalWakeup:
     def __init__(self) -> None:
         self._read_fd = None
         self._sigterm = threading.Event()
-        self._idle = threading.Event()  # never set: ``wait``'s sleep once SIGTERM is seen
         if threading.current_thread() is not threading.main_thread():
             return
         read_fd, write_fd = os.pipe()
@@ -54,7 +54,7 @@ class SignalWakeup:
     def wait(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for a signal; whether SIGTERM has been received (ever)."""
         if self._sigterm.is_set():  # seen: nothing left to wait for, but a caller that polls
-            self._idle.wait(timeout_s)  # must not spin (a busy watchdog starves the training)
+            time.sleep(timeout_s)  # must not spin (a busy watchdog starves the training)
             return True
         if self._read_fd is None:
             self._sigterm.wait(timeout_s)  # nothing to read: a plain sleep
