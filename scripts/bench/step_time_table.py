@@ -76,19 +76,29 @@ def setups() -> dict[str, Path]:
             for path in sorted((CONFIGS / folder).glob("*.yaml"))}
 
 
-def paper_rows(hw=V100_DGX2) -> list[dict]:
+def paper_configs() -> list[tuple[str, Path, int, float, object, object]]:
+    """Each table config read once: name, path, GPUs and the paper's TFLOPs (its header), the
+    validated run config and its model."""
     out = []
     for name, path in setups().items():
-        folder = name.split("/")[0]
         text = path.read_text()
         gpus = int(re.search(r"^# GPUs: (\d+)", text, re.M).group(1))
         paper = float(re.search(r"~([\d.]+) TFLOPs/GPU", text).group(1))
         cfg = parse_config(["--config", str(path)], world_size=gpus)
         cfg.validate(gpus)
-        pred = step_model.predict(cfg, validate_model(cfg), gpus, hw)
-        out.append({"name": name, "table": folder, "config": str(path.relative_to(ROOT)),
-                    "gpus": gpus, "tp": cfg.parallel.tp, "batch": cfg.training.micro_batch_size,
-                    "paper": paper, "predicted": pred.tflops_per_gpu, "pred": pred.as_dict()})
+        out.append((name, path, gpus, paper, cfg, validate_model(cfg)))
+    return out
+
+
+def paper_rows(hw=V100_DGX2, configs: list | None = None) -> list[dict]:
+    out = []
+    for name, path, gpus, paper, cfg, mcfg in configs or paper_configs():
+        pred = step_model.predict(cfg, mcfg, gpus, hw)
+        out.append({"name": name, "table": name.split("/")[0],
+                    "config": str(path.relative_to(ROOT)), "gpus": gpus, "tp": cfg.parallel.tp,
+                    "batch": cfg.training.micro_batch_size, "paper": paper,
+                    "predicted": pred.tflops_per_gpu, "pred": pred.as_dict(), "cfg": cfg,
+                    "mcfg": mcfg})
     return out
 
 
@@ -133,9 +143,8 @@ def implied_tp_rows(rows: list[dict]) -> list[dict]:
     for r in rows:
         if not (r["table"] == "table5" and "baseline" in r["name"] and r["tp"] > 1):
             continue
-        cfg = parse_config(["--config", str(ROOT / r["config"])], world_size=r["gpus"])
-        cfg.validate(r["gpus"])
-        ar = analytic_comm(cfg, validate_model(cfg))["all_reduce/tp"]
+        cfg = r["cfg"]
+        ar = analytic_comm(cfg, r["mcfg"])["all_reduce/tp"]
         span = group_span(group_ranks(cfg.parallel.tp, 1, cfg.parallel.dp)["tp"],
                           V100_DGX2.gpus_per_node)
         latency, _ = collective_time("all_reduce", ar["calls"], ar["bytes"], span, V100_DGX2.link())
@@ -163,10 +172,10 @@ def implied_tp_table(rows: list[dict]) -> str:
 
 def link_sweep_rows() -> list[dict]:
     """Every table row predicted again at each of ``LINK_SWEEP_GBPS``: the rows within 25 %."""
-    out = []
+    out, configs = [], paper_configs()
     for gbps in LINK_SWEEP_GBPS:
         ratios = {r["name"]: r["predicted"] / r["paper"]
-                  for r in paper_rows(replace(V100_DGX2, inter_node_gbps=gbps))}
+                  for r in paper_rows(replace(V100_DGX2, inter_node_gbps=gbps), configs)}
         out.append({"gbps": gbps, "rows": len(ratios),
                     "outside": {n: x for n, x in ratios.items() if abs(x - 1) > TOLERANCE}})
     return out
